@@ -1,0 +1,34 @@
+# learned-opt: set-up, tests, demo and benchmarks. Every target creates .venv itself.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: venv test demo bench lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+test: $(STAMP) lint
+	$(VPY) -m pytest $(if $(SLOW),,-m "not slow")
+
+demo: $(STAMP)
+	$(VPY) -m learned_opt.demo
+
+bench: $(STAMP)
+	$(VPY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info runs lightning_logs
