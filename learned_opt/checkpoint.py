@@ -1,0 +1,122 @@
+"""Checkpoint I/O for learned optimizers: one file, loaded with ``weights_only=True``.
+
+A checkpoint is a plain dict::
+
+    {"format": "learned-opt/1", "config": NetConfig.to_dict(), "theta": state_dict, "card": {...}}
+
+It holds theta, never per-parameter optimizer state. Every way a file can be wrong raises
+:class:`CheckpointError` naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from .config import NetConfig
+from .network import LearnedOptimizerNet
+
+FORMAT_VERSION = "learned-opt/1"
+DEFAULT_CHECKPOINT = "default"
+_PACKAGE = "learned_opt.checkpoints"
+
+
+class CheckpointError(ValueError):
+    """A learned-optimizer checkpoint is missing, unreadable or inconsistent."""
+
+
+def _shipped_dir() -> Path:
+    return Path(str(resources.files(_PACKAGE)))
+
+
+def list_pretrained() -> list[str]:
+    """Names of the shipped pretrained optimizers, the default first."""
+    names = sorted(p.stem for p in _shipped_dir().glob("*.pt"))
+    if DEFAULT_CHECKPOINT in names:
+        names.remove(DEFAULT_CHECKPOINT)
+        names.insert(0, DEFAULT_CHECKPOINT)
+    return names
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
+    """A file path for a shipped name (``"default"``) or an existing path."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    shipped = _shipped_dir() / f"{name_or_path}.pt"
+    if isinstance(name_or_path, str) and os.sep not in name_or_path and shipped.exists():
+        return shipped
+    raise CheckpointError(
+        f"{name_or_path}: no such file and not a shipped checkpoint; "
+        f"shipped: {list_pretrained()}"
+    )
+
+
+def save_checkpoint(
+    net: LearnedOptimizerNet, path: str | os.PathLike, card: dict | None = None
+) -> Path:
+    """Write ``net`` (theta and config) and its ``card`` to ``path`` atomically."""
+    path = Path(path)
+    payload = {
+        "format": FORMAT_VERSION,
+        "config": net.config.to_dict(),
+        "theta": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
+        "card": dict(card or {}),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def load_checkpoint(name_or_path: str | os.PathLike) -> tuple[LearnedOptimizerNet, dict]:
+    """Load ``(net, card)`` from a shipped name or a file path; raises :class:`CheckpointError`."""
+    path = resolve_checkpoint(name_or_path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, random bytes, pickled code, ...
+        raise CheckpointError(
+            f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a "
+            f"weights-only torch file): {type(exc).__name__}: {exc}"
+        ) from exc
+    if not isinstance(payload, dict) or not {"format", "config", "theta"} <= set(payload):
+        keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(
+            f"{path}: not a learned-opt checkpoint (expected keys format, config, theta, "
+            f"card; found {keys})"
+        )
+    if payload["format"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format version {payload['format']!r} is not supported "
+            f"(this version of learned-opt reads {FORMAT_VERSION!r})"
+        )
+    try:
+        config = NetConfig.from_dict(payload["config"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: invalid network config: {exc}") from exc
+    net = LearnedOptimizerNet(config)
+    expected = net.state_dict()
+    theta = payload["theta"]
+    if not isinstance(theta, dict) or set(theta) != set(expected):
+        found = sorted(theta) if isinstance(theta, dict) else type(theta).__name__
+        raise CheckpointError(
+            f"{path}: theta keys do not match the network: expected {sorted(expected)}, "
+            f"found {found}"
+        )
+    for key, ref in expected.items():
+        if not isinstance(theta[key], torch.Tensor) or theta[key].shape != ref.shape:
+            value = theta[key]
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise CheckpointError(
+                f"{path}: shape mismatch for theta[{key!r}]: checkpoint has {got}, "
+                f"config expects {tuple(ref.shape)}"
+            )
+        if not torch.isfinite(theta[key]).all():
+            raise CheckpointError(f"{path}: theta[{key!r}] holds NaN or Inf")
+    net.load_state_dict(theta)
+    card = payload.get("card") or {}
+    return net, dict(card)

@@ -1,0 +1,67 @@
+"""Configuration of the learned optimizer network and its input features."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+#: Momentum decays of the per-parameter state (three momenta, one second moment).
+MOMENTUM_DECAYS = (0.9, 0.99, 0.999)
+SECOND_MOMENT_DECAY = 0.999
+
+#: Number of per-element input features (see ``features.element_features``).
+NUM_ELEMENT_FEATURES = 11
+#: Number of per-tensor statistics besides the time features (see ``features.tensor_stats``).
+NUM_TENSOR_STATS = 8
+#: Number of symmetric edge features besides the time features (see ``features.edge_features``).
+NUM_EDGE_STATS = 5
+
+
+@dataclass(frozen=True)
+class NetConfig:
+    """Shape and output parameterisation of the learned optimizer network."""
+
+    width: int = 8  # hidden width of the per-element MLP: 8, 16 or 32
+    tensor_width: int = 32  # hidden width of the per-tensor network
+    edge_width: int = 16  # hidden width of the edge (mixing) head
+    step_mult: float = 1e-3  # base step size; with a zero-initialised head the update is Adam(lr=step_mult)
+    exp_mult: float = 1e-3  # magnitude output enters as exp(exp_mult * a)
+    max_direction: float = 10.0  # the per-element direction is clamped to +-max_direction
+    max_log_scale: float = 5.0  # the per-tensor log step scale is bounded by tanh to +-max_log_scale
+    time_taus: tuple[float, ...] = field(default=(10.0, 100.0, 1000.0, 10000.0))  # tanh(t/tau - 1)
+    eps: float = 1e-8  # epsilon inside rsqrt(v + eps)
+    clip_value: float = 3.0  # clip(g) clips g / rms(g) to +-clip_value
+
+    def __post_init__(self) -> None:
+        if self.width not in (8, 16, 32):
+            raise ValueError(f"NetConfig.width must be 8, 16 or 32, got {self.width!r}")
+        for name in ("tensor_width", "edge_width"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"NetConfig.{name} must be a positive integer")
+        for name in ("step_mult", "exp_mult", "max_direction", "max_log_scale", "eps", "clip_value"):
+            if not float(getattr(self, name)) > 0:
+                raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if len(self.time_taus) == 0 or any(float(t) <= 0 for t in self.time_taus):
+            raise ValueError(f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}")
+        object.__setattr__(self, "time_taus", tuple(float(t) for t in self.time_taus))
+
+    @property
+    def num_time_features(self) -> int:
+        return len(self.time_taus)
+
+    def to_dict(self) -> dict:
+        """A plain dict (lists, floats, ints) suitable for a ``weights_only`` checkpoint."""
+        d = asdict(self)
+        d["time_taus"] = list(self.time_taus)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NetConfig:
+        """Build from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown NetConfig fields {sorted(unknown)}; valid: {sorted(known)}")
+        d = dict(d)
+        if "time_taus" in d:
+            d["time_taus"] = tuple(d["time_taus"])
+        return cls(**d)

@@ -1,0 +1,115 @@
+"""The learned optimizer network: a per-tensor network, a per-element MLP and an edge head.
+
+The meta-parameters ``theta`` live only here, as an ``nn.Module``. Every forward piece is
+also a pure function of a ``theta`` dict (``dict(net.named_parameters())``), so the same
+code runs under ``torch.func.functional_call``, ``grad`` and ``vmap`` in meta-training.
+
+Output parameterisation (Adam is built in; zero-initialised heads give exactly Adam)::
+
+    update = -lr * step_mult * exp(log_scale) * clamp(adam_dir + d) * exp(exp_mult * a)
+
+Mixing weights lie in ``[0, 1 / max_degree]`` and start at Metropolis-Hastings
+``1 / (1 + max_degree)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import NUM_EDGE_STATS, NUM_ELEMENT_FEATURES, NUM_TENSOR_STATS, NetConfig
+
+Theta = dict[str, Tensor]
+
+
+class LearnedOptimizerNet(nn.Module):
+    """Holds theta. ``forward`` is the per-tensor local step (see :func:`core.tensor_step`)."""
+
+    def __init__(self, config: NetConfig | None = None):
+        super().__init__()
+        self.config = config or NetConfig()
+        c = self.config
+        t = c.num_time_features
+        # per-tensor network: tensor statistics + time -> (log step scale, context bias)
+        self.tensor_in = nn.Linear(NUM_TENSOR_STATS + t, c.tensor_width)
+        self.tensor_out = nn.Linear(c.tensor_width, 1 + c.width)
+        # per-element MLP: features -> hidden -> hidden -> (direction, magnitude)
+        self.elem_in = nn.Linear(NUM_ELEMENT_FEATURES, c.width)
+        self.elem_time = nn.Linear(t, c.width, bias=False)  # time folded into the first bias
+        self.elem_hidden = nn.Linear(c.width, c.width)
+        self.elem_out = nn.Linear(c.width, 2)
+        # edge head: symmetric edge features + time -> mixing logit
+        self.edge_in = nn.Linear(NUM_EDGE_STATS + t, c.edge_width)
+        self.edge_out = nn.Linear(c.edge_width, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Random hidden layers, zero output heads: the update is exactly Adam(lr=step_mult)
+        and the mixing weights are exactly Metropolis-Hastings."""
+        gen = torch.Generator().manual_seed(0)
+        for lin in (self.tensor_in, self.elem_in, self.elem_hidden, self.edge_in):
+            bound = 1.0 / math.sqrt(lin.in_features)
+            with torch.no_grad():
+                lin.weight.uniform_(-bound, bound, generator=gen)
+                lin.bias.zero_()
+        with torch.no_grad():
+            self.elem_time.weight.zero_()
+            for lin in (self.tensor_out, self.elem_out, self.edge_out):
+                lin.weight.zero_()
+                lin.bias.zero_()
+
+    def theta(self) -> Theta:
+        """The meta-parameters as a plain dict (what the pure functions take)."""
+        return dict(self.named_parameters())
+
+    def forward(self, p, g, m, v, step, lr=1.0):  # noqa: D401 - functional_call entry
+        """Differentiable local step of one tensor; returns ``(new_p, new_m, new_v)``."""
+        from .core import tensor_step
+
+        return tensor_step(self.theta(), self.config, p, g, m, v, step, lr)
+
+
+def _linear(theta: Theta, name: str, x: Tensor) -> Tensor:
+    bias = theta.get(f"{name}.bias")
+    return F.linear(x, theta[f"{name}.weight"].to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def tensor_head(theta: Theta, cfg: NetConfig, stats: Tensor, time: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-tensor network: ``(log_scale, context_bias)`` with the time features folded in.
+
+    ``context_bias`` (shape ``(width,)``) is the full first-layer bias of the per-element MLP.
+    """
+    x = torch.cat([stats, time])
+    h = F.relu(_linear(theta, "tensor_in", x))
+    out = _linear(theta, "tensor_out", h)
+    log_scale = cfg.max_log_scale * torch.tanh(out[0] / cfg.max_log_scale)
+    bias = out[1:] + theta["elem_in.bias"].to(x.dtype) + _linear(theta, "elem_time", time)
+    return log_scale, bias
+
+
+def element_mlp(theta: Theta, w_in: Tensor, bias: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-element MLP on features ``x`` of shape ``(F, n)``; returns ``(d, a)``, each ``(n,)``.
+
+    ``w_in`` is the first-layer weight with the per-tensor feature normalisation folded
+    into its columns (``elem_in.weight * scales``), so features are never rescaled per element.
+    """
+    h = F.relu(torch.addmm(bias.unsqueeze(1), w_in, x))
+    h = F.relu(torch.addmm(theta["elem_hidden.bias"].to(x.dtype).unsqueeze(1), theta["elem_hidden.weight"].to(x.dtype), h))
+    out = torch.addmm(theta["elem_out.bias"].to(x.dtype).unsqueeze(1), theta["elem_out.weight"].to(x.dtype), h)
+    return out[0], out[1]
+
+
+def edge_weight(theta: Theta, cfg: NetConfig, edge_feats: Tensor, max_degree, time: Tensor) -> Tensor:
+    """Mixing weight of one edge for one tensor, in ``[0, 1 / max_degree]``.
+
+    With a zero-initialised head it equals Metropolis-Hastings ``1 / (1 + max_degree)``.
+    Inputs are symmetric edge features, so both ends compute the same weight.
+    """
+    x = torch.cat([edge_feats, time])
+    h = F.relu(_linear(theta, "edge_in", x))
+    z = _linear(theta, "edge_out", h)[0]
+    deg = torch.as_tensor(max_degree, dtype=x.dtype, device=x.device)
+    return torch.sigmoid(torch.log(deg) + z) / deg
