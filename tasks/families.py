@@ -1,0 +1,150 @@
+"""Task families: seeded random distributions over tasks.
+
+A family draws architecture widths, depths and activations, the initialisation scale,
+the batch size, the dataset and label noise. ``family.sample(generator)`` is a pure
+function of the generator's state, and ``task.describe()`` of a sample rebuilds the
+identical task through ``from_description``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import torch
+
+from .base import Task, TaskSpec, from_description
+from .datasets import load_dataset
+
+__all__ = ["TaskFamily", "get_family", "list_families", "FAMILIES"]
+
+_ACTS = ("relu", "tanh", "gelu", "silu")
+_CLASSIFICATION = ("digits", "breast_cancer", "wine", "iris", "spirals", "logreg_synth")
+_REGRESSION = ("diabetes", "linreg_synth", "quadratic_ill")
+
+
+def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def _widths(rng: random.Random, depth: int, lo: int = 8, hi: int = 256) -> tuple[int, ...]:
+    if rng.random() < 0.5:  # one width for all layers
+        return (int(round(_log_uniform(rng, lo, hi))),) * depth
+    return tuple(int(round(_log_uniform(rng, lo, hi))) for _ in range(depth))
+
+
+def _common(rng: random.Random, dataset: str, noise_hi: float) -> dict:
+    n_train = load_dataset(dataset).num_train
+    return {
+        "init_scale": round(_log_uniform(rng, 0.3, 3.0), 4),
+        "batch_size": min(rng.choice((16, 32, 64, 128)), n_train),
+        "label_noise": 0.0 if rng.random() < 0.5 else round(rng.uniform(0.0, noise_hi), 4),
+    }
+
+
+def _mlp(rng: random.Random, name: str) -> TaskSpec:
+    dataset = rng.choice(_CLASSIFICATION)
+    depth = rng.randint(1, 4)
+    return TaskSpec(
+        "mlp",
+        dataset,
+        _widths(rng, depth),
+        rng.choice(_ACTS),
+        name=name,
+        **_common(rng, dataset, 0.2),
+    )
+
+
+def _regression(rng: random.Random, name: str) -> TaskSpec:
+    dataset = rng.choice(_REGRESSION)
+    depth = rng.choice((0, 1, 2, 3))
+    model = "linear" if depth == 0 else "mlp"
+    common = _common(rng, dataset, 0.3)
+    if dataset == "quadratic_ill":
+        common["label_noise"] = 0.0  # the targets are not standardised; keep them exact
+    return TaskSpec(model, dataset, _widths(rng, depth), rng.choice(_ACTS), name=name, **common)
+
+
+def _cnn(rng: random.Random, name: str) -> TaskSpec:
+    c1 = rng.choice((4, 8, 12, 16))
+    c2 = rng.choice((8, 16, 24, 32))
+    return TaskSpec(
+        "cnn", "digits", (c1, c2), rng.choice(_ACTS), name=name, **_common(rng, "digits", 0.2)
+    )
+
+
+def _lm(rng: random.Random, name: str) -> TaskSpec:
+    context = rng.choice((16, 32, 64))
+    batch = rng.choice((16, 32, 64))
+    scale = round(_log_uniform(rng, 0.5, 2.0), 4)
+    if rng.random() < 0.7:
+        dim = rng.choice((16, 32, 48, 64))
+        hidden, model, act = (
+            (dim, rng.choice((1, 2, 4))),
+            "transformer",
+            rng.choice(("gelu", "relu")),
+        )
+    else:
+        hidden, model, act = (rng.choice((16, 32, 64)), rng.choice((32, 64))), "gru", "tanh"
+    return TaskSpec(model, "chars", hidden, act, scale, batch, 0.0, context, name=name)
+
+
+def _mixed(rng: random.Random, name: str) -> TaskSpec:
+    u = rng.random()
+    pick = _mlp if u < 0.45 else _regression if u < 0.75 else _cnn if u < 0.93 else _lm
+    return pick(rng, name)
+
+
+class TaskFamily:
+    """A named, seeded distribution over tasks."""
+
+    def __init__(self, name: str, sampler: Callable[[random.Random, str], TaskSpec], doc: str):
+        self.name, self._sampler, self.doc = name, sampler, doc
+
+    def __repr__(self) -> str:
+        return f"TaskFamily({self.name!r})"
+
+    def sample_spec(self, generator: torch.Generator | None = None) -> TaskSpec:
+        """Draw a task spec; consumes exactly one value from ``generator``."""
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        return self._sampler(random.Random(seed), f"{self.name}:{seed % 10**8:08d}")
+
+    def sample(self, generator: torch.Generator | None = None) -> Task:
+        """Draw a random task from this family."""
+        return Task(self.sample_spec(generator))
+
+    @staticmethod
+    def from_description(line: str) -> Task:
+        """Rebuild a sampled task from its ``describe()`` line."""
+        return from_description(line)
+
+
+FAMILIES: dict[str, TaskFamily] = {
+    f.name: f
+    for f in [
+        TaskFamily(
+            "mlp_family", _mlp, "MLP classifiers: 1-4 layers of width 8-256 on six datasets"
+        ),
+        TaskFamily(
+            "regression_family",
+            _regression,
+            "linear or MLP regression, incl. ill-conditioned quadratics",
+        ),
+        TaskFamily("cnn_family", _cnn, "small CNNs on 8x8 digits with sampled channels"),
+        TaskFamily("lm_family", _lm, "tiny character transformers and GRUs on pydoc topics"),
+        TaskFamily("mixed_family", _mixed, "mlp 45%, regression 30%, cnn 18%, lm 7%"),
+    ]
+}
+
+
+def list_families() -> list[str]:
+    """Names accepted by :func:`get_family`."""
+    return list(FAMILIES)
+
+
+def get_family(name: str) -> TaskFamily:
+    """A task family by name; ``ValueError`` naming the valid choices if unknown."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown family {name!r}; valid choices: {list_families()}")
+    return FAMILIES[name]
