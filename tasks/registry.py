@@ -40,7 +40,7 @@ def list_tasks() -> list[str]:
     return list(TASK_SPECS)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(name: str) -> Task:
     return Task(TASK_SPECS[name])
 
