@@ -146,6 +146,8 @@ class Task:
             raise ValueError(
                 f"unknown dataset {spec.dataset!r}; valid choices: {sorted(DATASET_KINDS)}"
             )
+        if any(c.isspace() or c == "=" for c in spec.name):
+            raise ValueError(f"task name must not contain whitespace or '=': {spec.name!r}")
         self.spec = spec
         self.data = load_dataset(spec.dataset, spec.label_noise, spec.context)
         if isinstance(spec.batch_size, bool) or not isinstance(spec.batch_size, int):

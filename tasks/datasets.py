@@ -176,7 +176,6 @@ def _noise_seed(name: str, label_noise: float) -> int:
     return zlib.crc32(f"{name}:{label_noise!r}".encode())
 
 
-@functools.lru_cache(maxsize=64)
 def load_dataset(name: str, label_noise: float = 0.0, context: int = 32) -> Dataset:
     """Load (once per process) the named dataset.
 
@@ -189,9 +188,14 @@ def load_dataset(name: str, label_noise: float = 0.0, context: int = 32) -> Data
         raise ValueError(f"unknown dataset {name!r}; valid choices: {list_datasets()}")
     if not 0.0 <= label_noise < 1.0:
         raise ValueError(f"label_noise must be in [0, 1), got {label_noise}")
-    kind = DATASET_KINDS[name]
-    if kind == "lm":
+    if DATASET_KINDS[name] == "lm":
         return _load_chars(context)
+    return _load_table(name, float(label_noise))
+
+
+@functools.lru_cache(maxsize=64)
+def _load_table(name: str, label_noise: float) -> Dataset:
+    kind = DATASET_KINDS[name]
 
     if name in ("digits", "breast_cancer", "wine", "iris", "diabetes"):
         x, y = _sklearn(name)

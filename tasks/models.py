@@ -262,15 +262,16 @@ class GRU(Model):
 
     def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
         p = params
+        n = self.hidden
         gi = F.linear(F.embedding(x, p["emb.weight"]), p["rnn.weight_ih_l0"], p["rnn.bias_ih_l0"])
-        h = gi.new_zeros(x.shape[0], self.hidden)
+        gi_rz, gi_n = gi[..., : 2 * n].unbind(1), gi[..., 2 * n :].unbind(1)
+        h = gi.new_zeros(x.shape[0], n)
         outs = []
         for t in range(x.shape[1]):
             gh = F.linear(h, p["rnn.weight_hh_l0"], p["rnn.bias_hh_l0"])
-            ir, iz, inn = gi[:, t].chunk(3, dim=-1)
-            hr, hz, hn = gh.chunk(3, dim=-1)
-            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-            h = (1 - z) * torch.tanh(inn + r * hn) + z * h
+            r, z = torch.sigmoid(gi_rz[t] + gh[:, : 2 * n]).chunk(2, dim=-1)
+            c = torch.tanh(gi_n[t] + r * gh[:, 2 * n :])
+            h = c + z * (h - c)  # = (1 - z) * c + z * h
             outs.append(h)
         return F.linear(torch.stack(outs, dim=1), p["head.weight"], p["head.bias"])
 

@@ -143,3 +143,24 @@ def test_init_reproducible():
 def test_bad_input_raises(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_datasets_cached_and_standardised():
+    from learned_opt.tasks import load_dataset
+
+    a, b = load_dataset("wine"), load_dataset("wine", 0.0, context=64)
+    assert a is b
+    torch.testing.assert_close(a.x_train.mean(0), torch.zeros(a.num_features), atol=1e-5, rtol=0)
+    noisy = load_dataset("wine", 0.3)
+    assert torch.equal(noisy.x_train, a.x_train) and not torch.equal(noisy.y_train, a.y_train)
+    assert torch.equal(noisy.y_test, a.y_test)  # test labels stay clean
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_batches_on_device():
+    task = get_task("digits_mlp")
+    params = stack_params([task.init(gen(s), device="cuda") for s in range(2)])
+    xs, ys = task.worker_batches(0, 2, device="cuda").get(0)
+    assert xs.is_cuda and ys.is_cuda
+    assert vmap(task.loss)(params, (xs, ys)).shape == (2,)
+    assert task.evaluate({k: v[0] for k, v in params.items()})["loss"] > 0
