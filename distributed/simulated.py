@@ -1,0 +1,154 @@
+"""``SimulatedCommunicator``: N gossip workers stacked in one process.
+
+Worker ``i``'s copy of a parameter tensor is row ``i`` of a stacked tensor ``[N, *shape]``.
+Mixing calls the same :func:`~learned_opt.distributed.mixing.mix` as the real workers,
+once per neighbour slot with one weight per stacked worker, in the same neighbour order
+(sorted by rank), so a simulated run and a real multi-process run agree up to rounding.
+Everything is out of place and differentiable in the stacked tensors and theta, which is
+what meta-training needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from learned_opt.config import NetConfig
+from learned_opt.network import Theta
+
+from .mixing import learned_edge_weight, mix
+from .topology import Edge, Topology
+
+#: Rules the communicators accept.
+RULES = ("metropolis", "uniform", "learned")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Index tensors of one step's graph, padded to the largest degree."""
+
+    edges: list[Edge]
+    a: Tensor  # [E] lower rank of each edge
+    b: Tensor  # [E] higher rank of each edge
+    max_degree: Tensor  # [E] max(deg_a, deg_b), float64
+    neighbor: Tensor  # [N, D] neighbour rank per slot (self where the slot is empty)
+    edge_id: Tensor  # [N, D] edge index per slot (0 where empty)
+    valid: Tensor  # [N, D] bool
+
+
+def check_rule(rule: str, theta: Theta | None, cfg: NetConfig | None) -> None:
+    """Raise ``ValueError`` for an unknown rule, or ``learned`` without theta and config."""
+    if rule not in RULES:
+        raise ValueError(f"unknown mixing rule {rule!r}; choose from {RULES}")
+    if rule == "learned" and (theta is None or cfg is None):
+        raise ValueError("mixing rule 'learned' needs theta and cfg (the network's config)")
+
+
+class SimulatedCommunicator:
+    """Mixes stacked worker tensors over a :class:`Topology` in a single process."""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.world_size = topology.world_size
+        self._plans: dict[int, _Plan] = {}
+
+    def _plan(self, step: int) -> _Plan:
+        key = step % self.topology.period
+        if key not in self._plans:
+            topo, n = self.topology, self.world_size
+            edges = topo.edges(key)
+            slots = max([topo.degree(i, key) for i in range(n)] + [0])
+            neighbor = torch.arange(n).unsqueeze(1).repeat(1, slots)
+            edge_id = torch.zeros(n, slots, dtype=torch.long)
+            valid = torch.zeros(n, slots, dtype=torch.bool)
+            index = {e: k for k, e in enumerate(edges)}
+            for i in range(n):
+                for s, j in enumerate(topo.neighbors(i, key)):
+                    neighbor[i, s] = j
+                    edge_id[i, s] = index[(min(i, j), max(i, j))]
+                    valid[i, s] = True
+            a = torch.tensor([e[0] for e in edges], dtype=torch.long)
+            b = torch.tensor([e[1] for e in edges], dtype=torch.long)
+            max_degree = torch.tensor(
+                [max(topo.degree(i, key), topo.degree(j, key)) for i, j in edges],
+                dtype=torch.float64,
+            )
+            self._plans[key] = _Plan(edges, a, b, max_degree, neighbor, edge_id, valid)
+        return self._plans[key]
+
+    def _static_weights(self, plan: _Plan, step: int, rule: str, like: Tensor) -> Tensor:
+        w = [self.topology.weight(i, j, step, rule) for i, j in plan.edges]
+        return torch.tensor(w, dtype=like.dtype, device=like.device)
+
+    def edge_weights(
+        self,
+        y: Tensor,
+        step: int,
+        rule: str = "metropolis",
+        theta: Theta | None = None,
+        cfg: NetConfig | None = None,
+        losses: Tensor | None = None,
+    ) -> Tensor:
+        """Weights ``[E]`` of one stacked tensor ``y`` (``[N, *shape]``) on the step's edges."""
+        check_rule(rule, theta, cfg)
+        plan = self._plan(step)
+        if rule != "learned" or not plan.edges:
+            return self._static_weights(plan, step, rule, y)
+        dev = y.device
+        a, b = plan.a.to(dev), plan.b.to(dev)
+        deg = plan.max_degree.to(device=dev, dtype=y.dtype)
+        fn = partial(learned_edge_weight, theta, cfg)
+        if losses is None:
+            batched = torch.func.vmap(lambda ya, yb, d: fn(ya, yb, None, None, d, step))
+            return batched(y[a], y[b], deg)
+        batched = torch.func.vmap(lambda ya, yb, la, lb, d: fn(ya, yb, la, lb, d, step))
+        return batched(y[a], y[b], losses[a], losses[b], deg)
+
+    def mix(
+        self,
+        ys: list[Tensor],
+        step: int,
+        rule: str = "metropolis",
+        theta: Theta | None = None,
+        cfg: NetConfig | None = None,
+        losses: Tensor | None = None,
+    ) -> tuple[list[Tensor], dict]:
+        """Mix every stacked tensor in ``ys`` (each ``[N, *shape]``) over the step's edges.
+
+        ``rule`` is ``metropolis``, ``uniform`` or ``learned`` (needs ``theta`` and ``cfg``).
+        ``losses`` (``[N]`` batch losses) feeds the learned rule's loss features; ``None``
+        marks them absent. Returns the mixed tensors and ``{"weights": [E] per tensor,
+        "edges": the edge list}``. Differentiable in ``ys``, ``theta`` and ``losses``.
+        """
+        check_rule(rule, theta, cfg)
+        plan = self._plan(step)
+        for y in ys:
+            if y.shape[0] != self.world_size:
+                raise ValueError(
+                    f"stacked tensor has {y.shape[0]} workers, topology has {self.world_size}"
+                )
+        mixed, weights = [], []
+        for y in ys:
+            w = self.edge_weights(y, step, rule, theta, cfg, losses)
+            weights.append(w)
+            if not plan.edges:
+                mixed.append(y)
+                continue
+            dev = y.device
+            valid, edge_id = plan.valid.to(dev), plan.edge_id.to(dev)
+            view = (self.world_size,) + (1,) * (y.dim() - 1)
+            slot_w = torch.where(valid, w[edge_id], torch.zeros((), dtype=w.dtype, device=dev))
+            neighbor = plan.neighbor.to(dev)
+            slots = range(neighbor.shape[1])
+            mixed.append(
+                mix(y, [y[neighbor[:, s]] for s in slots], [slot_w[:, s].view(view) for s in slots])
+            )
+        return mixed, {"weights": weights, "edges": plan.edges}
+
+    def consensus_distance(self, ys: list[Tensor]) -> Tensor:
+        """``(1/N) sum_i ||x_i - x_bar||^2`` summed over all stacked tensors (0-d)."""
+        total = sum((y - y.mean(dim=0, keepdim=True)).square().sum() for y in ys)
+        return torch.as_tensor(total) / self.world_size
