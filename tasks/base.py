@@ -323,9 +323,13 @@ class WorkerBatches:
     def get(self, step: int) -> Batch:
         """All workers' batches at ``step``, stacked: leading dim ``num_workers``."""
         idx = self.indices(step).to(self.device)
-        return self._x[idx], self._y[idx]
+        return self._take(self._x, idx), self._take(self._y, idx)
+
+    @staticmethod
+    def _take(data: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return data.index_select(0, idx.reshape(-1)).reshape(*idx.shape, *data.shape[1:])
 
     def worker(self, step: int, worker: int) -> Batch:
         """Worker ``worker``'s batch at ``step`` (unstacked)."""
         idx = self.indices(step)[worker].to(self.device)
-        return self._x[idx], self._y[idx]
+        return self._take(self._x, idx), self._take(self._y, idx)
