@@ -24,29 +24,45 @@ from learned_opt.features import edge_features, time_features
 from learned_opt.network import Theta, edge_weight
 
 
-def mix(x: Tensor, neighbor_xs: Sequence[Tensor], weights: Sequence[Tensor | float]) -> Tensor:
-    """``x + sum_j w_j * (x_j - x)``, summed in the order given.
+def mix(
+    x: Tensor,
+    neighbor_xs: Sequence[Tensor],
+    weights: Sequence[Tensor | float],
+    *,
+    out: Tensor | None = None,
+) -> Tensor:
+    """``x + sum_j w_j * (x_j - x)``, computed as ``(1 - sum_j w_j) * x + sum_j w_j * x_j``.
 
     Weights may be floats or tensors that broadcast against ``x`` (the simulator passes one
-    weight per stacked worker). Returns a new tensor and never modifies its inputs; under
-    autograd it is differentiable in ``x``, the neighbours and the weights. Without autograd
-    it reuses its temporaries, with the same float operations in the same order.
+    weight per stacked worker). Under autograd it builds a new tensor and is differentiable
+    in ``x``, the neighbours and the weights. Without autograd it writes into ``out`` (which
+    may be ``x`` itself, for an in-place mix without temporaries) or a new tensor, using one
+    pass over ``x`` and one per neighbour. Neighbours and weights are never modified.
     """
     if len(neighbor_xs) != len(weights):
         raise ValueError(f"mix got {len(neighbor_xs)} neighbours but {len(weights)} weights")
+    if not neighbor_xs:
+        return x if out is None else out.copy_(x)
+    self_weight = 1.0 - sum(weights)
     tracked = torch.is_grad_enabled() and (
         x.requires_grad
         or any(t.requires_grad for t in neighbor_xs)
         or any(isinstance(w, Tensor) and w.requires_grad for w in weights)
     )
-    out = x
+    if tracked:
+        if out is not None:
+            raise ValueError("mix(out=...) is for the no-grad path; autograd needs a new tensor")
+        result = x * self_weight
+        for xj, w in zip(neighbor_xs, weights):
+            result = result + w * xj
+        return result
+    result = torch.mul(x, self_weight, out=out) if out is not None else x * self_weight
     for xj, w in zip(neighbor_xs, weights):
-        if tracked:
-            out = out + w * (xj - x)
+        if isinstance(w, Tensor):
+            result.addcmul_(xj, w)
         else:
-            delta = torch.sub(xj, x).mul_(w)
-            out = out + delta if out is x else out.add_(delta)
-    return out
+            result.add_(xj, alpha=w)
+    return result
 
 
 def metropolis_weight(deg_i: int, deg_j: int) -> float:

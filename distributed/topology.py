@@ -110,6 +110,24 @@ class Topology:
         self._check_rank(rank)
         return len(self._neighbors[step % self.period][rank])
 
+    def rounds(self, step: int = 0) -> list[list[Edge]]:
+        """The step's edges split into matchings (a greedy edge colouring).
+
+        In each round every rank has at most one peer, so exchanging round by round, each
+        pair at once in both directions, can never deadlock, whatever the backend.
+        """
+        colour_of: dict[Edge, int] = {}
+        used: list[set[int]] = [set() for _ in range(self.world_size)]
+        for i, j in self.edges(step):
+            c = next(c for c in range(2 * self.world_size) if c not in used[i] | used[j])
+            colour_of[(i, j)] = c
+            used[i].add(c)
+            used[j].add(c)
+        out: list[list[Edge]] = [[] for _ in range(max(colour_of.values(), default=-1) + 1)]
+        for e, c in colour_of.items():
+            out[c].append(e)
+        return out
+
     def max_degree(self, step: int = 0) -> int:
         """Largest degree over all ranks at ``step``."""
         return max(len(n) for n in self._neighbors[step % self.period])
