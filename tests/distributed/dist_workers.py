@@ -1,0 +1,182 @@
+"""Worker functions for the multi-process tests (importable by spawned processes).
+
+Each function runs on one rank of a gloo group started by ``launch_local`` and returns
+plain data to the parent. The tiny model, its data and its optimizers are shared with the
+single-process reference in ``test_process_group.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from learned_opt import LearnedOptimizer, LearnedOptimizerNet
+from learned_opt.distributed import (
+    GossipError,
+    GossipOptimizer,
+    GradientTracking,
+    ProcessGroupCommunicator,
+    get_topology,
+)
+
+STEPS = 20
+KINDS = {"sgd": "ring", "adam": "one_peer_exponential", "learned": "ring"}
+
+
+# ----------------------------------------------------------------------------- shared model
+
+
+def init_params(rank: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    shapes = [(8, 5), (8,), (1, 8)]
+    return [(0.5 * torch.randn(s, generator=gen)).requires_grad_(True) for s in shapes]
+
+
+def batch(rank: int, step: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10_000 * seed + 100 * step + rank)
+    x = torch.randn(16, 5, generator=gen)
+    return x, (x[:, :1] * (rank + 1)).sin()  # a different target per rank
+
+
+def loss_fn(params: list[torch.Tensor], data) -> torch.Tensor:
+    w1, b1, w2 = params
+    x, y = data
+    return F.mse_loss(torch.tanh(x @ w1.T + b1) @ w2.T, y)
+
+
+def make_net(seed: int = 0) -> LearnedOptimizerNet:
+    """A network with a random (non-Metropolis) edge head and a mildly random update."""
+    net = LearnedOptimizerNet()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("edge_out.weight", "edge_out.bias", "edge_in.bias"):
+            p = net.get_parameter(name)
+            p.copy_(torch.randn(p.shape, generator=gen))
+        for name in ("tensor_out.weight", "elem_out.weight"):
+            p = net.get_parameter(name)
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return net
+
+
+def make_local(kind: str, params, seed: int = 0):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    return LearnedOptimizer(params, net=make_net(seed))
+
+
+def _payload(rank: int, step: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7 * rank + 1000 * step)
+    return [
+        torch.randn(3, 4, generator=gen) * 1e3,
+        torch.randn(5, generator=gen, dtype=torch.float64) / 3,
+        torch.randn(2, 3, generator=gen).to(torch.bfloat16),
+        torch.randint(-1000, 1000, (4,), generator=gen),
+        torch.randn(7, generator=gen),
+    ]
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def exchange_suite(rank: int, n: int) -> dict:
+    """Exact exchange, start-up validation, NaN exclusion, consensus, DSGT."""
+    out: dict = {}
+    for name in ("ring", "one_peer_exponential"):
+        topo = get_topology(name, n)
+        comm = ProcessGroupCommunicator(topo, timeout=5)
+        checks = []
+        for step in range(topo.period + 1):
+            peers, tensors, losses, finite = comm.exchange(
+                _payload(rank, step), step, 10 * rank + step
+            )
+            assert peers == topo.neighbors(rank, step)
+            for k, peer in enumerate(peers):
+                exact = all(torch.equal(a, b) for a, b in zip(tensors[k], _payload(peer, step)))
+                checks.append((peer, exact, losses[k] == 10 * peer + step, finite[k]))
+        out[name] = checks
+
+    try:
+        ProcessGroupCommunicator(get_topology("ring", n + 1))
+    except ValueError as exc:
+        out["world_size_error"] = str(exc)
+    comm = ProcessGroupCommunicator(get_topology("ring", n), timeout=5)
+    layout = [torch.zeros(3), torch.zeros(4 if rank == 2 else 5)]
+    try:
+        comm.check_layout(layout)
+    except ValueError as exc:
+        out["layout_error"] = str(exc)
+
+    ys = [torch.full((4,), float(rank)), torch.full((2,), 2.0 * rank, dtype=torch.float64)]
+    if rank == 1:
+        ys[0][2] = float("nan")
+    mixed, info = comm.mix(ys, 0)
+    out["nan"] = (info["excluded"], comm.nonfinite_excluded, [m.tolist() for m in mixed])
+
+    gen = torch.Generator().manual_seed(rank)
+    params = [torch.randn(6, 3, generator=gen), torch.randn(4, generator=gen)]
+    writer = _Recorder()
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0), "ring", "metropolis", metrics_every=1, writer=writer
+    )
+    before = opt.communicator.consensus_distance(params)
+    total = torch.cat([p.reshape(-1) for p in params]).clone()
+    for _ in range(10):
+        opt.step()
+    mean_change = opt.communicator.all_reduce(torch.cat([p.reshape(-1) for p in params]) - total, 0)
+    out["consensus"] = (float(before), writer.series("gossip/consensus_distance"))
+    out["mean_change"] = float(mean_change.abs().max())
+    out["bytes_sent"] = opt.metrics["gossip/bytes_sent"]
+
+    target = torch.full((3,), float(rank))  # f_i(x) = |x - target_i|^2 / 2, optimum mean = 1.5
+    x = torch.zeros(3, requires_grad=True)
+    dsgt = GradientTracking([x], lr=0.2, topology="ring")
+    for _ in range(150):
+        x.grad = (x - target).detach()
+        dsgt.step()
+    out["dsgt"] = x.detach().tolist()
+    return out
+
+
+class _Recorder:
+    def __init__(self):
+        self.values: dict[str, list[float]] = {}
+
+    def add_scalar(self, tag, value, step):
+        self.values.setdefault(tag, []).append(value)
+
+    def series(self, tag):
+        return self.values.get(tag, [])
+
+
+def equivalence_run(rank: int, n: int, seed: int) -> dict:
+    """D-SGD, D-Adam and the learned optimizer, STEPS steps each; returns final params."""
+    results = {}
+    for kind, topo in KINDS.items():
+        params = init_params(rank, seed)
+        mixing = "learned" if kind == "learned" else "metropolis"
+        opt = GossipOptimizer(make_local(kind, params, seed), topo, mixing, timeout=10)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss = loss_fn(params, batch(rank, step, seed))
+            loss.backward()
+            opt.step(loss=loss.detach())
+        results[kind] = [p.detach().clone() for p in params]
+    return results
+
+
+def killed_rank(rank: int, n: int) -> str:
+    """Rank 3 dies at step 5; the others must fail fast with a clear error."""
+    params = [torch.full((1000,), float(rank), requires_grad=True)]
+    opt = GossipOptimizer(torch.optim.SGD(params, lr=0.0), "ring", "metropolis", timeout=3)
+    for step in range(20):
+        if rank == 3 and step == 5:
+            os._exit(1)
+        try:
+            opt.step()
+        except GossipError as exc:
+            raise GossipError(str(exc).splitlines()[0]) from None
+    return "finished"
