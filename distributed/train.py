@@ -1,0 +1,228 @@
+"""Decentralized training of a task from ``learned_opt.tasks``: the torchrun entry point.
+
+    torchrun --standalone --nproc_per_node=4 -m learned_opt.distributed.train \\
+        --task digits_mlp --optimizer learned --topology ring --steps 300
+
+Each rank trains its own copy of the model on its shard of the data (``--partition``),
+then gossips with its neighbours (``--mixing``), or averages gradients with all_reduce
+(``--mixing allreduce``: plain data parallel, for comparison). At the end the ranks'
+models are averaged and evaluated; rank 0 prints a one-line summary. With CUDA, rank r
+uses ``cuda:LOCAL_RANK`` and NCCL; otherwise gloo on CPU. Per-rank TensorBoard logs go
+to ``--logdir``. Without torchrun it runs as a single worker.
+
+This module sits on top of the package: it is the only one in ``distributed/`` that
+imports ``learned_opt.tasks``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
+from learned_opt.tasks import get_task
+
+from .gossip import GossipOptimizer
+from .process_group import ProcessGroupCommunicator
+from .topology import get_topology, list_topologies
+
+DEFAULT_LR = {"learned": 1.0, "adam": 1e-3, "sgd": 0.1}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see ``--help``)."""
+    p = argparse.ArgumentParser(
+        prog="python -m learned_opt.distributed.train", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--task", default="digits_mlp", help="a name from learned_opt.tasks.list_tasks()"
+    )
+    p.add_argument("--optimizer", choices=["learned", "adam", "sgd"], default="learned")
+    p.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="learned optimizer checkpoint")
+    p.add_argument("--topology", choices=list_topologies(), default="ring")
+    p.add_argument(
+        "--mixing",
+        choices=["learned", "metropolis", "uniform", "allreduce"],
+        default=None,
+        help="default: learned for --optimizer learned, else metropolis",
+    )
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="default: 1.0 (learned multiplier), 1e-3 (adam), 0.1 (sgd)",
+    )
+    p.add_argument("--partition", default="dirichlet", help="iid or dirichlet (label skew)")
+    p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
+    p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
+    p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
+    args = p.parse_args(argv)
+    if args.mixing is None:
+        args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args
+
+
+def _local_optimizer(args, params):
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    if args.optimizer == "learned":
+        return LearnedOptimizer(params, checkpoint=args.checkpoint, lr=lr)
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr)
+
+
+def _average_gradients(params, comm: ProcessGroupCommunicator, step: int) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, step, "gradient all_reduce").div_(comm.world_size)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Train on this rank (the process group must be initialised); returns the summary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    task = get_task(args.task)
+    module = task.module(torch.Generator().manual_seed(args.seed)).to(device)
+    params = list(module.parameters())
+    data = task.batches(
+        worker=rank,
+        num_workers=world,
+        partition=args.partition,
+        alpha=args.alpha,
+        seed=args.seed,
+        device=device,
+    )
+    topology = get_topology(args.topology, world)
+    comm = ProcessGroupCommunicator(topology, timeout=args.timeout)
+    local = _local_optimizer(args, params)
+    writer = None
+    if args.logdir:
+        from torch.utils.tensorboard import SummaryWriter  # only when logging is asked for
+
+        writer = SummaryWriter(os.path.join(args.logdir, f"rank{rank}"))
+    if args.mixing == "allreduce":
+        opt = local
+        comm.check_layout([p.detach() for p in params])
+    else:
+        net = None
+        if args.mixing == "learned" and args.optimizer != "learned":
+            net = load_checkpoint(args.checkpoint)[0]  # the checkpoint's edge head mixes
+        opt = GossipOptimizer(
+            local,
+            communicator=comm,
+            mixing=args.mixing,
+            net=net,
+            metrics_every=args.metrics_every,
+            writer=writer,
+        )
+    start, losses = time.perf_counter(), []
+    for step in range(args.steps):
+        opt.zero_grad()
+        loss = task.module_loss(module, next(data))
+        loss.backward()
+        if args.mixing == "allreduce":
+            _average_gradients(params, comm, step)
+        if isinstance(opt, (GossipOptimizer, LearnedOptimizer)):
+            opt.step(loss=loss.detach())
+        else:
+            opt.step()
+        losses.append(float(loss.detach()))
+        if writer is not None:
+            writer.add_scalar("train/loss", losses[-1], step)
+    elapsed = time.perf_counter() - start
+    with torch.no_grad():
+        ys = [p.detach() for p in params]
+        consensus = float(comm.consensus_distance(ys, args.steps))
+        tail = torch.tensor(
+            [sum(losses[-10:]) / len(losses[-10:])], dtype=torch.float64, device=device
+        )
+        comm.all_reduce(tail, args.steps, "final loss all_reduce")
+        flat = torch.cat([y.reshape(-1) for y in ys]).clone()
+        comm.all_reduce(flat, args.steps, "model averaging all_reduce").div_(world)
+        averaged, offset = {}, 0
+        for name, p in module.named_parameters():
+            averaged[name] = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+    metrics = task.evaluate(averaged)
+    summary = {
+        "task": args.task,
+        "optimizer": args.optimizer,
+        "mixing": args.mixing,
+        "topology": args.topology,
+        "workers": world,
+        "steps": args.steps,
+        "train_loss": float(tail) / world,
+        **{f"test_{k}": v for k, v in metrics.items()},
+        "consensus_distance": consensus,
+        "seconds": elapsed,
+    }
+    if writer is not None:
+        for k, v in metrics.items():
+            writer.add_scalar(f"eval/{k}", v, args.steps)
+        writer.close()
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    """The one-line summary rank 0 prints."""
+    acc = f" test_acc={s['test_accuracy']:.4f}" if "test_accuracy" in s else ""
+    return (
+        f"task={s['task']} optimizer={s['optimizer']} mixing={s['mixing']} "
+        f"topology={s['topology']} workers={s['workers']} steps={s['steps']} "
+        f"train_loss={s['train_loss']:.4f} test_loss={s['test_loss']:.4f}{acc} "
+        f"consensus={s['consensus_distance']:.3g} time={s['seconds']:.1f}s"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point: joins (or creates) the process group, trains, prints, cleans up."""
+    args = parse_args(argv)
+    created = False
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=args.timeout)
+        if "WORLD_SIZE" in os.environ:  # torchrun
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        else:  # a single worker, no launcher
+            dist.init_process_group(
+                "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        created = True
+    try:
+        summary = train(args)
+        if dist.get_rank() == 0:
+            print(format_summary(summary), flush=True)
+        return summary
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def launched(rank: int, world_size: int, argv: list[str]) -> dict:
+    """For :func:`~learned_opt.distributed.launch.launch_local`: train with ``argv``."""
+    return train(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
