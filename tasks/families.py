@@ -96,6 +96,12 @@ def _mixed(rng: random.Random, name: str) -> TaskSpec:
     return pick(rng, name)
 
 
+def _train(rng: random.Random, name: str) -> TaskSpec:
+    u = rng.random()
+    pick = _mlp if u < 0.55 else _regression if u < 0.85 else _cnn
+    return pick(rng, name)
+
+
 class TaskFamily:
     """A named, seeded distribution over tasks."""
 
@@ -134,6 +140,11 @@ FAMILIES: dict[str, TaskFamily] = {
         TaskFamily("cnn_family", _cnn, "small CNNs on 8x8 digits with sampled channels"),
         TaskFamily("lm_family", _lm, "tiny character transformers and GRUs on pydoc topics"),
         TaskFamily("mixed_family", _mixed, "mlp 45%, regression 30%, cnn 18%, lm 7%"),
+        TaskFamily(
+            "meta_family",
+            _train,
+            "the default meta-training mix: mlp 55%, regression 30%, cnn 15% (no LMs: too slow)",
+        ),
     ]
 }
 

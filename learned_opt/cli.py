@@ -1,0 +1,49 @@
+"""``learned-opt``: a thin dispatcher over the project's commands (imported lazily).
+
+learned-opt list                                   shipped pretrained optimizers
+learned-opt export <lightning.ckpt> <out.pt>       deployable checkpoint from a run
+learned-opt inspect <checkpoint> [--logdir DIR]    card and response curves to TensorBoard
+learned-opt meta fit --config <yaml>               meta-train (same as learned-opt-meta)
+learned-opt train ...                              decentralized training (torchrun entry)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "list":
+        from learned_opt import list_pretrained
+
+        print("\n".join(list_pretrained()))
+        return 0
+    if command in ("export", "inspect"):
+        from learned_opt.checkpoint import CheckpointError
+        from learned_opt.meta_train import cli
+
+        try:
+            return (cli.export_main if command == "export" else cli.inspect_main)(rest)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if command == "meta":
+        from learned_opt.meta_train.cli import meta_cli_main
+
+        meta_cli_main(rest)
+        return 0
+    if command == "train":
+        from learned_opt.distributed.train import main as train_main
+
+        return train_main(rest) or 0
+    print(f"unknown command {command!r}; run 'learned-opt --help'", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The learned step on flat, segmented, stacked parameters: the meta-training path.
+
+All parameter tensors of a model are concatenated into one flat vector of length ``P``,
+and workers are stacked in front: ``p`` is ``[B, P]``. ``FlatLayout`` records which
+segment (tensor) each element belongs to. :func:`flat_step` applies exactly the math of
+:func:`learned_opt.core.tensor_step` to every segment and every worker at once, with
+segment reductions instead of one call per tensor and no ``vmap``: a few dozen large ops
+per inner step instead of a few dozen small ops per tensor and worker. It is pure and
+differentiable, and agrees with ``tensor_step`` to 1e-5 (tested).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import MOMENTUM_DECAYS, NUM_ELEMENT_FEATURES, SECOND_MOMENT_DECAY, NetConfig
+from .features import _TINY, NORM_EPS, adam_direction, safe_sqrt, time_features
+from .network import Theta, tensor_head
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Names, shapes and offsets of the tensors packed into a flat vector."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def size(self) -> int:
+        return sum(self.numels)
+
+    @classmethod
+    def of(cls, params: dict[str, Tensor], batch_dims: int = 0) -> FlatLayout:
+        """Layout of a params dict (shapes after ``batch_dims`` leading dims)."""
+        return cls(tuple(params), tuple(tuple(t.shape[batch_dims:]) for t in params.values()))
+
+    def segments(self, device=None) -> Tensor:
+        """Segment id of every element, ``[P]``."""
+        ids = torch.arange(len(self.shapes), device=device)
+        return ids.repeat_interleave(torch.tensor(self.numels, device=device))
+
+    def flatten(self, params: dict[str, Tensor], batch_dims: int = 1) -> Tensor:
+        """Concatenate ``params`` (with ``batch_dims`` leading dims) into ``[..., P]``."""
+        lead = next(iter(params.values())).shape[:batch_dims]
+        return torch.cat([params[k].reshape(*lead, -1) for k in self.names], dim=-1)
+
+    def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
+        """Views of ``flat`` (``[..., P]``) as the original tensors."""
+        lead = flat.shape[:-1]
+        parts = flat.split(self.numels, dim=-1)
+        return {k: t.reshape(*lead, *s) for k, t, s in zip(self.names, parts, self.shapes)}
+
+
+def init_flat_state(p: Tensor) -> dict[str, Tensor]:
+    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, 3, P]`` and ``v`` ``[B, P]``."""
+    b, n = p.shape
+    return {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
+
+
+def segment_mean(x: Tensor, seg: Tensor, layout: FlatLayout) -> Tensor:
+    """Mean of ``x`` (``[..., P]``) over each segment (tensor): ``[..., T]``."""
+    counts = torch.tensor(layout.numels, dtype=x.dtype, device=x.device)
+    out = x.new_zeros(*x.shape[:-1], len(layout.shapes))
+    return out.index_add(-1, seg, x) / counts
+
+
+def flat_step(
+    theta: Theta,
+    cfg: NetConfig,
+    layout: FlatLayout,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    step: int | Tensor,
+    lr: float | Tensor = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Learned step of every segment of ``p`` (``[B, P]``); returns ``(new_p, new_m, new_v)``.
+
+    A segment whose gradient holds NaN or Inf is left unchanged (parameters and state).
+    """
+    num = len(layout.shapes)
+    seg = layout.segments(p.device)
+
+    def mean(x: Tensor) -> Tensor:
+        return segment_mean(x, seg, layout)
+
+    finite = torch.isfinite(mean(g * g))  # [B, T]
+    g = torch.where(finite[:, seg], g, torch.zeros_like(g))
+    decays = torch.tensor(MOMENTUM_DECAYS, dtype=p.dtype, device=p.device).view(1, 3, 1)
+    m_new = m * decays + (1.0 - decays) * g.unsqueeze(1)
+    v_new = v * SECOND_MOMENT_DECAY + (1.0 - SECOND_MOMENT_DECAY) * g * g
+
+    # per-tensor statistics (design: log rms of g, p, m_k and v; log size; rank)
+    ms = torch.stack(
+        [mean(g * g), mean(p * p)] + [mean(m_new[:, k] ** 2) for k in range(3)] + [mean(v_new)],
+        dim=-1,
+    )  # [B, T, 6]
+    shape_stats = torch.tensor(
+        [[0.1 * math.log(max(n, 1)), 0.5 * len(s)] for n, s in zip(layout.numels, layout.shapes)],
+        dtype=p.dtype,
+        device=p.device,
+    ).expand(p.shape[0], num, 2)
+    stats = torch.cat([0.1 * torch.log(safe_sqrt(ms) + _TINY), shape_stats], dim=-1)
+    time = time_features(step, cfg, p)
+    log_scale, bias = tensor_head(theta, cfg, stats, time)  # [B, T], [B, T, H]
+
+    # per-element features, normalised per tensor
+    g_rms = safe_sqrt(ms[..., 0])[:, seg]
+    r = torch.rsqrt(v_new + cfg.eps)
+    clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
+    x = torch.cat(
+        [g.unsqueeze(1), clip_g.unsqueeze(1), p.unsqueeze(1), m_new, m_new * r.unsqueeze(1),
+         (g * r).unsqueeze(1), r.unsqueeze(1)],
+        dim=1,
+    )  # fmt: skip  # [B, 11, P]
+    assert x.shape[1] == NUM_ELEMENT_FEATURES
+    scales = torch.rsqrt(NORM_EPS + mean(x * x))  # [B, 11, T]
+    xn = x * scales[:, :, seg]
+    w1 = theta["elem_in.weight"].to(p.dtype)
+    h = torch.relu(torch.matmul(w1, xn) + bias.transpose(1, 2)[:, :, seg])
+    w2, b2 = theta["elem_hidden.weight"].to(p.dtype), theta["elem_hidden.bias"].to(p.dtype)
+    h = torch.relu(torch.matmul(w2, h) + b2.unsqueeze(-1))
+    w3, b3 = theta["elem_out.weight"].to(p.dtype), theta["elem_out.bias"].to(p.dtype)
+    out = torch.matmul(w3, h) + b3.unsqueeze(-1)  # [B, 2, P]
+    d, a = out[:, 0], out[:, 1]
+
+    adam_dir = adam_direction(m_new[:, 0], v_new, step, cfg.eps)
+    direction = (adam_dir + d).clamp(-cfg.max_direction, cfg.max_direction)
+    scale = ((-lr * cfg.step_mult) * torch.exp(log_scale))[:, seg]
+    new_p = p + scale * direction * torch.exp(cfg.exp_mult * a)
+    keep = finite[:, seg]
+    return (
+        torch.where(keep, new_p, p),
+        torch.where(keep.unsqueeze(1), m_new, m),
+        torch.where(keep, v_new, v),
+    )

@@ -1,0 +1,144 @@
+"""Command-line entry points of meta-training: ``learned-opt-meta`` (LightningCLI),
+``learned-opt export`` and ``learned-opt inspect``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from learned_opt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from learned_opt.config import NetConfig
+from learned_opt.network import LearnedOptimizerNet
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def meta_cli_main(args: list[str] | None = None):
+    """``learned-opt-meta fit --config meta_train/configs/default.yaml`` (a LightningCLI)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from .data import TaskSeedDataModule
+    from .module import MetaTrainModule
+
+    command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
+    MetaTrainModule.launch_command = command
+    LightningCLI(
+        MetaTrainModule,
+        TaskSeedDataModule,
+        args=args,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={"default_root_dir": "runs/meta"},
+    )
+
+
+def _read_lightning_checkpoint(path: str) -> dict:
+    if not Path(path).exists():
+        raise CheckpointError(f"{path}: no such Lightning checkpoint")
+    try:
+        # A Lightning checkpoint of the user's own run holds hyper-parameters as plain
+        # Python objects; read it as Lightning itself does.
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot be read as a Lightning checkpoint: {exc}") from exc
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
+        raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict)")
+    return ckpt
+
+
+def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
+    """Write the deployable checkpoint of a meta-training run, with its card.
+
+    With ``validate`` the run's validation is measured afresh on the exported theta (the
+    card then holds these numbers); otherwise the card keeps the run's last validation.
+    """
+    ckpt = _read_lightning_checkpoint(lightning_ckpt)
+    hp = dict(ckpt.get("hyper_parameters", {}))
+    theta = {k[len("net.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
+    if not theta:
+        raise CheckpointError(f"{lightning_ckpt}: holds no learned-optimizer network (net.*)")
+    width = int(hp.get("width", 8))
+    net = LearnedOptimizerNet(NetConfig(width=width))
+    try:
+        net.load_state_dict(theta)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{lightning_ckpt}: network does not match width {width}: {exc}"
+        ) from exc
+    state = ckpt.get("meta_state", {})
+    validation = state.get("last_validation", {})
+    if validate:
+        from .module import MetaTrainModule
+
+        module = MetaTrainModule(**hp)
+        module.net.load_state_dict(theta)
+        print("measuring validation on the exported optimizer ...", flush=True)
+        validation, _, _ = module.run_validation()
+        validation["global_step"] = int(ckpt.get("global_step", 0))
+    card = {
+        "name": Path(out).stem,
+        "trained": True,
+        "command": state.get("command", "unknown"),
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()},
+        "data": f"task family {hp.get('family')!r} from learned_opt.tasks (offline data only)",
+        "meta_steps": int(ckpt.get("global_step", 0)),
+        "wall_time_s": round(float(state.get("train_seconds", 0.0)), 1),
+        "skipped_outer_steps": int(state.get("skipped_steps", 0)),
+        "validation": validation,
+        "exported_from": str(lightning_ckpt),
+        "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return save_checkpoint(net, out, card)
+
+
+def inspect(checkpoint: str, logdir: str) -> Path:
+    """Write a checkpoint's card and response curves to TensorBoard under ``logdir``."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from .summaries import mixing_response, response_image, update_response
+
+    net, card = load_checkpoint(checkpoint)
+    theta = {k: v.detach() for k, v in net.named_parameters()}
+    writer = SummaryWriter(logdir)
+    writer.add_text("card/json", "```\n" + json.dumps(card, indent=2, default=str) + "\n```", 0)
+    for step in (1, 100, 1000):
+        img = response_image(
+            update_response(theta, net.config, step=step), "g / rms(g)", "update",
+            f"update vs normalised gradient, step {step}",
+        )  # fmt: skip
+        writer.add_image(f"response/update_step_{step}", img, 0, dataformats="HWC")
+    img = response_image(
+        mixing_response(theta, net.config), "||y_a - y_b|| / (||y_a|| + ||y_b||)", "weight",
+        "learned mixing weight vs edge distance",
+    )  # fmt: skip
+    writer.add_image("response/mixing_weight", img, 0, dataformats="HWC")
+    writer.close()
+    return Path(logdir)
+
+
+def export_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="learned-opt export", description=export.__doc__)
+    parser.add_argument("lightning_ckpt")
+    parser.add_argument("out")
+    parser.add_argument(
+        "--no-validate", action="store_true", help="keep the run's last validation in the card"
+    )
+    a = parser.parse_args(argv)
+    print(f"wrote {export(a.lightning_ckpt, a.out, validate=not a.no_validate)}")
+    return 0
+
+
+def inspect_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="learned-opt inspect", description=inspect.__doc__)
+    parser.add_argument("checkpoint", help="a file path or a shipped name such as 'default'")
+    parser.add_argument("--logdir", default="runs/inspect")
+    a = parser.parse_args(argv)
+    out = inspect(a.checkpoint, a.logdir)
+    print(f"wrote TensorBoard events to {out}; view with: tensorboard --logdir {out}")
+    return 0

@@ -1,0 +1,60 @@
+"""``TaskSeedDataModule``: supplies the task-sampling seeds of every meta-step.
+
+The seeds are a pure function of ``(seed, meta-step)``, where ``seed`` defaults to the
+global seed set by ``seed_everything``; a run is therefore reproducible, and a resumed run
+draws the seeds it would have drawn without the interruption.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+
+def step_seeds(seed: int, meta_step: int, count: int) -> torch.Tensor:
+    """The ``count`` task seeds of ``meta_step`` (int64)."""
+    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + int(meta_step)) % (2**63 - 1))
+    return torch.randint(0, 2**31 - 1, (count,), generator=gen)
+
+
+class _SeedStream(IterableDataset):
+    def __init__(self, seed: int, count: int, start: int):
+        self.seed, self.count, self.start = seed, count, start
+
+    def __iter__(self):
+        for step in itertools.count(self.start):
+            yield step_seeds(self.seed, step, self.count)
+
+
+class _Once(IterableDataset):
+    def __iter__(self):
+        yield torch.zeros(1)
+
+
+class TaskSeedDataModule(L.LightningDataModule):
+    """Training batches are the task seeds of one meta-step; validation is one item.
+
+    Args:
+        seed: base seed; None takes the global seed (``seed_everything``).
+        tasks_per_step: seeds per meta-step (match the model's ``tasks_per_step``).
+    """
+
+    def __init__(self, seed: int | None = None, tasks_per_step: int = 4):
+        super().__init__()
+        if tasks_per_step < 1:
+            raise ValueError(f"data field 'tasks_per_step' must be >= 1, got {tasks_per_step}")
+        self.seed, self.tasks_per_step = seed, tasks_per_step
+
+    def _base_seed(self) -> int:
+        return int(self.seed) if self.seed is not None else int(torch.initial_seed()) % (2**31)
+
+    def train_dataloader(self):
+        start = int(self.trainer.global_step) if self.trainer is not None else 0
+        stream = _SeedStream(self._base_seed(), self.tasks_per_step, start)
+        return DataLoader(stream, batch_size=None, num_workers=0)
+
+    def val_dataloader(self):
+        return DataLoader(_Once(), batch_size=None, num_workers=0)

@@ -1,0 +1,190 @@
+"""Inner training on stacked workers: the unroll that meta-training differentiates through.
+
+Every inner optimizer here is a pure function over parameter tensors stacked along a
+leading worker dimension ``[N, ...]``. The learned optimizer is the core's
+:func:`learned_opt.core.learned_update` under ``torch.func.vmap``; mixing is the
+:class:`~learned_opt.distributed.simulated.SimulatedCommunicator`, i.e. the same local-update
+and mixing functions as deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.func import grad_and_value, vmap
+
+from learned_opt.config import NetConfig
+from learned_opt.distributed.simulated import SimulatedCommunicator
+from learned_opt.distributed.topology import get_topology
+from learned_opt.flat import FlatLayout, flat_step, init_flat_state, segment_mean
+
+#: Inner optimizers understood by :func:`make_inner_optimizer`.
+INNER_OPTIMIZERS = ("learned", "adam", "sgd")
+
+
+@dataclass
+class InnerOptimizer:
+    """A pure optimizer over flat stacked worker parameters ``[N, P]``, and the mixing rule
+    it is paired with.
+
+    ``kind`` is "learned", "adam" or "sgd"; ``lr`` is Adam's/SGD's learning rate or the
+    learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
+    """
+
+    kind: str
+    lr: float = 1.0
+    mixing: str = "metropolis"
+    theta: dict[str, Tensor] | None = None
+    cfg: NetConfig | None = None
+    momentum: float = 0.9
+
+    def init(self, params: Tensor) -> dict[str, Tensor]:
+        """Zero state for flat stacked parameters."""
+        if self.kind == "learned":
+            return init_flat_state(params)
+        if self.kind == "adam":
+            return {"m": torch.zeros_like(params), "v": torch.zeros_like(params)}
+        return {"m": torch.zeros_like(params)}
+
+    def update(self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int):
+        """New ``(params, state)`` after the 1-based ``step``; differentiable in theta."""
+        if self.kind == "learned":
+            p, m, v = flat_step(
+                self.theta, self.cfg, layout, p, g, state["m"], state["v"], step, self.lr
+            )
+            return p, {"m": m, "v": v}
+        if self.kind == "adam":
+            b1, b2, eps = 0.9, 0.999, 1e-8
+            m = b1 * state["m"] + (1 - b1) * g
+            v = b2 * state["v"] + (1 - b2) * g * g
+            upd = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            return p - self.lr * upd, {"m": m, "v": v}
+        m = self.momentum * state["m"] + g
+        return p - self.lr * m, {"m": m}
+
+
+def make_inner_optimizer(
+    kind: str, lr: float = 1.0, mixing: str = "metropolis", net=None
+) -> InnerOptimizer:
+    """Build an :class:`InnerOptimizer`; ``net`` (a ``LearnedOptimizerNet``) for "learned"."""
+    if kind not in INNER_OPTIMIZERS:
+        raise ValueError(f"unknown inner optimizer {kind!r}; valid: {INNER_OPTIMIZERS}")
+    if kind == "learned":
+        if net is None:
+            raise ValueError("the learned inner optimizer needs a network (net=...)")
+        return InnerOptimizer(kind, lr, mixing, dict(net.named_parameters()), net.config)
+    return InnerOptimizer(kind, lr, mixing)
+
+
+@dataclass
+class Trajectory:
+    """One persistent inner run: a task on N stacked workers over a topology.
+
+    ``params``/``states`` are the inner state; ``step`` counts inner steps taken;
+    ``length`` is the step at which the trajectory is reset; ``loss0`` the initial loss.
+    """
+
+    task: object
+    num_workers: int
+    topology: str
+    partition: str
+    alpha: float
+    seed: int
+    length: int
+    layout: FlatLayout
+    params: Tensor
+    states: dict[str, Tensor] | None
+    batches: object
+    comm: SimulatedCommunicator | None
+    loss0: float
+    step: int = 0
+    history: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.length
+
+    def detach_(self) -> None:
+        """Cut the autograd graph at a truncation boundary."""
+        self.params = self.params.detach()
+        if self.states is not None:
+            self.states = {k: v.detach() for k, v in self.states.items()}
+
+    def tensors(self) -> list[Tensor]:
+        """The stacked per-tensor views ``[N, *shape]`` of the flat parameters."""
+        return list(self.layout.unflatten(self.params).values())
+
+
+def new_trajectory(
+    task,
+    num_workers: int,
+    topology: str,
+    partition: str,
+    alpha: float,
+    seed: int,
+    length: int,
+    device=None,
+) -> Trajectory:
+    """Initialise identical parameters on every worker (as a real run does) and its data."""
+    gen = torch.Generator().manual_seed(int(seed))
+    init = task.init(gen)
+    layout = FlatLayout.of(init, batch_dims=0)
+    params = layout.flatten(init, batch_dims=0).to(device).unsqueeze(0).repeat(num_workers, 1)
+    batches = task.worker_batches(int(seed), num_workers, partition, alpha, device=device)
+    comm = None
+    if num_workers > 1:
+        comm = SimulatedCommunicator(get_topology(topology, num_workers))
+    with torch.no_grad():
+        first = batches.get(0)
+        loss0 = float(vmap(task.loss)(layout.unflatten(params), first).mean())
+    return Trajectory(
+        task, num_workers, topology, partition, alpha, int(seed), int(length), layout, params,
+        None, batches, comm, max(loss0, 1e-8),
+    )  # fmt: skip
+
+
+def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False):
+    """Advance ``traj`` by one adapt-then-combine step; returns ``(losses [N], info)``.
+
+    The returned losses are the batch losses before the update, differentiable w.r.t.
+    theta through the parameters. Inner gradients are treated as constants unless
+    ``second_order``.
+    """
+    if traj.states is None:
+        traj.states = opt.init(traj.params)
+    layout = traj.layout
+    batch = traj.batches.get(traj.step)
+
+    def loss_fn(flat: Tensor, b):
+        return traj.task.loss(layout.unflatten(flat), b)
+
+    grads, losses = vmap(grad_and_value(loss_fn))(traj.params, batch)
+    if not second_order:
+        grads = grads.detach()
+    step = traj.step + 1
+    new_params, new_states = opt.update(layout, traj.params, grads, traj.states, step)
+    info: dict = {"num_workers": traj.num_workers}
+    with torch.no_grad():
+        seg = layout.segments(new_params.device)
+        delta = (new_params - traj.params).detach()
+        info["update_rms"] = segment_mean(delta * delta, seg, layout).mean(0).sqrt()
+    if traj.comm is not None and opt.mixing != "none":
+        mixed, mix_info = traj.comm.mix(
+            list(layout.unflatten(new_params).values()), traj.step, rule=opt.mixing,
+            theta=opt.theta, cfg=opt.cfg, losses=losses.detach(),
+        )  # fmt: skip
+        new_params = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
+        info.update(mix_info)
+    traj.params, traj.states, traj.step = new_params, new_states, step
+    traj.history.append(float(losses.detach().mean()))
+    return losses, info
+
+
+def consensus_distance(traj: Trajectory) -> float:
+    """(1/N) sum_i ||x_i - x_bar||^2 over all tensors; 0 for a single worker."""
+    if traj.comm is None:
+        return 0.0
+    with torch.no_grad():
+        return float(traj.comm.consensus_distance(traj.tensors()))

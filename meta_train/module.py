@@ -1,0 +1,261 @@
+"""``MetaTrainModule``: meta-trains the learned optimizer's theta with manual optimisation.
+
+Each training step takes the task-sampling seeds of one meta-step, keeps
+``tasks_per_step`` persistent inner trajectories (a task from the family, a worker count,
+a topology, a data partition, a log-uniform length), advances each by one truncation of
+``unroll_length`` inner steps with the estimator, and takes one clipped outer Adam step.
+Validation compares against learning-rate-tuned Adam and D-Adam/Metropolis.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import lightning as L
+import torch
+
+from learned_opt.checkpoint import load_checkpoint
+from learned_opt.config import NetConfig
+from learned_opt.network import LearnedOptimizerNet
+from learned_opt.tasks import get_family, get_task
+
+from .estimators import ESTIMATORS, is_finite, make_estimator
+from .evaluation import BaselineCache, compare
+from .inner import make_inner_optimizer
+from .settings import validate_settings
+from .slots import SlotSampler, restore_slots, serialise_slots
+
+
+class MetaTrainModule(L.LightningModule):
+    """Holds theta (``self.net``) and meta-trains it.
+
+    Args (each is a field of the YAML ``model:`` section):
+        width: per-element MLP width (8, 16 or 32).
+        family: task family to sample inner tasks from (``learned_opt.tasks.list_families()``).
+        tasks_per_step: persistent inner trajectories advanced per meta-step.
+        unroll_length: inner steps per truncation (K).
+        min_length, max_length: trajectory lengths are log-uniform in this range.
+        worker_counts: simulated worker counts to sample from (1 = plain training).
+        topologies: gossip topologies to sample from (invalid for a count -> ring).
+        partitions: "iid" and/or "dirichlet"; alpha: the Dirichlet concentration.
+        estimator: "tbptt" or "pes"; pes_sigma, pes_pairs: PES perturbation scale and pairs.
+        loss_clip: clip of L/L0 in the meta-loss (inner divergence).
+        outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
+        val_*: validation tasks, horizon and the decentralized validation setting.
+        init_checkpoint: start from a saved learned-optimizer checkpoint.
+        baseline_cache: JSON file caching the tuned-baseline curves (None: memory only).
+        histogram_every: log update/mixing histograms every this many meta-steps.
+    """
+
+    def __init__(
+        self,
+        width: int = 8,
+        family: str = "mlp_family",
+        tasks_per_step: int = 4,
+        unroll_length: int = 20,
+        min_length: int = 100,
+        max_length: int = 1000,
+        worker_counts: list[int] = (1, 2, 4, 8),
+        topologies: list[str] = ("ring", "exponential", "one_peer_exponential"),
+        partitions: list[str] = ("iid", "dirichlet"),
+        alpha: float = 0.1,
+        estimator: str = "tbptt",
+        pes_sigma: float = 0.01,
+        pes_pairs: int = 4,
+        loss_clip: float = 4.0,
+        outer_lr: float = 1e-3,
+        grad_clip: float = 1.0,
+        val_tasks: list[str] = ("digits_mlp", "wine_mlp"),
+        val_horizon: int = 200,
+        val_workers: int = 8,
+        val_topology: str = "ring",
+        val_partition: str = "dirichlet",
+        val_alpha: float = 0.1,
+        val_seed: int = 0,
+        init_checkpoint: str | None = None,
+        baseline_cache: str | None = "runs/meta/baseline_cache.json",
+        histogram_every: int = 50,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.settings = validate_settings(dict(self.hparams))
+        if init_checkpoint:
+            self.net, _ = load_checkpoint(init_checkpoint)
+            if self.net.config.width != width:
+                raise ValueError(
+                    f"width: {width} differs from init_checkpoint's width {self.net.config.width}"
+                )
+        else:
+            self.net = LearnedOptimizerNet(NetConfig(width=width))
+        self.automatic_optimization = False
+        s = self.settings
+        self.estimator = make_estimator(
+            s.estimator, loss_clip=s.loss_clip, pes_sigma=s.pes_sigma, pes_pairs=s.pes_pairs
+        )
+        self.sampler = SlotSampler(get_family(s.family), s)
+        self.slots: list = []
+        self.skipped_steps = 0
+        self.train_seconds = 0.0
+        self.last_validation: dict = {}
+        self._cache = BaselineCache(s.baseline_cache)
+
+    launch_command = "MetaTrainModule (Python API)"  # the CLI sets the exact command line
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.net.parameters(), lr=self.settings.outer_lr)
+
+    # ---------------------------------------------------------------- training
+    def training_step(self, batch, batch_idx):
+        s = self.settings
+        start = time.perf_counter()
+        seeds = [int(x) for x in batch.reshape(-1)]
+        while len(self.slots) < s.tasks_per_step:
+            self.slots.append(None)
+        for i in range(s.tasks_per_step):
+            if self.slots[i] is None or self.slots[i][0].done:
+                self.slots[i] = self.estimator.particles(
+                    self.sampler.sample(seeds[i % len(seeds)] + i, self.device)
+                )
+        opt = make_inner_optimizer("learned", net=self.net, mixing="learned")
+        infos: list = []
+        meta_loss, grads = self.estimator.estimate(
+            self.net, opt, self.slots, s.unroll_length, infos
+        )
+        outer = self.optimizers()
+        if is_finite(grads, meta_loss):
+            for p, g in zip(self.net.parameters(), grads):
+                p.grad = g.to(p.dtype)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), s.grad_clip)
+            outer.step()
+            outer.zero_grad(set_to_none=True)
+            self.log("meta/grad_norm", float(grad_norm))
+        else:
+            self.skipped_steps += 1  # theta is untouched; the trajectories are reset
+            for i, slot in enumerate(self.slots):
+                if not math.isfinite(slot[0].history[-1] if slot[0].history else 0.0):
+                    self.slots[i] = None
+        elapsed = time.perf_counter() - start
+        self.train_seconds += elapsed
+        worker_steps = sum(info["num_workers"] for info in infos)
+        self.log("meta/loss", float(meta_loss), prog_bar=True)
+        self.log("meta/skipped_steps", float(self.skipped_steps))
+        self.log("meta/outer_lr", outer.param_groups[0]["lr"])
+        self.log(
+            "meta/inner_steps_x_workers_per_s", worker_steps / max(elapsed, 1e-9), prog_bar=True
+        )
+        if s.histogram_every and self.global_step % s.histogram_every == 0:
+            self._log_histograms(infos)
+        return None
+
+    def _log_histograms(self, infos: list) -> None:
+        writer = getattr(self.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_histogram"):
+            return
+        upd = [float(u) for info in infos for u in info.get("update_rms", [])]
+        weights = [w.detach().reshape(-1) for info in infos for w in info.get("weights", [])]
+        if upd:
+            writer.add_histogram("train/update_rms", torch.tensor(upd), self.global_step)
+        if weights:
+            writer.add_histogram("train/mixing_weights", torch.cat(weights), self.global_step)
+
+    # ---------------------------------------------------------------- validation
+    @torch.no_grad()
+    def run_validation(self) -> tuple[dict, list, list]:
+        """Validation against tuned Adam (1 worker) and tuned D-Adam/Metropolis.
+
+        Returns ``(summary, single, decentralized)``; the lists hold one comparison per
+        validation task (see :func:`~learned_opt.meta_train.evaluation.compare`).
+        """
+        s = self.settings
+        learned = make_inner_optimizer("learned", net=self.net, mixing="learned")
+        single, decentral = [], []
+        for name in s.val_tasks:
+            task = get_task(name)
+            common = dict(steps=s.val_horizon, seed=s.val_seed, device=self.device)
+            single.append(compare(task, learned, self._cache, **common))
+            decentral.append(
+                compare(
+                    task, learned, self._cache, num_workers=s.val_workers, topology=s.val_topology,
+                    partition=s.val_partition, alpha=s.val_alpha, **common,
+                )
+            )  # fmt: skip
+        summary = {
+            "median_speedup_adam": statistics.median(r["speedup"] for r in single),
+            "median_speedup_dadam": statistics.median(r["speedup"] for r in decentral),
+            "diverged": int(sum(r["diverged"] for r in single + decentral)),
+            "single": [{k: v for k, v in r.items() if "curve" not in k} for r in single],
+            "decentralized": [{k: v for k, v in r.items() if "curve" not in k} for r in decentral],
+            "setting": {
+                "horizon": s.val_horizon, "workers": s.val_workers, "topology": s.val_topology,
+                "partition": s.val_partition, "alpha": s.val_alpha, "seed": s.val_seed,
+                "baseline_grid": "adam lr 1e-4..1e-1 (x3 steps), extended at the edges",
+            },
+            "global_step": int(self.global_step),
+        }  # fmt: skip
+        return summary, single, decentral
+
+    def validation_step(self, batch, batch_idx):
+        summary, single, decentral = self.run_validation()
+        for r in single:
+            self.log(f"val/speedup_adam/{r['task']}", r["speedup"])
+            self.log(
+                f"val/final_loss_ratio_adam/{r['task']}", r["learned_final"] / r["baseline_final"]
+            )
+        for r in decentral:
+            self.log(f"val/speedup_dadam/{r['task']}", r["speedup"])
+            self.log(f"val/consensus/{r['task']}", r["consensus"])
+            self.log(f"val/consensus_dadam/{r['task']}", r["baseline_consensus"])
+        self.log("val/median_speedup_adam", summary["median_speedup_adam"], prog_bar=True)
+        self.log("val/median_speedup_dadam", summary["median_speedup_dadam"], prog_bar=True)
+        self.log("val/diverged", float(summary["diverged"]))
+        self.log("hp_metric", summary["median_speedup_adam"])
+        self.last_validation = summary
+        self._log_probe(single[0], decentral[0])
+
+    def _log_probe(self, single: dict, decentral: dict) -> None:
+        writer = getattr(self.logger, "experiment", None)
+        if writer is None or not hasattr(writer, "add_image"):
+            return
+        from .probe import probe_mixing_matrix
+        from .summaries import curves_image, matrix_image
+
+        img = curves_image(
+            {
+                "learned": single["learned_curve"], "tuned Adam": single["baseline_curve"],
+                f"learned, {self.settings.val_workers} workers": decentral["learned_curve"],
+                "tuned D-Adam/Metropolis": decentral["baseline_curve"],
+            },
+            f"probe task {single['task']}",
+        )  # fmt: skip
+        writer.add_image("probe/loss_curves", img, self.global_step, dataformats="HWC")
+        matrix = probe_mixing_matrix(
+            self.net, get_task(self.settings.val_tasks[0]), self.settings, self.device
+        )
+        writer.add_image(
+            "probe/mixing_matrix",
+            matrix_image(matrix, "learned mixing (first tensor)"),
+            self.global_step,
+            dataformats="HWC",
+        )
+
+    # ---------------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["meta_slots"] = serialise_slots(self.slots)
+        checkpoint["meta_state"] = {
+            "command": self.launch_command,
+            "skipped_steps": self.skipped_steps,
+            "train_seconds": self.train_seconds,
+            "last_validation": self.last_validation,
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("meta_state", {})
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.last_validation = state.get("last_validation", {})
+        self.slots = restore_slots(checkpoint.get("meta_slots", []), self.estimator, self.device)
+
+
+__all__ = ["ESTIMATORS", "MetaTrainModule"]

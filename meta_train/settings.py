@@ -1,0 +1,79 @@
+"""Validation of meta-training settings: every bad field fails before training, by name."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from learned_opt.distributed.topology import get_topology, list_topologies
+from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_families
+
+from .estimators import ESTIMATORS
+
+
+def _fail(field: str, message: str):
+    raise ValueError(f"meta-training config field {field!r}: {message}")
+
+
+def validate_settings(hp: dict) -> SimpleNamespace:
+    """Check the ``MetaTrainModule`` arguments; returns them as attributes."""
+    s = SimpleNamespace(**hp)
+    if s.family not in list_families():
+        _fail("family", f"unknown family {s.family!r}; valid: {list_families()}")
+    if s.estimator not in ESTIMATORS:
+        _fail("estimator", f"unknown estimator {s.estimator!r}; valid: {list(ESTIMATORS)}")
+    for name in (
+        "tasks_per_step",
+        "unroll_length",
+        "min_length",
+        "max_length",
+        "val_horizon",
+        "val_workers",
+        "pes_pairs",
+    ):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(name, f"must be a positive integer, got {value!r}")
+    if s.min_length > s.max_length:
+        _fail("min_length", f"{s.min_length} exceeds max_length {s.max_length}")
+    if s.unroll_length > s.max_length:
+        _fail("unroll_length", f"{s.unroll_length} exceeds max_length {s.max_length}")
+    if s.val_horizon < 5 * s.unroll_length:
+        _fail(
+            "val_horizon",
+            f"must be at least 5x unroll_length ({5 * s.unroll_length}), got {s.val_horizon}",
+        )
+    s.worker_counts = [int(n) for n in s.worker_counts]
+    if not s.worker_counts or any(n < 1 or n > 64 for n in s.worker_counts):
+        _fail(
+            "worker_counts",
+            f"must be a non-empty list of integers in 1..64, got {s.worker_counts!r}",
+        )
+    s.topologies = list(s.topologies)
+    for t in s.topologies:
+        if t not in list_topologies():
+            _fail("topologies", f"unknown topology {t!r}; valid: {list_topologies()}")
+    s.partitions = list(s.partitions)
+    for p in s.partitions:
+        if p not in PARTITION_SCHEMES:
+            _fail("partitions", f"unknown partition {p!r}; valid: {list(PARTITION_SCHEMES)}")
+    for name in ("alpha", "val_alpha", "pes_sigma", "loss_clip", "outer_lr", "grad_clip"):
+        if not float(getattr(s, name)) > 0:
+            _fail(name, f"must be > 0, got {getattr(s, name)!r}")
+    s.val_tasks = list(s.val_tasks)
+    if not s.val_tasks:
+        _fail("val_tasks", "needs at least one task")
+    for t in s.val_tasks:
+        try:
+            get_task(t)
+        except ValueError as exc:
+            _fail("val_tasks", str(exc))
+    try:
+        get_topology(s.val_topology, s.val_workers)
+    except ValueError as exc:
+        _fail("val_topology", str(exc))
+    if s.val_partition not in PARTITION_SCHEMES:
+        _fail(
+            "val_partition",
+            f"unknown partition {s.val_partition!r}; valid: {list(PARTITION_SCHEMES)}",
+        )
+    return s

@@ -1,0 +1,119 @@
+"""The meta-training CLI end to end: smoke config, TensorBoard tags, resume, export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.checkpoint import CheckpointError
+from learned_opt.meta_train.cli import CONFIG_DIR, export, inspect, meta_cli_main
+
+from .conftest import smoke_args
+
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def _run_dir(root: Path) -> Path:
+    return sorted(root.glob("lightning_logs/version_*"))[-1]
+
+
+def _scalars_and_tags(run: Path) -> tuple[dict, set]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run), size_guidance={"images": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    return {t: acc.Scalars(t) for t in tags["scalars"]}, set(
+        tags["scalars"] + tags["images"] + tags["histograms"]
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smoke")
+    meta_cli_main(smoke_args(root))
+    return root
+
+
+def test_shipped_configs_parse():
+    assert {c.name for c in CONFIGS} >= {"smoke.yaml", "default.yaml"}
+    for config in CONFIGS:
+        proc = subprocess.run(
+            [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit", "--config",
+             str(config), "--print_config"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "unroll_length" in proc.stdout
+
+
+def test_smoke_writes_expected_tensorboard_tags(smoke_run):
+    scalars, tags = _scalars_and_tags(_run_dir(smoke_run))
+    expected = {
+        "meta/loss", "meta/grad_norm", "meta/outer_lr", "meta/inner_steps_x_workers_per_s",
+        "val/median_speedup_adam", "val/median_speedup_dadam", "probe/loss_curves",
+        "probe/mixing_matrix", "train/update_rms", "train/mixing_weights",
+        "val/consensus/iris_mlp",
+    }  # fmt: skip
+    assert expected <= tags, expected - tags
+    assert len(scalars["meta/loss"]) == 4
+    assert all(torch.isfinite(torch.tensor(e.value)) for e in scalars["meta/loss"])
+
+
+def test_resume_continues_the_run(smoke_run, tmp_path):
+    ckpt = next(_run_dir(smoke_run).glob("checkpoints/*.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["global_step"] == 4 and saved["meta_slots"], "slots are saved"
+    meta_cli_main(
+        smoke_args(tmp_path, "--trainer.max_steps=6", f"--ckpt_path={ckpt}",
+                   "--trainer.val_check_interval=100")
+    )  # fmt: skip
+    resumed = torch.load(next(_run_dir(tmp_path).glob("checkpoints/*.ckpt")), weights_only=False)
+    assert resumed["global_step"] == 6
+    old = saved["state_dict"]["net.elem_out.weight"]
+    assert not torch.equal(old, resumed["state_dict"]["net.elem_out.weight"])
+
+
+def test_export_loads_and_trains(smoke_run, tmp_path):
+    ckpt = next(_run_dir(smoke_run).glob("checkpoints/*.ckpt"))
+    out = export(str(ckpt), str(tmp_path / "opt.pt"), validate=False)
+    net, card = load_checkpoint(out)
+    assert card["trained"] and card["meta_steps"] == 4 and card["command"].startswith("learned-opt-meta")
+    assert "median_speedup_adam" in card["validation"]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 1)
+    x, y = torch.randn(64, 5), torch.randn(64, 1)
+    opt = LearnedOptimizer(model.parameters(), checkpoint=out)
+    first = None
+    for _ in range(100):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        first = first if first is not None else float(loss)
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.9 * first
+
+
+def test_export_rejects_bad_files(tmp_path):
+    with pytest.raises(CheckpointError, match="no such"):
+        export(str(tmp_path / "missing.ckpt"), str(tmp_path / "o.pt"))
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="bad.ckpt"):
+        export(str(bad), str(tmp_path / "o.pt"))
+
+
+def test_inspect_writes_card_and_response_curves(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    inspect("default", str(tmp_path))
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
+    acc.Reload()
+    images = set(acc.Tags()["images"])
+    assert {"response/mixing_weight", "response/update_step_100"} <= images
+    assert any(t.startswith("card/") for t in acc.Tags()["tensors"])

@@ -1,0 +1,102 @@
+"""MetaTrainModule: config validation, NaN meta-steps, flat step agreement, seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learned_opt.config import NetConfig
+from learned_opt.core import tensor_step
+from learned_opt.flat import FlatLayout, flat_step, init_flat_state
+from learned_opt.meta_train.data import step_seeds
+from learned_opt.meta_train.evaluation import speedup
+from learned_opt.meta_train.module import MetaTrainModule
+from learned_opt.network import LearnedOptimizerNet
+
+SMALL = dict(
+    tasks_per_step=1, unroll_length=3, min_length=6, max_length=6, worker_counts=[2],
+    topologies=["ring"], val_tasks=["iris_mlp"], val_horizon=15, val_workers=2,
+    baseline_cache=None,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("family", "nope"), ("estimator", "sgd"), ("topologies", ["hypercube"]),
+        ("val_tasks", ["nope"]), ("unroll_length", 0), ("val_horizon", 5),
+        ("worker_counts", [0]), ("partitions", ["random"]), ("min_length", 100),
+    ],
+)  # fmt: skip
+def test_bad_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        MetaTrainModule(**{**SMALL, field: value})
+
+
+def test_nan_meta_gradient_skips_the_outer_step(monkeypatch):
+    module = MetaTrainModule(**SMALL)
+    opt = torch.optim.Adam(module.net.parameters(), lr=1e-3)
+    monkeypatch.setattr(module, "optimizers", lambda: opt)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    before = {k: v.clone() for k, v in module.net.state_dict().items()}
+
+    def nan_estimate(net, inner, slots, steps, infos=None):
+        return torch.tensor(float("nan")), [torch.full_like(p, float("nan")) for p in net.parameters()]
+
+    monkeypatch.setattr(module.estimator, "estimate", nan_estimate)
+    module.training_step(step_seeds(0, 0, 1), 0)
+    assert module.skipped_steps == 1
+    for k, v in module.net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    monkeypatch.undo()
+    monkeypatch.setattr(module, "optimizers", lambda: opt)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    module.training_step(step_seeds(0, 1, 1), 1)
+    assert module.skipped_steps == 1
+    assert any(not torch.equal(v, before[k]) for k, v in module.net.state_dict().items())
+
+
+def test_flat_step_equals_tensor_step_per_tensor():
+    torch.manual_seed(0)
+    net = LearnedOptimizerNet(NetConfig(width=16))
+    with torch.no_grad():
+        for q in net.parameters():
+            q.add_(0.3 * torch.randn_like(q))
+    theta = net.theta()
+    params = {"w": torch.randn(3, 6, 5), "b": torch.randn(3, 5), "c": torch.randn(3, 2, 2, 3)}
+    layout = FlatLayout.of(params, batch_dims=1)
+    p = layout.flatten(params)
+    g = torch.randn_like(p)
+    g[1, :4] = float("nan")  # worker 1, tensor "w": skipped
+    state = init_flat_state(p)
+    state["m"] += 0.1 * torch.randn_like(state["m"])
+    state["v"] += torch.rand_like(state["v"])
+    new_p, new_m, new_v = flat_step(theta, net.config, layout, p, g, state["m"], state["v"], 7)
+    views = [layout.unflatten(t) for t in (p, g, state["v"], new_p, new_v)]
+    m_views = layout.unflatten(state["m"])
+    new_m_views = layout.unflatten(new_m)
+    for w in range(3):
+        for k in layout.names:
+            ref_p, ref_m, ref_v = tensor_step(
+                theta, net.config, views[0][k][w], views[1][k][w], m_views[k][w], views[2][k][w], 7
+            )
+            upd = ref_p - views[0][k][w]
+            assert torch.allclose(views[3][k][w] - views[0][k][w], upd, atol=1e-7, rtol=1e-5), k
+            assert torch.allclose(new_m_views[k][w], ref_m, atol=1e-6), k
+            assert torch.allclose(views[4][k][w], ref_v, atol=1e-6), k
+    assert torch.equal(new_p[1, :30], p[1, :30])
+    assert not torch.equal(new_p[0, :30], p[0, :30])
+
+
+def test_seeds_are_a_function_of_seed_and_step():
+    assert torch.equal(step_seeds(3, 10, 4), step_seeds(3, 10, 4))
+    assert not torch.equal(step_seeds(3, 10, 4), step_seeds(3, 11, 4))
+    assert not torch.equal(step_seeds(3, 10, 4), step_seeds(4, 10, 4))
+
+
+def test_speedup_definition():
+    base = [1.0 / (t + 1) for t in range(100)]
+    fast = [1.0 / (2 * t + 1) for t in range(100)]
+    assert speedup(fast, base) > 1.5
+    assert speedup(base, fast) < 0.7
+    assert abs(speedup(base, base) - 1.0) < 1e-9
