@@ -16,21 +16,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .config import NetConfig
+from .config import NUM_ELEMENT_FEATURES, NetConfig
 from .features import (
-    adam_direction,
+    adam_denominator,
     element_features,
     feature_scales,
-    rms,
+    feature_sum_squares,
+    mean_square,
+    safe_sqrt,
     tensor_stats,
     time_features,
     update_moments,
     update_moments_,
 )
-from .network import Theta, element_mlp, tensor_head
+from .network import Theta, element_layers, element_mlp, tensor_head
 
-#: Elements per chunk on the fast path (features are ``11 x CHUNK`` floats).
+#: Elements per chunk on the fast path. The MLP activations of a chunk
+#: (``(11 + 2 * width + 2) * CHUNK`` floats) stay in the L2 cache while per-op overhead
+#: stays small; chosen by measurement with ``benchmarks/step_overhead.py``.
 DEFAULT_CHUNK = 1 << 16
+#: Pass 1 (sums of squares) works on chunks this many times larger.
+PASS1_CHUNKS = 4
 
 
 def compute_dtype(p: Tensor) -> torch.dtype:
@@ -47,9 +53,24 @@ def init_state(p: Tensor) -> dict[str, Tensor]:
     }
 
 
-def _scaled_update(cfg, log_scale, lr, adam_dir, d, a):
-    direction = (adam_dir + d).clamp(-cfg.max_direction, cfg.max_direction)
-    return (-lr * cfg.step_mult) * torch.exp(log_scale) * direction * torch.exp(cfg.exp_mult * a)
+def _tensor_context(theta, cfg, p, v, ms, step, lr):
+    """The per-tensor network's outputs, from the feature mean squares ``ms``: the
+    per-element MLP with normalisation and context folded in, and the step scale
+    ``-lr * step_mult * exp(log_scale)``."""
+    time = time_features(step, cfg, p)
+    log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v), time)
+    layers = element_layers(theta, cfg, feature_scales(ms), bias, p.dtype)
+    return layers, (-lr * cfg.step_mult) * torch.exp(log_scale)
+
+
+def _element_update(cfg, layers, x, m1, v, step, mlp_out=None) -> tuple[Tensor, Tensor]:
+    """``(direction, magnitude)`` per element; the update is ``scale * direction * magnitude``.
+
+    ``direction = clamp(adam_dir + d)``: Adam's direction corrected by the learned ``d``.
+    """
+    d, log_mag = element_mlp(layers, x, out=mlp_out)
+    adam_dir = m1 / adam_denominator(v, step, cfg.eps)
+    return (adam_dir + d).clamp(-cfg.max_direction, cfg.max_direction), torch.exp(log_mag)
 
 
 def tensor_step(
@@ -64,22 +85,35 @@ def tensor_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Pure local step of one tensor. ``step`` is the 1-based step count after this update.
 
-    Returns ``(new_p, new_m, new_v)``; differentiable in theta, p, g, m and v.
+    Returns ``(new_p, new_m, new_v)``; differentiable in theta, p, g, m and v. A gradient
+    holding NaN or Inf (or whose sum of squares overflows) leaves ``p``, ``m`` and ``v``
+    unchanged.
     """
     dtype = compute_dtype(p)
     p32, g32 = p.to(dtype), g.to(dtype)
-    finite = torch.isfinite(g32).all()
+    finite = torch.isfinite(mean_square(g32))
     g32 = torch.where(finite, g32, torch.zeros_like(g32))
     m_new, v_new = update_moments(g32, m, v)
-    time = time_features(step, cfg, p32)
-    log_scale, bias = tensor_head(theta, cfg, tensor_stats(p32, g32, m_new, v_new), time)
-    x = element_features(p32, g32, m_new, v_new, rms(g32), cfg)
-    w_in = theta["elem_in.weight"].to(dtype) * feature_scales(x.square().mean(dim=1))
-    d, a = element_mlp(theta, w_in, bias, x)
-    adam_dir = adam_direction(m_new[0].reshape(-1), v_new.reshape(-1), step, cfg.eps)
-    upd = _scaled_update(cfg, log_scale, lr, adam_dir, d, a).reshape(p.shape)
+    g_rms = safe_sqrt(mean_square(g32))
+    x = element_features(p32, g32, m_new, v_new, g_rms, cfg)
+    ms = feature_sum_squares(p32, g32, m_new, v_new, g_rms, cfg) / max(p.numel(), 1)
+    layers, scale = _tensor_context(theta, cfg, p32, v_new, ms, step, lr)
+    m1, v1 = m_new[0].reshape(-1), v_new.reshape(-1)
+    direction, magnitude = _element_update(cfg, layers, x, m1, v1, step)
+    upd = (scale * direction * magnitude).reshape(p.shape)
     new_p = torch.where(finite, p32 + upd, p32).to(p.dtype)
     return new_p, torch.where(finite, m_new, m), torch.where(finite, v_new, v)
+
+
+def _scratch(workspace: dict | None, numel: int, dtype, device) -> Tensor:
+    """A flat buffer of at least ``numel`` elements, reused across calls via ``workspace``."""
+    key = (dtype, str(device))
+    buf = workspace.get(key) if workspace is not None else None
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        if workspace is not None:
+            workspace[key] = buf
+    return buf
 
 
 @torch.no_grad()
@@ -92,48 +126,61 @@ def tensor_step_(
     step: int,
     lr: float = 1.0,
     chunk: int = DEFAULT_CHUNK,
+    workspace: dict | None = None,
 ) -> bool:
     """In-place fast twin of :func:`tensor_step`. Returns False (and changes nothing) when
-    ``g`` is not finite."""
+    the gradient is not finite.
+
+    Two passes over chunks: pass 1 sums the squared features for the per-tensor
+    normalisation (analytically, without building them); pass 2 builds the features of a
+    cache-sized chunk and runs the MLP and the update, with the features and activations in
+    one reused buffer (kept in ``workspace`` if given).
+    """
     dtype = compute_dtype(p)
     g32 = g.to(dtype)
-    g_rms = rms(g32)
-    if not torch.isfinite(g_rms):
+    g_ms = mean_square(g32)
+    if not torch.isfinite(g_ms):
         return False
     m, v = state["m"], state["v"]
     update_moments_(g32, m, v)
     p32 = p.detach().to(dtype)
-    time = time_features(step, cfg, p32)
-    log_scale, bias = tensor_head(theta, cfg, tensor_stats(p32, g32, m, v), time)
-    n = p.numel()
-    flat = (p32.reshape(-1), g32.reshape(-1), m.reshape(3, -1), v.reshape(-1))
+    n, width, g_rms = p.numel(), cfg.width, safe_sqrt(g_ms)
     # m and v are created contiguous by init_state, so these reshapes are views
+    flat_p, flat_g, flat_m, flat_v = (
+        p32.reshape(-1),
+        g32.reshape(-1),
+        m.reshape(3, -1),
+        v.reshape(-1),
+    )
+    size = min(chunk, n)
+    buf = _scratch(workspace, (NUM_ELEMENT_FEATURES + 2 * width + 2) * size, dtype, p.device)
 
-    def chunk_features(lo: int, hi: int) -> Tensor:
-        pc, gc, mc, vc = flat[0][lo:hi], flat[1][lo:hi], flat[2][:, lo:hi], flat[3][lo:hi]
-        return element_features(pc, gc, mc, vc, g_rms, cfg)
+    def piece(lo: int, hi: int) -> tuple:
+        return flat_p[lo:hi], flat_g[lo:hi], flat_m[:, lo:hi], flat_v[lo:hi], g_rms, cfg
 
-    bounds = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
-    if len(bounds) == 1:
-        x_full = chunk_features(0, n)
-        sq = x_full.square().mean(dim=1)
-    else:
-        x_full = None
-        sq = sum(chunk_features(lo, hi).square().sum(dim=1) for lo, hi in bounds) / n
-    w_in = theta["elem_in.weight"].to(dtype) * feature_scales(sq)
-    scale = float(-lr * cfg.step_mult) * torch.exp(log_scale)
-    in_place = p32.data_ptr() == p.data_ptr() and p.is_contiguous()
-    out = None if in_place else p32.reshape(-1).clone()
-    for lo, hi in bounds:
-        x = x_full if x_full is not None else chunk_features(lo, hi)
-        d, a = element_mlp(theta, w_in, bias, x)
-        adam_dir = adam_direction(flat[2][0, lo:hi], flat[3][lo:hi], step, cfg.eps)
-        direction = (adam_dir + d).clamp_(-cfg.max_direction, cfg.max_direction)
-        upd = direction.mul_(torch.exp(cfg.exp_mult * a)).mul_(scale)
-        target = out if out is not None else p.view(-1)
-        target[lo:hi].add_(upd)
-    if out is not None:
-        p.copy_(out.reshape(p.shape))
+    # pass 1: per-feature sums of squares, in larger chunks (no per-element temporaries kept)
+    big = PASS1_CHUNKS * size
+    sq = sum(feature_sum_squares(*piece(lo, min(lo + big, n))) for lo in range(0, n, big))
+    layers, scale = _tensor_context(theta, cfg, p32, v, sq / n, step, lr)
+    aliases_p = flat_p.data_ptr() == p.data_ptr()
+    in_place = aliases_p and p.is_contiguous()
+    # write into p itself, or into a private float copy that is copied back at the end
+    target = flat_p.clone() if aliases_p and not in_place else flat_p
+    scale = float(scale)
+    for lo in range(0, n, size):
+        hi = min(lo + size, n)
+        k = hi - lo
+        parts = buf[: (NUM_ELEMENT_FEATURES + 2 * width + 2) * k].split(
+            [NUM_ELEMENT_FEATURES * k, width * k, width * k, 2 * k]
+        )
+        x = element_features(*piece(lo, hi), out=parts[0].view(-1, k))
+        mlp_out = (parts[1].view(width, k), parts[2].view(width, k), parts[3].view(2, k))
+        direction, magnitude = _element_update(
+            cfg, layers, x, flat_m[0, lo:hi], flat_v[lo:hi], step, mlp_out
+        )
+        target[lo:hi].addcmul_(direction, magnitude, value=scale)
+    if not in_place:
+        p.copy_(target.view(p.shape))
     return True
 
 
@@ -160,6 +207,7 @@ def learned_update(
             new_params.append(p2)
             new_states.append({"m": m2, "v": v2})
         return new_params, new_states
+    workspace: dict = {}
     for p, g, s in zip(params, grads, states):
-        tensor_step_(theta, cfg, p, g, s, int(step), float(lr))
+        tensor_step_(theta, cfg, p, g, s, int(step), float(lr), workspace=workspace)
     return params, states

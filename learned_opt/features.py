@@ -34,34 +34,68 @@ def update_moments_(g: Tensor, m: Tensor, v: Tensor) -> None:
     v.mul_(SECOND_MOMENT_DECAY).addcmul_(g, g, value=1.0 - SECOND_MOMENT_DECAY)
 
 
+def safe_sqrt(x: Tensor) -> Tensor:
+    """``sqrt(x)`` with a finite gradient at 0 (``x`` is a mean square, never negative)."""
+    return torch.sqrt(x + _TINY * _TINY)
+
+
 def rms(x: Tensor) -> Tensor:
     """Root mean square over all elements (a 0-d tensor)."""
-    return x.square().mean().sqrt()
+    return safe_sqrt(mean_square(x))
+
+
+def mean_square(x: Tensor) -> Tensor:
+    """``mean(x^2)`` as a dot product (no temporary the size of ``x``)."""
+    flat = x.reshape(-1)
+    return torch.dot(flat, flat) / max(flat.numel(), 1)
 
 
 def element_features(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, g_rms: Tensor, cfg: NetConfig
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    g_rms: Tensor,
+    cfg: NetConfig,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Unnormalised per-element features, shape ``(11, n)`` for ``n = p.numel()``.
 
     Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps), rsqrt(v + eps).
     ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms`` is the rms of
     the whole tensor, so the features of a chunk equal those of the full tensor.
+    ``out`` (contiguous, ``(11, n)``) receives the rows on the no-grad fast path.
     """
+    g = g.reshape(1, -1)
+    m = m.reshape(3, -1)
+    r = torch.rsqrt(v.reshape(1, -1) + cfg.eps)
+    clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
+    rows = [g, clip_g, p.reshape(1, -1), m, m * r, g * r, r]
+    return torch.cat(rows) if out is None else torch.cat(rows, out=out)
+
+
+def feature_sum_squares(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, g_rms: Tensor, cfg: NetConfig
+) -> Tensor:
+    """Per-row sums of squares of :func:`element_features`, shape ``(11,)``, computed
+    without building the rows (``(m r)^2 = m^2 / (v + eps)``), so the fast path's first pass
+    over a tensor is cheap. Sums over chunks add up; divided by the tensor's size they are
+    the mean squares that :func:`feature_scales` normalises by."""
     g = g.reshape(-1)
     p = p.reshape(-1)
-    m = m.reshape(3, -1)
-    r = torch.rsqrt(v.reshape(-1) + cfg.eps)
+    m2 = m.reshape(3, -1).square()
+    g2 = g * g
+    inv = torch.reciprocal(v.reshape(-1) + cfg.eps)  # rsqrt(v + eps) ** 2
     clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
     return torch.cat(
         [
-            g.unsqueeze(0),
-            clip_g.unsqueeze(0),
-            p.unsqueeze(0),
-            m,
-            m * r,
-            (g * r).unsqueeze(0),
-            r.unsqueeze(0),
+            g2.sum().reshape(1),
+            torch.dot(clip_g, clip_g).reshape(1),
+            torch.dot(p, p).reshape(1),
+            m2.sum(dim=1),
+            torch.mv(m2, inv),
+            torch.dot(g2, inv).reshape(1),
+            inv.sum().reshape(1),
         ]
     )
 
@@ -71,17 +105,16 @@ def feature_scales(mean_squares: Tensor) -> Tensor:
     return torch.rsqrt(NORM_EPS + mean_squares)
 
 
-def tensor_stats(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> Tensor:
+def tensor_stats(ms: Tensor, v: Tensor) -> Tensor:
     """Per-tensor statistics, shape ``(8,)``, for the per-tensor network.
 
-    0.1 * log rms of g, p, m_1..m_3 and sqrt(v); 0.1 * log(numel); 0.5 * rank.
+    0.1 * log rms of g, p, m_1..m_3 and sqrt(mean v); 0.1 * log(numel); 0.5 * rank. ``ms``
+    holds the feature mean squares (rows 0 and 2-5 of the features are g, p and m).
     """
-    rms_m = m.reshape(3, -1).square().mean(dim=1).sqrt()
-    logs = torch.log(
-        torch.stack([rms(g), rms(p), rms_m[0], rms_m[1], rms_m[2], v.mean().sqrt()]) + _TINY
-    )
+    moments = torch.cat([ms[0:1], ms[2:6], v.mean().reshape(1)])
+    logs = torch.log(safe_sqrt(moments) + _TINY)
     shape_stats = torch.tensor(
-        [0.1 * math.log(max(p.numel(), 1)), 0.5 * p.dim()], dtype=logs.dtype, device=logs.device
+        [0.1 * math.log(max(v.numel(), 1)), 0.5 * v.dim()], dtype=logs.dtype, device=logs.device
     )
     return torch.cat([0.1 * logs, shape_stats])
 
@@ -93,12 +126,20 @@ def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     return torch.tanh(step / taus - 1.0)
 
 
+def adam_denominator(v: Tensor, step: Tensor | float, eps: float) -> Tensor:
+    """``bc1 * (sqrt(v / bc2) + eps)``: Adam's direction is ``m_1 / adam_denominator``.
+
+    ``step`` may be a Python number (bias corrections in float64) or a tensor.
+    """
+    if isinstance(step, Tensor):
+        step = step.to(dtype=v.dtype, device=v.device)
+    bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
+    return ((v / bc2).sqrt() + eps) * bc1
+
+
 def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum."""
-    step = torch.as_tensor(step, dtype=m1.dtype, device=m1.device)
-    bc1 = 1.0 - MOMENTUM_DECAYS[0] ** step
-    bc2 = 1.0 - SECOND_MOMENT_DECAY**step
-    return (m1 / bc1) / ((v / bc2).sqrt() + eps)
+    return m1 / adam_denominator(v, step, eps)
 
 
 def edge_features(

@@ -8,6 +8,8 @@ Output parameterisation (Adam is built in; zero-initialised heads give exactly A
 
     update = -lr * step_mult * exp(log_scale) * clamp(adam_dir + d) * exp(exp_mult * a)
 
+(``adam_dir`` is Adam's bias-corrected ``m_hat / (sqrt(v_hat) + eps)``.)
+
 Mixing weights lie in ``[0, 1 / max_degree]`` and start at Metropolis-Hastings
 ``1 / (1 + max_degree)``.
 """
@@ -74,35 +76,69 @@ class LearnedOptimizerNet(nn.Module):
 
 def _linear(theta: Theta, name: str, x: Tensor) -> Tensor:
     bias = theta.get(f"{name}.bias")
-    return F.linear(x, theta[f"{name}.weight"].to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return F.linear(
+        x, theta[f"{name}.weight"].to(x.dtype), None if bias is None else bias.to(x.dtype)
+    )
 
 
 def tensor_head(theta: Theta, cfg: NetConfig, stats: Tensor, time: Tensor) -> tuple[Tensor, Tensor]:
     """Per-tensor network: ``(log_scale, context_bias)`` with the time features folded in.
 
-    ``context_bias`` (shape ``(width,)``) is the full first-layer bias of the per-element MLP.
+    ``stats`` is ``(..., 8)`` (leading dims: tensors, workers) and ``time`` is ``(T,)``.
+    ``context_bias`` (shape ``(..., width)``) is the full first-layer bias of the
+    per-element MLP; ``log_scale`` has shape ``(...)``.
     """
-    x = torch.cat([stats, time])
+    x = torch.cat([stats, time.expand(*stats.shape[:-1], time.shape[-1])], dim=-1)
     h = F.relu(_linear(theta, "tensor_in", x))
     out = _linear(theta, "tensor_out", h)
-    log_scale = cfg.max_log_scale * torch.tanh(out[0] / cfg.max_log_scale)
-    bias = out[1:] + theta["elem_in.bias"].to(x.dtype) + _linear(theta, "elem_time", time)
+    log_scale = cfg.max_log_scale * torch.tanh(out[..., 0] / cfg.max_log_scale)
+    bias = out[..., 1:] + theta["elem_in.bias"].to(x.dtype) + _linear(theta, "elem_time", time)
     return log_scale, bias
 
 
-def element_mlp(theta: Theta, w_in: Tensor, bias: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-element MLP on features ``x`` of shape ``(F, n)``; returns ``(d, a)``, each ``(n,)``.
+Layers = tuple[tuple[Tensor, Tensor], ...]
 
-    ``w_in`` is the first-layer weight with the per-tensor feature normalisation folded
-    into its columns (``elem_in.weight * scales``), so features are never rescaled per element.
+
+def element_layers(
+    theta: Theta, cfg: NetConfig, feature_scales: Tensor, context_bias: Tensor, dtype
+) -> Layers:
+    """The per-element MLP of one tensor as ``((weight, bias[:, None]), ...)``.
+
+    The per-tensor feature normalisation is folded into the first layer's columns (features
+    are never rescaled per element), the tensor's context into its bias, and ``exp_mult``
+    into the magnitude row of the output layer.
     """
-    h = F.relu(torch.addmm(bias.unsqueeze(1), w_in, x))
-    h = F.relu(torch.addmm(theta["elem_hidden.bias"].to(x.dtype).unsqueeze(1), theta["elem_hidden.weight"].to(x.dtype), h))
-    out = torch.addmm(theta["elem_out.bias"].to(x.dtype).unsqueeze(1), theta["elem_out.weight"].to(x.dtype), h)
-    return out[0], out[1]
+    out_mult = torch.tensor([[1.0], [cfg.exp_mult]], dtype=dtype, device=context_bias.device)
+    w_in = theta["elem_in.weight"].to(dtype) * feature_scales
+    w_h, b_h = theta["elem_hidden.weight"].to(dtype), theta["elem_hidden.bias"].to(dtype)
+    w_o, b_o = theta["elem_out.weight"].to(dtype), theta["elem_out.bias"].to(dtype)
+    return (
+        (w_in, context_bias.unsqueeze(-1)),
+        (w_h, b_h.unsqueeze(-1)),
+        (w_o * out_mult, b_o.unsqueeze(-1) * out_mult),
+    )
 
 
-def edge_weight(theta: Theta, cfg: NetConfig, edge_feats: Tensor, max_degree, time: Tensor) -> Tensor:
+def element_mlp(
+    layers: Layers, x: Tensor, out: tuple[Tensor, Tensor, Tensor] | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-element MLP on features ``x`` of shape ``(F, n)``: 2 hidden ReLU layers.
+
+    Returns ``(d, log_mag)``, each ``(n,)``: the direction and ``exp_mult * a``. ``out``
+    (contiguous buffers of shapes ``(H, n)``, ``(H, n)``, ``(2, n)``) receives the
+    activations on the no-grad fast path.
+    """
+    (w1, b1), (w2, b2), (w3, b3) = layers
+    h1, h2, o = out if out is not None else (None, None, None)
+    h = torch.addmm(b1, w1, x, out=h1).relu_()
+    h = torch.addmm(b2, w2, h, out=h2).relu_()
+    res = torch.addmm(b3, w3, h, out=o)
+    return res[0], res[1]
+
+
+def edge_weight(
+    theta: Theta, cfg: NetConfig, edge_feats: Tensor, max_degree, time: Tensor
+) -> Tensor:
     """Mixing weight of one edge for one tensor, in ``[0, 1 / max_degree]``.
 
     With a zero-initialised head it equals Metropolis-Hastings ``1 / (1 + max_degree)``.

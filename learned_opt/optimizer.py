@@ -56,6 +56,7 @@ class LearnedOptimizer(Optimizer):
         self.chunk_size = chunk_size
         self.last_loss: Tensor | float | None = None
         self._theta_cache: dict[tuple, Theta] = {}
+        self._workspace: dict = {}  # scratch buffers of the fast path, reused across steps
         super().__init__(params, dict(lr=lr, step=0))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -130,7 +131,15 @@ class LearnedOptimizer(Optimizer):
                 dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
                 theta = self.theta(p.device, dtype)
                 ok = tensor_step_(
-                    theta, self.config, p, g, state, group["step"], group["lr"], self.chunk_size
+                    theta,
+                    self.config,
+                    p,
+                    g,
+                    state,
+                    group["step"],
+                    group["lr"],
+                    self.chunk_size,
+                    self._workspace,
                 )
                 if not ok:
                     state["nonfinite_skips"] += 1
