@@ -51,7 +51,8 @@ class GossipOptimizer:
         local_optimizer: any ``torch.optim.Optimizer`` (its param groups are the model).
         topology: a :class:`Topology` or a registry name; ignored when ``communicator`` is
             given.
-        mixing: ``"metropolis"``, ``"uniform"`` or ``"learned"``.
+        mixing: ``"metropolis"``, ``"uniform"`` or ``"learned"``; default: ``"learned"`` when
+            a network is available (a ``LearnedOptimizer`` or ``net=``), else ``"metropolis"``.
         communicator: default: a :class:`ProcessGroupCommunicator` on the default group.
         net: the network whose edge head gives learned weights; defaults to
             ``local_optimizer.net`` (a ``LearnedOptimizer``).
@@ -70,7 +71,7 @@ class GossipOptimizer:
         self,
         local_optimizer: Optimizer,
         topology: Topology | str | None = None,
-        mixing: str = "learned",
+        mixing: str | None = None,
         communicator=None,
         *,
         net: LearnedOptimizerNet | None = None,
@@ -79,6 +80,9 @@ class GossipOptimizer:
         writer=None,
         logdir: str | os.PathLike | None = None,
     ):
+        if mixing is None:
+            has_net = net is not None or getattr(local_optimizer, "net", None) is not None
+            mixing = "learned" if has_net else "metropolis"
         if mixing not in RULES:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
