@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from learned_opt.distributed import (
     SimulatedCommunicator,
     get_topology,
@@ -9,7 +10,6 @@ from learned_opt.distributed import (
     metropolis_weight,
     mix,
 )
-
 from learned_opt.network import LearnedOptimizerNet
 
 

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from learned_opt.distributed import Topology, get_topology, list_topologies
 
 SIZES = {
