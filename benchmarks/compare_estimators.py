@@ -63,8 +63,16 @@ def main() -> None:
             "single": card["validation"]["single"],
             "decentralized": card["validation"]["decentralized"],
         }
-        print(name, json.dumps({k: v for k, v in results[name].items() if "median" in k or k == "meta_steps"}))
-    better = max(results, key=lambda k: results[k]["median_speedup_adam"] + results[k]["median_speedup_dadam"])
+        print(
+            name,
+            json.dumps(
+                {k: v for k, v in results[name].items() if "median" in k or k == "meta_steps"}
+            ),
+        )
+    better = max(
+        results,
+        key=lambda k: results[k]["median_speedup_adam"] + results[k]["median_speedup_dadam"],
+    )
     payload = {
         "budget_minutes_each": args.minutes,
         "threads_each": 1,

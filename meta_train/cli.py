@@ -57,7 +57,7 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
     card then holds these numbers); otherwise the card keeps the run's last validation.
     """
     ckpt = _read_lightning_checkpoint(lightning_ckpt)
-    hp = dict(ckpt.get("hyper_parameters", {}))
+    hp = {k: v for k, v in ckpt.get("hyper_parameters", {}).items() if not k.startswith("_")}
     theta = {k[len("net.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     if not theta:
         raise CheckpointError(f"{lightning_ckpt}: holds no learned-optimizer network (net.*)")

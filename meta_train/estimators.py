@@ -105,7 +105,9 @@ class PES:
         for _ in range(2 * self.pairs):
             p = copy.copy(traj)
             p.params = traj.params.clone()
-            p.states = None if traj.states is None else {k: v.clone() for k, v in traj.states.items()}
+            p.states = (
+                None if traj.states is None else {k: v.clone() for k, v in traj.states.items()}
+            )
             p.history = []
             out.append(p)
         traj.pes_accum = None

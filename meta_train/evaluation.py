@@ -23,10 +23,10 @@ import torch
 from .inner import InnerOptimizer, consensus_distance, inner_step, new_trajectory
 
 SMOOTH = 10
-LR_GRIDS = {
-    "adam": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
-    "sgd": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
-}
+_ADAM_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+_SGD_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
+#: The fixed 7-point learning-rate grids (extended at an edge when the best rate is there).
+LR_GRIDS = {"adam": _ADAM_GRID, "adamw": _ADAM_GRID, "sgd": _SGD_GRID, "dsgt": _SGD_GRID}
 
 
 def smooth(curve: list[float], window: int = SMOOTH) -> list[float]:
@@ -124,6 +124,7 @@ def tune_baseline(kind: str, mixing: str, run, grid=None) -> dict:
         "consensus": results[best]["consensus"],
         "final": final_loss(results[best]["curve"]),
         "grid": sorted(results),
+        "curves": {lr: r["curve"] for lr, r in results.items()},
     }
 
 

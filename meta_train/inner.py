@@ -20,8 +20,9 @@ from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.flat import FlatLayout, flat_step, init_flat_state, segment_mean
 
-#: Inner optimizers understood by :func:`make_inner_optimizer`.
-INNER_OPTIMIZERS = ("learned", "adam", "sgd")
+#: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
+#: tracking: its tracker ``y`` is mixed together with the parameters.
+INNER_OPTIMIZERS = ("learned", "adam", "adamw", "sgd", "dsgt")
 
 
 @dataclass
@@ -39,13 +40,16 @@ class InnerOptimizer:
     theta: dict[str, Tensor] | None = None
     cfg: NetConfig | None = None
     momentum: float = 0.9
+    weight_decay: float = 1e-2
 
     def init(self, params: Tensor) -> dict[str, Tensor]:
         """Zero state for flat stacked parameters."""
         if self.kind == "learned":
             return init_flat_state(params)
-        if self.kind == "adam":
+        if self.kind in ("adam", "adamw"):
             return {"m": torch.zeros_like(params), "v": torch.zeros_like(params)}
+        if self.kind == "dsgt":
+            return {"wy": torch.zeros_like(params), "g_prev": torch.zeros_like(params)}
         return {"m": torch.zeros_like(params)}
 
     def update(self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int):
@@ -55,12 +59,17 @@ class InnerOptimizer:
                 self.theta, self.cfg, layout, p, g, state["m"], state["v"], step, self.lr
             )
             return p, {"m": m, "v": v}
-        if self.kind == "adam":
+        if self.kind in ("adam", "adamw"):
             b1, b2, eps = 0.9, 0.999, 1e-8
             m = b1 * state["m"] + (1 - b1) * g
             v = b2 * state["v"] + (1 - b2) * g * g
             upd = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            if self.kind == "adamw":  # decoupled weight decay, torch's default 1e-2
+                upd = upd + self.weight_decay * p
             return p - self.lr * upd, {"m": m, "v": v}
+        if self.kind == "dsgt":  # y_t = W y_{t-1} + g_t - g_{t-1}; the caller mixes p and y
+            y = g if step == 1 else state["wy"] + g - state["g_prev"]
+            return p - self.lr * y, {"wy": y, "g_prev": g}
         m = self.momentum * state["m"] + g
         return p - self.lr * m, {"m": m}
 
@@ -171,11 +180,17 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         delta = (new_params - traj.params).detach()
         info["update_rms"] = segment_mean(delta * delta, seg, layout).mean(0).sqrt()
     if traj.comm is not None and opt.mixing != "none":
+        tensors = list(layout.unflatten(new_params).values())
+        if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
+            tensors += list(layout.unflatten(new_states["wy"]).values())
         mixed, mix_info = traj.comm.mix(
-            list(layout.unflatten(new_params).values()), traj.step, rule=opt.mixing,
-            theta=opt.theta, cfg=opt.cfg, losses=losses.detach(),
+            tensors, traj.step, rule=opt.mixing, theta=opt.theta, cfg=opt.cfg,
+            losses=losses.detach(),
         )  # fmt: skip
-        new_params = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
+        flat = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
+        new_params = flat[:, : layout.size]
+        if opt.kind == "dsgt":
+            new_states = {**new_states, "wy": flat[:, layout.size :]}
         info.update(mix_info)
     traj.params, traj.states, traj.step = new_params, new_states, step
     traj.history.append(float(losses.detach().mean()))

@@ -42,14 +42,3 @@ class OneParamQuadratic:
 @pytest.fixture
 def one_param_task():
     return OneParamQuadratic()
-
-
-def smoke_args(tmp_path, *extra):
-    """CLI arguments for the smoke config, writing under ``tmp_path``."""
-    return [
-        "fit",
-        "--config",
-        "meta_train/configs/smoke.yaml",
-        f"--trainer.default_root_dir={tmp_path}",
-        *extra,
-    ]

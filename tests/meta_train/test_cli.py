@@ -13,9 +13,15 @@ from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import CheckpointError
 from learned_opt.meta_train.cli import CONFIG_DIR, export, inspect, meta_cli_main
 
-from .conftest import smoke_args
-
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def smoke_args(tmp_path, *extra):
+    """CLI arguments for the smoke config, writing under ``tmp_path``."""
+    return [
+        "fit", "--config", str(CONFIG_DIR / "smoke.yaml"),
+        f"--trainer.default_root_dir={tmp_path}", *extra,
+    ]  # fmt: skip
 
 
 def _run_dir(root: Path) -> Path:
@@ -66,29 +72,33 @@ def test_smoke_writes_expected_tensorboard_tags(smoke_run):
 
 
 def test_resume_continues_the_run(smoke_run, tmp_path):
-    ckpt = next(_run_dir(smoke_run).glob("checkpoints/*.ckpt"))
+    ckpt = _run_dir(smoke_run) / "checkpoints" / "last.ckpt"
     saved = torch.load(ckpt, weights_only=False)
     assert saved["global_step"] == 4 and saved["meta_slots"], "slots are saved"
     meta_cli_main(
         smoke_args(tmp_path, "--trainer.max_steps=6", f"--ckpt_path={ckpt}",
                    "--trainer.val_check_interval=100")
     )  # fmt: skip
-    resumed = torch.load(next(_run_dir(tmp_path).glob("checkpoints/*.ckpt")), weights_only=False)
+    resumed = torch.load(_run_dir(tmp_path) / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == 6
     old = saved["state_dict"]["net.elem_out.weight"]
     assert not torch.equal(old, resumed["state_dict"]["net.elem_out.weight"])
 
 
 def test_export_loads_and_trains(smoke_run, tmp_path):
-    ckpt = next(_run_dir(smoke_run).glob("checkpoints/*.ckpt"))
-    out = export(str(ckpt), str(tmp_path / "opt.pt"), validate=False)
+    ckpt = _run_dir(smoke_run) / "checkpoints" / "last.ckpt"
+    out = export(str(ckpt), str(tmp_path / "opt.pt"))
     net, card = load_checkpoint(out)
-    assert card["trained"] and card["meta_steps"] == 4 and card["command"].startswith("learned-opt-meta")
+    assert (
+        card["trained"]
+        and card["meta_steps"] == 4
+        and card["command"].startswith("learned-opt-meta")
+    )
     assert "median_speedup_adam" in card["validation"]
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 1)
     x, y = torch.randn(64, 5), torch.randn(64, 1)
-    opt = LearnedOptimizer(model.parameters(), checkpoint=out)
+    opt = LearnedOptimizer(model.parameters(), checkpoint=out, lr=10.0)
     first = None
     for _ in range(100):
         opt.zero_grad()

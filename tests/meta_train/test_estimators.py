@@ -63,7 +63,7 @@ def test_meta_loss_is_log_of_mean_ratio_with_floor_and_clip():
     expected = math.log((1.0 + 0.0 + 4.0 + 0.5) / 4 + 1e-6)
     assert abs(float(value) - expected) < 1e-6
     zero = truncation_meta_loss([torch.zeros(3)], loss0=1.0, loss_clip=4.0)
-    assert torch.isfinite(zero) and abs(float(zero) - math.log(1e-6)) < 1e-9
+    assert torch.isfinite(zero) and abs(float(zero) - math.log(1e-6)) < 1e-5
 
 
 def test_tbptt_second_order_matches_finite_differences(one_param_task):

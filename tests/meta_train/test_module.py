@@ -41,7 +41,9 @@ def test_nan_meta_gradient_skips_the_outer_step(monkeypatch):
     before = {k: v.clone() for k, v in module.net.state_dict().items()}
 
     def nan_estimate(net, inner, slots, steps, infos=None):
-        return torch.tensor(float("nan")), [torch.full_like(p, float("nan")) for p in net.parameters()]
+        return torch.tensor(float("nan")), [
+            torch.full_like(p, float("nan")) for p in net.parameters()
+        ]
 
     monkeypatch.setattr(module.estimator, "estimate", nan_estimate)
     module.training_step(step_seeds(0, 0, 1), 0)
