@@ -1,0 +1,15 @@
+"""Core tests run on one intra-op thread: their tensors are tiny, and on a busy 2-core
+machine two threads mostly wait for each other (5x slower)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,184 @@
+"""Checkpoints: round trip, shipped names, and every way a file can be wrong."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from optim_table import fixed_grads, make_params, perturbed_net
+
+from learned_opt import (
+    FORMAT_VERSION,
+    CheckpointError,
+    LearnedOptimizer,
+    list_pretrained,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    net = perturbed_net(width=16, seed=3)
+    path = save_checkpoint(net, tmp_path / "opt.pt", {"name": "test", "trained": False})
+    return net, path
+
+
+def _payload(path):
+    return torch.load(path, weights_only=True)
+
+
+def test_round_trip_theta_card_and_steps(saved):
+    net, path = saved
+    loaded, card = load_checkpoint(path)
+    assert card == {"name": "test", "trained": False}
+    assert loaded.config == net.config
+    for (k, a), (k2, b) in zip(net.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+
+    runs = []
+    for opt_kwargs in ({"net": net}, {"checkpoint": str(path)}):
+        params = make_params()
+        opt = LearnedOptimizer(params, **opt_kwargs)
+        for k in range(3):
+            fixed_grads(params, k)
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_optimizer_save_checkpoint_and_load(tmp_path):
+    params = make_params()
+    opt = LearnedOptimizer(params, net=perturbed_net())
+    path = opt.save_checkpoint(tmp_path / "exported.pt", card={"note": "export"})
+    opt2 = LearnedOptimizer.load(make_params(), path)
+    assert opt2.card == {"note": "export"}
+    for a, b in zip(opt.net.parameters(), opt2.net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_list_pretrained_default_first_and_loadable():
+    names = list_pretrained()
+    assert names[0] == "default"
+    assert "adam_init" in names
+    for name in names:
+        net, card = load_checkpoint(name)
+        assert isinstance(card, dict) and card.get("summary")
+    opt = LearnedOptimizer(make_params())
+    assert opt.card == load_checkpoint("default")[1]
+
+
+def test_default_card_is_honest():
+    _, card = load_checkpoint("default")
+    assert card["trained"] is False
+    assert "NOT meta-trained" in card["summary"]
+
+
+def test_unknown_shipped_name_lists_the_shipped_ones():
+    with pytest.raises(CheckpointError, match="no-such-optimizer") as info:
+        LearnedOptimizer(make_params(), checkpoint="no-such-optimizer")
+    for name in list_pretrained():
+        assert name in str(info.value)
+
+
+def _assert_error(path, *fragments):
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_missing_file(tmp_path):
+    _assert_error(tmp_path / "absent.pt", "no such file")
+
+
+def test_truncated_file(saved, tmp_path):
+    _, path = saved
+    data = path.read_bytes()
+    bad = tmp_path / "truncated.pt"
+    bad.write_bytes(data[: len(data) // 2])
+    _assert_error(bad, "cannot be read", "truncated")
+
+
+def test_random_bytes(tmp_path):
+    bad = tmp_path / "noise.pt"
+    bad.write_bytes(os.urandom(4096))
+    _assert_error(bad, "cannot be read")
+
+
+def test_dict_without_the_keys(tmp_path):
+    bad = tmp_path / "other.pt"
+    torch.save({"model": torch.zeros(3)}, bad)
+    _assert_error(bad, "not a learned-opt checkpoint", "model")
+
+
+def test_not_a_dict(tmp_path):
+    bad = tmp_path / "tensor.pt"
+    torch.save(torch.zeros(3), bad)
+    _assert_error(bad, "not a learned-opt checkpoint", "Tensor")
+
+
+def test_other_format_version(saved, tmp_path):
+    _, path = saved
+    payload = _payload(path)
+    payload["format"] = "learned-opt/99"
+    bad = tmp_path / "future.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "learned-opt/99", FORMAT_VERSION)
+
+
+def test_mismatched_shapes(saved, tmp_path):
+    _, path = saved
+    payload = _payload(path)
+    payload["config"]["width"] = 8  # theta was saved for width 16
+    bad = tmp_path / "shapes.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "shape mismatch", "tensor_out.weight", "(17, 32)")
+
+
+def test_missing_theta_key(saved, tmp_path):
+    _, path = saved
+    payload = _payload(path)
+    del payload["theta"]["elem_out.bias"]
+    bad = tmp_path / "keys.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "theta keys", "elem_out.bias")
+
+
+def test_invalid_config(saved, tmp_path):
+    _, path = saved
+    payload = _payload(path)
+    payload["config"]["colour"] = "blue"
+    bad = tmp_path / "config.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "invalid network config", "colour")
+
+
+def test_nan_theta(saved, tmp_path):
+    _, path = saved
+    payload = _payload(path)
+    payload["theta"]["elem_hidden.weight"][0, 0] = float("nan")
+    bad = tmp_path / "nan.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "elem_hidden.weight", "NaN")
+
+
+class Payload:
+    """Unpickling this would run code; a weights-only load must refuse it."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_loading_never_runs_code(tmp_path, saved):
+    _, path = saved
+    payload = _payload(path)
+    payload["card"] = {"evil": Payload()}
+    bad = tmp_path / "code.pt"
+    torch.save(payload, bad)
+    _assert_error(bad, "weights-only")
