@@ -134,17 +134,21 @@ def train(args: argparse.Namespace) -> dict:
             metrics_every=args.metrics_every,
             writer=writer,
         )
-    start, losses = time.perf_counter(), []
+    start, losses, sent = time.perf_counter(), [], 0
+    nbytes = sum(p.numel() * p.element_size() for p in params)
     for step in range(args.steps):
         opt.zero_grad()
         loss = task.module_loss(module, next(data))
         loss.backward()
         if args.mixing == "allreduce":
             _average_gradients(params, comm, step)
+            sent += 2 * (world - 1) * nbytes // world  # a ring all_reduce, per worker
         if isinstance(opt, (GossipOptimizer, LearnedOptimizer)):
             opt.step(loss=loss.detach())
         else:
             opt.step()
+        if isinstance(opt, GossipOptimizer):
+            sent += comm.bytes_sent
         losses.append(float(loss.detach()))
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
@@ -173,6 +177,7 @@ def train(args: argparse.Namespace) -> dict:
         "train_loss": float(tail) / world,
         **{f"test_{k}": v for k, v in metrics.items()},
         "consensus_distance": consensus,
+        "bytes_per_step": sent / args.steps,
         "seconds": elapsed,
     }
     if writer is not None:

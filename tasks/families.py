@@ -43,27 +43,28 @@ def _common(rng: random.Random, dataset: str, noise_hi: float) -> dict:
     }
 
 
-def _mlp(rng: random.Random, name: str) -> TaskSpec:
+def _mlp(rng: random.Random, name: str, max_width: int = 256) -> TaskSpec:
     dataset = rng.choice(_CLASSIFICATION)
     depth = rng.randint(1, 4)
     return TaskSpec(
         "mlp",
         dataset,
-        _widths(rng, depth),
+        _widths(rng, depth, hi=max_width),
         rng.choice(_ACTS),
         name=name,
         **_common(rng, dataset, 0.2),
     )
 
 
-def _regression(rng: random.Random, name: str) -> TaskSpec:
+def _regression(rng: random.Random, name: str, max_width: int = 256) -> TaskSpec:
     dataset = rng.choice(_REGRESSION)
     depth = rng.choice((0, 1, 2, 3))
     model = "linear" if depth == 0 else "mlp"
     common = _common(rng, dataset, 0.3)
     if dataset == "quadratic_ill":
         common["label_noise"] = 0.0  # the targets are not standardised; keep them exact
-    return TaskSpec(model, dataset, _widths(rng, depth), rng.choice(_ACTS), name=name, **common)
+    widths = _widths(rng, depth, hi=max_width)
+    return TaskSpec(model, dataset, widths, rng.choice(_ACTS), name=name, **common)
 
 
 def _cnn(rng: random.Random, name: str) -> TaskSpec:
@@ -98,8 +99,11 @@ def _mixed(rng: random.Random, name: str) -> TaskSpec:
 
 def _train(rng: random.Random, name: str) -> TaskSpec:
     u = rng.random()
-    pick = _mlp if u < 0.55 else _regression if u < 0.85 else _cnn
-    return pick(rng, name)
+    if u < 0.55:
+        return _mlp(rng, name, max_width=64)
+    if u < 0.85:
+        return _regression(rng, name, max_width=64)
+    return _cnn(rng, name)
 
 
 class TaskFamily:
@@ -143,7 +147,8 @@ FAMILIES: dict[str, TaskFamily] = {
         TaskFamily(
             "meta_family",
             _train,
-            "the default meta-training mix: mlp 55%, regression 30%, cnn 15% (no LMs: too slow)",
+            "the default meta-training mix: mlp 55%, regression 30% (widths 8-64), "
+            "cnn 15%; no LMs and no wide nets, to keep meta-training fast",
         ),
     ]
 }
