@@ -50,8 +50,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
     if isinstance(name_or_path, str) and os.sep not in name_or_path and shipped.exists():
         return shipped
     raise CheckpointError(
-        f"{name_or_path}: no such file and not a shipped checkpoint; "
-        f"shipped: {list_pretrained()}"
+        f"{name_or_path}: no such file and not a shipped checkpoint; shipped: {list_pretrained()}"
     )
 
 

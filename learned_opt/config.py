@@ -23,10 +23,10 @@ class NetConfig:
     width: int = 8  # hidden width of the per-element MLP: 8, 16 or 32
     tensor_width: int = 32  # hidden width of the per-tensor network
     edge_width: int = 16  # hidden width of the edge (mixing) head
-    step_mult: float = 1e-3  # base step size; with a zero-initialised head the update is Adam(lr=step_mult)
+    step_mult: float = 1e-3  # base step; zero-initialised heads give exactly Adam(lr=step_mult)
     exp_mult: float = 1e-3  # magnitude output enters as exp(exp_mult * a)
     max_direction: float = 10.0  # the per-element direction is clamped to +-max_direction
-    max_log_scale: float = 5.0  # the per-tensor log step scale is bounded by tanh to +-max_log_scale
+    max_log_scale: float = 5.0  # per-tensor log step scale, bounded by tanh to +-this
     time_taus: tuple[float, ...] = field(default=(10.0, 100.0, 1000.0, 10000.0))  # tanh(t/tau - 1)
     eps: float = 1e-8  # epsilon inside rsqrt(v + eps)
     clip_value: float = 3.0  # clip(g) clips g / rms(g) to +-clip_value
@@ -37,11 +37,20 @@ class NetConfig:
         for name in ("tensor_width", "edge_width"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"NetConfig.{name} must be a positive integer")
-        for name in ("step_mult", "exp_mult", "max_direction", "max_log_scale", "eps", "clip_value"):
+        for name in (
+            "step_mult",
+            "exp_mult",
+            "max_direction",
+            "max_log_scale",
+            "eps",
+            "clip_value",
+        ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if len(self.time_taus) == 0 or any(float(t) <= 0 for t in self.time_taus):
-            raise ValueError(f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}")
+            raise ValueError(
+                f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}"
+            )
         object.__setattr__(self, "time_taus", tuple(float(t) for t in self.time_taus))
 
     @property

@@ -69,8 +69,8 @@ def _element_update(cfg, layers, x, m1, v, step, mlp_out=None) -> tuple[Tensor, 
     ``direction = clamp(adam_dir + d)``: Adam's direction corrected by the learned ``d``.
     """
     d, log_mag = element_mlp(layers, x, out=mlp_out)
-    adam_dir = m1 / adam_denominator(v, step, cfg.eps)
-    return (adam_dir + d).clamp(-cfg.max_direction, cfg.max_direction), torch.exp(log_mag)
+    direction = torch.addcdiv(d, m1, adam_denominator(v, step, cfg.eps))  # d + adam_dir
+    return direction.clamp(-cfg.max_direction, cfg.max_direction), torch.exp(log_mag)
 
 
 def tensor_step(
@@ -96,7 +96,7 @@ def tensor_step(
     m_new, v_new = update_moments(g32, m, v)
     g_rms = safe_sqrt(mean_square(g32))
     x = element_features(p32, g32, m_new, v_new, g_rms, cfg)
-    ms = feature_sum_squares(p32, g32, m_new, v_new, g_rms, cfg) / max(p.numel(), 1)
+    ms = (x * x).sum(dim=1) / max(p.numel(), 1)
     layers, scale = _tensor_context(theta, cfg, p32, v_new, ms, step, lr)
     m1, v1 = m_new[0].reshape(-1), v_new.reshape(-1)
     direction, magnitude = _element_update(cfg, layers, x, m1, v1, step)
@@ -134,7 +134,8 @@ def tensor_step_(
     Two passes over chunks: pass 1 sums the squared features for the per-tensor
     normalisation (analytically, without building them); pass 2 builds the features of a
     cache-sized chunk and runs the MLP and the update, with the features and activations in
-    one reused buffer (kept in ``workspace`` if given).
+    one reused buffer (kept in ``workspace`` if given). A tensor that fits in one chunk
+    builds its features once and sums their squares directly.
     """
     dtype = compute_dtype(p)
     g32 = g.to(dtype)
@@ -158,9 +159,13 @@ def tensor_step_(
     def piece(lo: int, hi: int) -> tuple:
         return flat_p[lo:hi], flat_g[lo:hi], flat_m[:, lo:hi], flat_v[lo:hi], g_rms, cfg
 
-    # pass 1: per-feature sums of squares, in larger chunks (no per-element temporaries kept)
-    big = PASS1_CHUNKS * size
-    sq = sum(feature_sum_squares(*piece(lo, min(lo + big, n))) for lo in range(0, n, big))
+    x = None
+    if n <= size:  # one chunk: build the features once, sum their squares directly
+        x = element_features(*piece(0, n), out=buf[: NUM_ELEMENT_FEATURES * n].view(-1, n))
+        sq = (x * x).sum(dim=1)
+    else:  # pass 1: sums of squares without building the features, in larger chunks
+        big = PASS1_CHUNKS * size
+        sq = sum(feature_sum_squares(*piece(lo, min(lo + big, n))) for lo in range(0, n, big))
     layers, scale = _tensor_context(theta, cfg, p32, v, sq / n, step, lr)
     aliases_p = flat_p.data_ptr() == p.data_ptr()
     in_place = aliases_p and p.is_contiguous()
@@ -173,7 +178,8 @@ def tensor_step_(
         parts = buf[: (NUM_ELEMENT_FEATURES + 2 * width + 2) * k].split(
             [NUM_ELEMENT_FEATURES * k, width * k, width * k, 2 * k]
         )
-        x = element_features(*piece(lo, hi), out=parts[0].view(-1, k))
+        if n > size:
+            x = element_features(*piece(lo, hi), out=parts[0].view(-1, k))
         mlp_out = (parts[1].view(width, k), parts[2].view(width, k), parts[3].view(2, k))
         direction, magnitude = _element_update(
             cfg, layers, x, flat_m[0, lo:hi], flat_v[lo:hi], step, mlp_out

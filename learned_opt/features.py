@@ -134,7 +134,7 @@ def adam_denominator(v: Tensor, step: Tensor | float, eps: float) -> Tensor:
     if isinstance(step, Tensor):
         step = step.to(dtype=v.dtype, device=v.device)
     bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
-    return ((v / bc2).sqrt() + eps) * bc1
+    return torch.sqrt(v * (bc1 * bc1 / bc2)) + eps * bc1
 
 
 def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:

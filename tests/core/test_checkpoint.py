@@ -123,48 +123,37 @@ def test_not_a_dict(tmp_path):
     _assert_error(bad, "not a learned-opt checkpoint", "Tensor")
 
 
-def test_other_format_version(saved, tmp_path):
-    _, path = saved
-    payload = _payload(path)
-    payload["format"] = "learned-opt/99"
-    bad = tmp_path / "future.pt"
+def _edited(saved, tmp_path, edit):
+    """A copy of the saved checkpoint with ``edit(payload)`` applied."""
+    payload = _payload(saved[1])
+    edit(payload)
+    bad = tmp_path / "edited.pt"
     torch.save(payload, bad)
+    return bad
+
+
+def test_other_format_version(saved, tmp_path):
+    bad = _edited(saved, tmp_path, lambda d: d.update(format="learned-opt/99"))
     _assert_error(bad, "learned-opt/99", FORMAT_VERSION)
 
 
 def test_mismatched_shapes(saved, tmp_path):
-    _, path = saved
-    payload = _payload(path)
-    payload["config"]["width"] = 8  # theta was saved for width 16
-    bad = tmp_path / "shapes.pt"
-    torch.save(payload, bad)
+    bad = _edited(saved, tmp_path, lambda d: d["config"].update(width=8))  # theta is width 16
     _assert_error(bad, "shape mismatch", "tensor_out.weight", "(17, 32)")
 
 
 def test_missing_theta_key(saved, tmp_path):
-    _, path = saved
-    payload = _payload(path)
-    del payload["theta"]["elem_out.bias"]
-    bad = tmp_path / "keys.pt"
-    torch.save(payload, bad)
+    bad = _edited(saved, tmp_path, lambda d: d["theta"].pop("elem_out.bias"))
     _assert_error(bad, "theta keys", "elem_out.bias")
 
 
 def test_invalid_config(saved, tmp_path):
-    _, path = saved
-    payload = _payload(path)
-    payload["config"]["colour"] = "blue"
-    bad = tmp_path / "config.pt"
-    torch.save(payload, bad)
+    bad = _edited(saved, tmp_path, lambda d: d["config"].update(colour="blue"))
     _assert_error(bad, "invalid network config", "colour")
 
 
 def test_nan_theta(saved, tmp_path):
-    _, path = saved
-    payload = _payload(path)
-    payload["theta"]["elem_hidden.weight"][0, 0] = float("nan")
-    bad = tmp_path / "nan.pt"
-    torch.save(payload, bad)
+    bad = _edited(saved, tmp_path, lambda d: d["theta"]["elem_hidden.weight"].fill_(float("nan")))
     _assert_error(bad, "elem_hidden.weight", "NaN")
 
 
@@ -176,9 +165,5 @@ class Payload:
 
 
 def test_loading_never_runs_code(tmp_path, saved):
-    _, path = saved
-    payload = _payload(path)
-    payload["card"] = {"evil": Payload()}
-    bad = tmp_path / "code.pt"
-    torch.save(payload, bad)
+    bad = _edited(saved, tmp_path, lambda d: d.update(card={"evil": Payload()}))
     _assert_error(bad, "weights-only")
