@@ -1,75 +1,82 @@
-"""``make demo``: train a small MLP on scikit-learn's digits with ``LearnedOptimizer``.
+"""``make demo``: decentralized training on 4 local worker processes, three ways.
 
-Run: ``python -m learned_opt.demo [--steps 300] [--checkpoint default]``. Prints the
-training loss every 25 steps and the test accuracy; takes a few seconds on a laptop CPU.
-The data ship with scikit-learn, so nothing is downloaded.
+Trains ``digits_mlp`` on a ring of 4 gloo workers with label-skewed data (Dirichlet 0.1):
+
+1. the shipped learned optimizer with learned mixing;
+2. D-Adam with Metropolis mixing, at the learning rate tuned by the decentralized
+   benchmark (``benchmarks/results/quality_decentralized.json``; 3e-3 if absent);
+3. all-reduce Adam (plain data parallel) at the same learning rate.
+
+Prints a table and writes TensorBoard logs under ``runs/demo/``. Run:
+``python -m learned_opt.demo`` (no torchrun needed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
-import torch
-from torch import nn
-
-from . import LearnedOptimizer, list_pretrained, load_checkpoint
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-def load_digits_split(seed: int = 0, test_fraction: float = 0.25):
-    """Standardised 8x8 digits as float tensors: ``(x_train, y_train, x_test, y_test)``."""
-    from sklearn.datasets import load_digits  # only the demo needs scikit-learn
+def tuned_dadam_lr(default: float = 3e-3) -> tuple[float, str]:
+    """D-Adam's tuned rate on a ring with Dirichlet data, from the benchmark if it exists."""
+    path = RESULTS / "quality_decentralized.json"
+    try:
+        settings = json.loads(path.read_text())["settings"]
+        rows = [
+            s for s in settings
+            if s["topology"] == "ring" and s["partition"] == "dirichlet"
+        ]  # fmt: skip
+        row = min(rows, key=lambda s: s["workers"])
+        return float(row["baselines"]["D-Adam"]["lr"]), f"tuned in {path.name}"
+    except (OSError, KeyError, ValueError, TypeError):
+        return default, "default (run the benchmark to tune it)"
 
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32)
-    y = torch.tensor(data.target, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(x) * test_fraction)
-    test, train = perm[:n_test], perm[n_test:]
-    mean, std = x[train].mean(0), x[train].std(0).clamp_min(1e-6)
-    x = (x - mean) / std
-    return x[train], y[train], x[test], y[test]
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="digits_mlp")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--logdir", default="runs/demo")
+    args = parser.parse_args(argv)
 
-def main(argv: list[str] | None = None) -> float:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=128)
-    ap.add_argument("--checkpoint", default="default", help=f"one of {list_pretrained()} or a path")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    from learned_opt.distributed.launch import launch_local
+    from learned_opt.distributed.train import launched
 
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # a tiny model: one thread is fastest, and fair on a busy machine
-    x_train, y_train, x_test, y_test = load_digits_split(args.seed)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    opt = LearnedOptimizer(model.parameters(), checkpoint=args.checkpoint)
-    card = opt.card or load_checkpoint(args.checkpoint)[1]
-    trained = "meta-trained" if card.get("trained") else "hand-initialised (exactly Adam, lr 1e-3)"
-    print(f"learned optimizer: {args.checkpoint!r}, {trained}")
-    print(f"task: MLP 64-128-10 on digits, {len(x_train)} train / {len(x_test)} test examples")
-
-    gen = torch.Generator().manual_seed(args.seed)
-    start = time.perf_counter()
-    running = None
-    for step in range(1, args.steps + 1):
-        idx = torch.randint(len(x_train), (args.batch_size,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        value = float(loss.detach())
-        running = value if running is None else 0.9 * running + 0.1 * value
-        if step == 1 or step % 25 == 0:
-            print(f"step {step:4d}  loss {value:.4f}  (smoothed {running:.4f})")
-    with torch.no_grad():
-        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-    print(
-        f"test accuracy {accuracy:.3f} after {args.steps} steps in {time.perf_counter() - start:.1f}s"
-    )
-    if opt.nonfinite_skips:
-        print(f"skipped {opt.nonfinite_skips} tensor updates with NaN/Inf gradients")
-    return accuracy
+    lr, lr_source = tuned_dadam_lr()
+    common = ["--task", args.task, "--topology", "ring", "--partition", "dirichlet",
+              "--alpha", "0.1", "--steps", str(args.steps)]  # fmt: skip
+    runs = {
+        "learned + learned mixing": ["--optimizer", "learned", "--mixing", "learned"],
+        f"D-Adam (lr {lr:g}, Metropolis)": ["--optimizer", "adam", "--lr", str(lr), "--mixing", "metropolis"],
+        f"all-reduce Adam (lr {lr:g})": ["--optimizer", "adam", "--lr", str(lr), "--mixing", "allreduce"],
+    }  # fmt: skip
+    print(f"{args.workers} gloo workers, ring, Dirichlet(0.1) label skew, {args.task}, "
+          f"{args.steps} steps; D-Adam lr: {lr_source}", flush=True)  # fmt: skip
+    rows = []
+    for i, (label, extra) in enumerate(runs.items(), 1):
+        logdir = str(Path(args.logdir) / f"run{i}")
+        print(f"[{i}/{len(runs)}] {label} ...", flush=True)
+        start = time.perf_counter()
+        summaries = launch_local(
+            launched, args.workers, [*common, *extra, "--logdir", logdir], timeout=600
+        )
+        s = summaries[0]
+        rows.append((label, s, time.perf_counter() - start))
+        print(f"      done in {rows[-1][2]:.1f} s: train loss {s['train_loss']:.4f}, "
+              f"test accuracy {s.get('test_accuracy', float('nan')):.4f}", flush=True)  # fmt: skip
+    header = f"{'method':<34} {'train loss':>10} {'test acc':>9} {'consensus':>10} {'bytes/step':>11} {'wall s':>7}"
+    print("\n" + header + "\n" + "-" * len(header))
+    for label, s, wall in rows:
+        print(f"{label:<34} {s['train_loss']:>10.4f} {s.get('test_accuracy', float('nan')):>9.4f} "
+              f"{s['consensus_distance']:>10.3g} {s['bytes_per_step']:>11,.0f} {wall:>7.1f}")  # fmt: skip
+    print("\ntrain loss: mean of the last 10 batch losses over workers; test acc: the averaged "
+          "model; bytes/step: sent per worker per step (all-reduce: ring estimate).")  # fmt: skip
+    print(f"TensorBoard: tensorboard --logdir {args.logdir}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from learned_opt.tasks import from_description, get_family, list_families, stack_params
 from torch.func import grad, vmap
+
+from learned_opt.tasks import from_description, get_family, list_families, stack_params
 
 
 def test_at_least_two_families():

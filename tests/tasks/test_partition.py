@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from learned_opt.tasks import label_skew, load_dataset, partition_indices
 
 

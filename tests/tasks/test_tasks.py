@@ -2,8 +2,9 @@
 
 import pytest
 import torch
-from learned_opt.tasks import from_description, get_task, list_tasks, stack_params
 from torch.func import grad, vmap
+
+from learned_opt.tasks import from_description, get_task, list_tasks, stack_params
 
 TASKS = list_tasks()
 
