@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 
@@ -83,6 +85,15 @@ def render_step_overhead(result: dict) -> str:
     )
 
 
+def _load_sections() -> None:
+    """Import the other renderers (they register themselves with ``@section``)."""
+    import importlib
+
+    importlib.import_module("benchmarks.report_sections")
+    # run as a script, this module is __main__ and benchmarks.report is a second copy
+    RENDERERS.update(importlib.import_module("benchmarks.report").RENDERERS)
+
+
 def render(text: str, results: Path = RESULTS) -> str:
     """``text`` with every registered, measured section replaced by a fresh rendering."""
 
@@ -102,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if README.md is out of date")
     args = ap.parse_args(argv)
+    _load_sections()
     old = README.read_text()
     new = render(old)
     if args.check:

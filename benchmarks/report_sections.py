@@ -1,0 +1,121 @@
+"""Renderers of the README result sections other than step overhead (see ``report.py``)."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.report import markdown_table, section
+
+
+def _x(v: float) -> str:
+    return "diverged" if not math.isfinite(v) else f"{v:.2f}x"
+
+
+def _f(v: float) -> str:
+    return "inf" if not math.isfinite(v) else f"{v:.4g}"
+
+
+def _measured(r: dict) -> str:
+    return f"Measured {r.get('date', '?')} on {r.get('machine', '?')}, torch {r.get('torch', '?')}."
+
+
+@section("quality_single")
+def render_quality_single(r: dict) -> str:
+    h1, h2 = r["horizons"]
+    header = ["task", "params", f"speedup @{h1}", f"speedup @{h2}", f"best baseline @{h2}",
+              f"final loss learned / best @{h2}"]  # fmt: skip
+    rows = []
+    for t in r["tasks"]:
+        a, b = t[f"h{h1}"], t[f"h{h2}"]
+        best = b["best_baseline"][0]
+        rows.append([
+            t["task"], f"{t['num_params']:,}", _x(a["speedup_median"]), _x(b["speedup_median"]),
+            f"{best} (lr {b['best_lr'][best]:g})",
+            f"{_f(b['final_loss_mean']['learned'])} / {_f(b['final_loss_mean'][best])}",
+        ])  # fmt: skip
+    s1, s2 = r["summary"][f"h{h1}"], r["summary"][f"h{h2}"]
+    return (
+        markdown_table(header, rows)
+        + f"\n\nMedian speedup over the best of tuned Adam, AdamW and SGD+momentum: "
+        f"**{_x(s1['median_speedup'])}** at {h1} steps ({s1['tasks_faster']}/{s1['tasks']} "
+        f"tasks faster), **{_x(s2['median_speedup'])}** at {h2} steps ({s2['tasks_faster']}/"
+        f"{s2['tasks']}). Learned-optimizer runs that diverged: {s2['learned_diverged_runs']}. "
+        f"Speedup = steps the best baseline needs to reach a loss level / steps the learned "
+        f"optimizer needs, at the worse of the two best levels (below 1: slower); median of "
+        f"{len(r['seeds'])} seeds; each baseline tuned per task and horizon over a 7-point "
+        f"learning-rate grid. Checkpoint: `{r['checkpoint']}`. {_measured(r)} "
+        f"Wall time {r['wall_seconds'] / 60:.0f} min. Plot: `benchmarks/results/quality_single.png`."
+    )
+
+
+@section("quality_decentralized")
+def render_quality_decentralized(r: dict) -> str:
+    header = ["workers", "topology", "data", "speedup", "best baseline (lr)",
+              "avg-model loss learned / best", "consensus learned / best"]  # fmt: skip
+    rows = []
+    for s in r["settings"]:
+        best = s["best_baseline"]
+        b = s["baselines"][best]
+        rows.append([
+            s["workers"], s["topology"], s["partition"], _x(s["speedup"]), f"{best} ({b['lr']:g})",
+            f"{_f(s['learned']['averaged_model_loss'])} / {_f(b['averaged_model_loss'])}",
+            f"{s['learned']['consensus']:.3g} / {b['consensus']:.3g}",
+        ])  # fmt: skip
+    per = ", ".join(f"{w} workers {_x(v['median_speedup'])}" for w, v in r["summary"].items())
+    return (
+        markdown_table(header, rows)
+        + f"\n\nTask `{r['task']}`, {r['horizon']} steps, Dirichlet alpha "
+        f"{r['dirichlet_alpha']} for the non-IID rows. Learned optimizer + learned mixing "
+        f"against the best of D-SGD (momentum 0.9), D-Adam and gradient tracking (DSGT), all "
+        f"Metropolis-mixed and each tuned over its 7-point grid per setting. Median speedup: "
+        f"**{_x(r['median_speedup_all'])}** overall; {per}. {_measured(r)} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min. Plot: `benchmarks/results/quality_decentralized.png`."
+    )
+
+
+@section("meta_train_throughput")
+def render_meta_train_throughput(r: dict) -> str:
+    rows = [[k, f"{v['inner_steps_x_workers_per_s']:.0f}", f"{v['seconds_per_meta_step']:.2f}"]
+            for k, v in r["results"].items()]  # fmt: skip
+    return (
+        markdown_table(["estimator", "inner steps x workers / s", "s / meta-step"], rows)
+        + f"\n\nConfig `{r['config'].split('/work/main/')[-1]}`. {_measured(r)}"
+    )
+
+
+@section("estimators")
+def render_estimators(r: dict) -> str:
+    rows = [[k, v["meta_steps"], _x(v["median_speedup_adam"]), _x(v["median_speedup_dadam"])]
+            for k, v in r["results"].items()]  # fmt: skip
+    return (
+        markdown_table(
+            [
+                "estimator",
+                "meta-steps",
+                "median speedup vs tuned Adam",
+                "vs tuned D-Adam (8 workers)",
+            ],
+            rows,
+        )  # fmt: skip
+        + f"\n\nSame budget: {r['budget_minutes_each']:g} minutes each, side by side, "
+        f"{r['threads_each']} thread each, config `{r['config']}`, measured {r['date']}. "
+        f"The better one, **{r['better']}**, is the default."
+    )
+
+
+@section("gossip_throughput")
+def render_gossip_throughput(r: dict) -> str:
+    rows = []
+    for procs, sizes in r["throughput_ms"].items():
+        for size, m in sizes.items():
+            rows.append([
+                procs, size, f"{m['exchange+mix']:.1f}", f"{m['exchange+mix (learned)']:.1f}",
+                f"{m['raw send/recv']:.1f}", f"{m['all_reduce']:.1f}", f"{m['mix_overhead_x']:.2f}x",
+            ])  # fmt: skip
+    header = ["processes", "params", "exchange+mix ms", "learned mix ms", "raw send/recv ms",
+              "all_reduce ms", "mix / raw"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\nGoal: {r['goal']}. {r['note']}. Measured {r['date'][:10]}, {r['machine']}, "
+        f"torch {r['torch']}."
+    )
