@@ -35,7 +35,7 @@ from .network import Theta, element_layers, element_mlp, tensor_head
 #: (``(11 + 2 * width + 2) * CHUNK`` floats) stay in the L2 cache while per-op overhead
 #: stays small; chosen by measurement with ``benchmarks/step_overhead.py``.
 DEFAULT_CHUNK = 1 << 16
-#: Pass 1 (sums of squares) works on chunks this many times larger.
+#: Pass 1 (moment update and sums of squares) works on chunks this many times larger.
 PASS1_CHUNKS = 4
 
 
@@ -67,10 +67,17 @@ def _element_update(cfg, layers, x, m1, v, step, mlp_out=None) -> tuple[Tensor, 
     """``(direction, magnitude)`` per element; the update is ``scale * direction * magnitude``.
 
     ``direction = clamp(adam_dir + d)``: Adam's direction corrected by the learned ``d``.
+    With ``mlp_out`` (the no-grad fast path) everything is computed in place: the MLP's
+    output rows become direction and magnitude, and the first feature row (dead once the
+    first layer has run) holds Adam's denominator.
     """
     d, log_mag = element_mlp(layers, x, out=mlp_out)
-    direction = torch.addcdiv(d, m1, adam_denominator(v, step, cfg.eps))  # d + adam_dir
-    return direction.clamp(-cfg.max_direction, cfg.max_direction), torch.exp(log_mag)
+    if mlp_out is None:
+        direction = torch.addcdiv(d, m1, adam_denominator(v, step, cfg.eps))  # d + adam_dir
+        return direction.clamp(-cfg.max_direction, cfg.max_direction), torch.exp(log_mag)
+    denom = adam_denominator(v, step, cfg.eps, out=x[0])
+    direction = d.addcdiv_(m1, denom).clamp_(-cfg.max_direction, cfg.max_direction)
+    return direction, log_mag.exp_()
 
 
 def tensor_step(
@@ -131,11 +138,12 @@ def tensor_step_(
     """In-place fast twin of :func:`tensor_step`. Returns False (and changes nothing) when
     the gradient is not finite.
 
-    Two passes over chunks: pass 1 sums the squared features for the per-tensor
-    normalisation (analytically, without building them); pass 2 builds the features of a
-    cache-sized chunk and runs the MLP and the update, with the features and activations in
-    one reused buffer (kept in ``workspace`` if given). A tensor that fits in one chunk
-    builds its features once and sums their squares directly.
+    Two passes over chunks: pass 1 updates the moments and, while they are in cache, sums
+    the squared features for the per-tensor normalisation (analytically, without building
+    them); pass 2 builds the features of a cache-sized chunk and runs the MLP and the
+    update, with the features and activations in one reused buffer (kept in ``workspace``
+    if given). A tensor that fits in one chunk builds its features once and sums their
+    squares directly.
     """
     dtype = compute_dtype(p)
     g32 = g.to(dtype)
@@ -143,7 +151,6 @@ def tensor_step_(
     if not torch.isfinite(g_ms):
         return False
     m, v = state["m"], state["v"]
-    update_moments_(g32, m, v)
     p32 = p.detach().to(dtype)
     n, width, g_rms = p.numel(), cfg.width, safe_sqrt(g_ms)
     # m and v are created contiguous by init_state, so these reshapes are views
@@ -161,11 +168,15 @@ def tensor_step_(
 
     x = None
     if n <= size:  # one chunk: build the features once, sum their squares directly
+        update_moments_(flat_g, flat_m, flat_v)
         x = element_features(*piece(0, n), out=buf[: NUM_ELEMENT_FEATURES * n].view(-1, n))
         sq = (x * x).sum(dim=1)
-    else:  # pass 1: sums of squares without building the features, in larger chunks
-        big = PASS1_CHUNKS * size
-        sq = sum(feature_sum_squares(*piece(lo, min(lo + big, n))) for lo in range(0, n, big))
+    else:  # pass 1: update the moments and sum the squared features while in cache
+        big, sq = PASS1_CHUNKS * size, 0
+        for lo in range(0, n, big):
+            args = piece(lo, min(lo + big, n))
+            update_moments_(args[1], args[2], args[3])
+            sq = sq + feature_sum_squares(*args)
     layers, scale = _tensor_context(theta, cfg, p32, v, sq / n, step, lr)
     aliases_p = flat_p.data_ptr() == p.data_ptr()
     in_place = aliases_p and p.is_contiguous()

@@ -68,10 +68,18 @@ def element_features(
     """
     g = g.reshape(1, -1)
     m = m.reshape(3, -1)
+    if out is not None:  # no-grad fast path: each row written once, no temporaries
+        r = torch.add(v.reshape(1, -1), cfg.eps, out=out[10:11]).rsqrt_()
+        torch.div(g, g_rms + _TINY, out=out[1:2]).clamp_(-cfg.clip_value, cfg.clip_value)
+        torch.mul(m, r, out=out[6:9])
+        torch.mul(g, r, out=out[9:10])
+        out[0:1].copy_(g)
+        out[2:3].copy_(p.reshape(1, -1))
+        out[3:6].copy_(m)
+        return out
     r = torch.rsqrt(v.reshape(1, -1) + cfg.eps)
     clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
-    rows = [g, clip_g, p.reshape(1, -1), m, m * r, g * r, r]
-    return torch.cat(rows) if out is None else torch.cat(rows, out=out)
+    return torch.cat([g, clip_g, p.reshape(1, -1), m, m * r, g * r, r])
 
 
 def feature_sum_squares(
@@ -126,14 +134,19 @@ def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     return torch.tanh(step / taus - 1.0)
 
 
-def adam_denominator(v: Tensor, step: Tensor | float, eps: float) -> Tensor:
+def adam_denominator(
+    v: Tensor, step: Tensor | float, eps: float, out: Tensor | None = None
+) -> Tensor:
     """``bc1 * (sqrt(v / bc2) + eps)``: Adam's direction is ``m_1 / adam_denominator``.
 
-    ``step`` may be a Python number (bias corrections in float64) or a tensor.
+    ``step`` may be a Python number (bias corrections in float64) or a tensor. ``out``
+    (shaped like ``v``) receives the result in place on the no-grad fast path.
     """
     if isinstance(step, Tensor):
         step = step.to(dtype=v.dtype, device=v.device)
     bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
+    if out is not None:
+        return torch.mul(v, bc1 * bc1 / bc2, out=out).sqrt_().add_(eps * bc1)
     return torch.sqrt(v * (bc1 * bc1 / bc2)) + eps * bc1
 
 

@@ -82,8 +82,11 @@ def flat_step(
     v: Tensor,
     step: int | Tensor,
     lr: float | Tensor = 1.0,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Learned step of every segment of ``p`` (``[B, P]``); returns ``(new_p, new_m, new_v)``.
+    *,
+    return_finite: bool = False,
+) -> tuple[Tensor, ...]:
+    """Learned step of every segment of ``p`` (``[B, P]``); returns ``(new_p, new_m, new_v)``,
+    plus the ``[B, T]`` mask of segments that were updated if ``return_finite``.
 
     A segment whose gradient holds NaN or Inf is left unchanged (parameters and state).
     """
@@ -138,8 +141,45 @@ def flat_step(
     scale = ((-lr * cfg.step_mult) * torch.exp(log_scale))[:, seg]
     new_p = p + scale * direction * torch.exp(cfg.exp_mult * a)
     keep = finite[:, seg]
-    return (
+    out = (
         torch.where(keep, new_p, p),
         torch.where(keep.unsqueeze(1), m_new, m),
         torch.where(keep, v_new, v),
     )
+    return (*out, finite) if return_finite else out
+
+
+@torch.no_grad()
+def flat_step_(
+    theta: Theta,
+    cfg: NetConfig,
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Tensor]],
+    step: int,
+    lr: float = 1.0,
+) -> list[bool]:
+    """In-place learned step of many tensors at once, through :func:`flat_step`.
+
+    For small tensors (biases, norms), where one call per tensor costs far more than the
+    math: the tensors are packed into one flat vector, stepped with a few dozen large ops
+    and copied back. ``states`` are :func:`learned_opt.core.init_state` dicts, all of one
+    compute dtype (float32 for bf16 parameters), which ``theta`` must share. Returns, per
+    tensor, False where the gradient was not finite and nothing changed.
+    """
+    dtype = states[0]["v"].dtype
+    layout = FlatLayout(tuple(map(str, range(len(params)))), tuple(p.shape for p in params))
+    p = torch.cat([t.detach().reshape(-1).to(dtype) for t in params]).unsqueeze(0)
+    g = torch.cat([t.reshape(-1).to(dtype) for t in grads]).unsqueeze(0)
+    m = torch.cat([s["m"].reshape(3, -1) for s in states], dim=1).unsqueeze(0)
+    v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
+    new_p, new_m, new_v, finite = flat_step(
+        theta, cfg, layout, p, g, m, v, step, lr, return_finite=True
+    )
+    numels = layout.numels
+    dst = list(params) + [s[k] for k in ("m", "v") for s in states]
+    src = [t.view(s) for t, s in zip(new_p[0].split(numels), layout.shapes)]
+    src += [t.reshape(3, *s) for t, s in zip(new_m[0].split(numels, dim=-1), layout.shapes)]
+    src += [t.view(s) for t, s in zip(new_v[0].split(numels), layout.shapes)]
+    torch._foreach_copy_(dst, src)
+    return finite[0].tolist()

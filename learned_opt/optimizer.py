@@ -11,8 +11,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
-from .core import DEFAULT_CHUNK, init_state, tensor_step_
+from .core import DEFAULT_CHUNK, compute_dtype, init_state, tensor_step_
+from .flat import flat_step_
 from .network import LearnedOptimizerNet, Theta
+
+#: Default ``small_tensor_size``: up to this size, one call per tensor costs more than the
+#: tensor's math, so such tensors are stepped together. Thresholds from 2K to 32K measured
+#: alike on the step-overhead shapes; larger ones would give up the chunked path's caching.
+SMALL_TENSOR_SIZE = 1 << 13
 
 
 class LearnedOptimizer(Optimizer):
@@ -26,6 +32,9 @@ class LearnedOptimizer(Optimizer):
             ``torch.optim.lr_scheduler`` works unchanged.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
         chunk_size: elements processed at a time on the fast path.
+        small_tensor_size: tensors of at most this many elements (biases, norms) are
+            stepped together in one batched call (:func:`learned_opt.flat.flat_step_`)
+            instead of one call each; 0 turns batching off.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
     ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
@@ -42,11 +51,16 @@ class LearnedOptimizer(Optimizer):
         *,
         net: LearnedOptimizerNet | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        small_tensor_size: int = SMALL_TENSOR_SIZE,
     ):
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"Invalid learning-rate multiplier: {lr!r} (must be >= 0)")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"Invalid chunk_size: {chunk_size!r} (must be a positive int)")
+        if not isinstance(small_tensor_size, int) or small_tensor_size < 0:
+            raise ValueError(
+                f"Invalid small_tensor_size: {small_tensor_size!r} (must be an int >= 0)"
+            )
         if net is None:
             net, card = load_checkpoint(checkpoint)
         else:
@@ -54,6 +68,7 @@ class LearnedOptimizer(Optimizer):
         self.net = net
         self.card = card
         self.chunk_size = chunk_size
+        self.small_tensor_size = small_tensor_size
         self.last_loss: Tensor | float | None = None
         self._theta_cache: dict[tuple, Theta] = {}
         self._workspace: dict = {}  # scratch buffers of the fast path, reused across steps
@@ -127,22 +142,23 @@ class LearnedOptimizer(Optimizer):
             if not items:
                 continue
             group["step"] += 1
+            step, lr = group["step"], float(group["lr"])
+            batches: dict[tuple, list] = {}  # small tensors by (device, compute dtype)
             for p, g, state in items:
-                dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-                theta = self.theta(p.device, dtype)
+                if 0 < p.numel() <= self.small_tensor_size:
+                    batches.setdefault((p.device, state["v"].dtype), []).append((p, g, state))
+                    continue
+                theta = self.theta(p.device, compute_dtype(p))
                 ok = tensor_step_(
-                    theta,
-                    self.config,
-                    p,
-                    g,
-                    state,
-                    group["step"],
-                    group["lr"],
-                    self.chunk_size,
-                    self._workspace,
+                    theta, self.config, p, g, state, step, lr, self.chunk_size, self._workspace
                 )
-                if not ok:
-                    state["nonfinite_skips"] += 1
+                state["nonfinite_skips"] += not ok
+            for (device, dtype), batch in batches.items():
+                params, grads, states = zip(*batch)
+                theta = self.theta(device, dtype)
+                oks = flat_step_(theta, self.config, params, grads, states, step, lr)
+                for state, ok in zip(states, oks):
+                    state["nonfinite_skips"] += not ok
         return closure_loss
 
     def load_state_dict(self, state_dict: dict) -> None:

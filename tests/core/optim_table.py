@@ -45,8 +45,10 @@ OPTIMIZERS = [
         "learned-perturbed", lambda params: LearnedOptimizer(params, net=perturbed_net()), 1.0
     ),
     OptimInfo(
-        "learned-perturbed-w32-chunked",
-        lambda params: LearnedOptimizer(params, net=perturbed_net(32, seed=1), chunk_size=16),
+        "learned-perturbed-w32-chunked",  # one call per tensor: the chunked fast path
+        lambda params: LearnedOptimizer(
+            params, net=perturbed_net(32, seed=1), chunk_size=16, small_tensor_size=0
+        ),
         1.0,
     ),
     OptimInfo("torch-adam", lambda params: torch.optim.Adam(params, lr=1e-3), 1e-3),
