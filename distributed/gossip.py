@@ -44,6 +44,15 @@ def default_communicator(
     return ProcessGroupCommunicator(topology, timeout=timeout)
 
 
+def resolve_communicator(communicator, topology, timeout, owner: str):
+    """``communicator`` if given, else :func:`default_communicator` for ``topology``."""
+    if communicator is not None:
+        return communicator
+    if topology is None:
+        raise ValueError(f"{owner} needs a topology or a communicator")
+    return default_communicator(topology, timeout)
+
+
 class GossipOptimizer:
     """Wraps ``local_optimizer`` with neighbour exchange and mixing after every step.
 
@@ -87,10 +96,7 @@ class GossipOptimizer:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
-        if communicator is None:
-            if topology is None:
-                raise ValueError("GossipOptimizer needs a topology or a communicator")
-            communicator = default_communicator(topology, timeout)
+        communicator = resolve_communicator(communicator, topology, timeout, "GossipOptimizer")
         self.local = local_optimizer
         self.mixing = mixing
         self.communicator = communicator

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-from .gossip import default_communicator
+from .gossip import resolve_communicator
 from .topology import Topology
 
 
@@ -53,11 +53,9 @@ class GradientTracking:
         self.params = list(params)
         if not self.params:
             raise ValueError("GradientTracking got an empty parameter list")
-        if communicator is None:
-            if topology is None:
-                raise ValueError("GradientTracking needs a topology or a communicator")
-            communicator = default_communicator(topology, timeout)
-        self.communicator = communicator
+        self.communicator = resolve_communicator(
+            communicator, topology, timeout, "GradientTracking"
+        )
         self.lr = lr
         self.mixing = mixing
         self.step_count = 0

@@ -1,0 +1,44 @@
+"""``make bench``: run every benchmark, then regenerate the README's result sections.
+
+Order and rough duration on 2 CPU cores (measured 2026-11-29):
+step_overhead (~2 min), gossip_throughput (~2 min), meta_train_throughput (~2 min),
+quality_single (~25 min), quality_decentralized (~15 min), then report.py.
+``compare_estimators.py`` (about 15 minutes) is not part of it: run it on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = [
+    ["benchmarks/step_overhead.py"],
+    ["benchmarks/gossip_throughput.py"],
+    ["-m", "benchmarks.meta_train_throughput"],
+    ["-m", "benchmarks.quality_single"],
+    ["-m", "benchmarks.quality_decentralized"],
+    ["benchmarks/report.py"],
+]
+
+
+def main() -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    total = time.perf_counter()
+    for args in STEPS:
+        start = time.perf_counter()
+        print(f"== {' '.join(args)}", flush=True)
+        proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env)
+        if proc.returncode != 0:
+            print(f"failed: {' '.join(args)} (exit {proc.returncode})", file=sys.stderr)
+            return proc.returncode
+        print(f"== done in {time.perf_counter() - start:.0f} s", flush=True)
+    print(f"all benchmarks done in {(time.perf_counter() - total) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
