@@ -23,6 +23,8 @@ import torch
 from .inner import InnerOptimizer, consensus_distance, inner_step, new_trajectory
 
 SMOOTH = 10
+#: Bumped whenever what a curve measures changes, so stale cached baselines are not reused.
+CACHE_VERSION = 2
 _ADAM_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 _SGD_GRID = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)
 #: The fixed 7-point learning-rate grids (extended at an edge when the best rate is there).

@@ -157,9 +157,12 @@ def new_trajectory(
 def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False):
     """Advance ``traj`` by one adapt-then-combine step; returns ``(losses [N], info)``.
 
-    The returned losses are the batch losses before the update, differentiable w.r.t.
-    theta through the parameters. Inner gradients are treated as constants unless
-    ``second_order``.
+    The returned losses (also appended to ``traj.history``) score the parameters before
+    the update, differentiable w.r.t. theta: with one worker, its batch loss; with N > 1,
+    each worker's parameters on the *next* worker's batch. Under label skew a worker's
+    loss on its own shard rewards drifting apart (no mixing fits one shard best), so
+    decentralized runs are scored on data from another shard: the global objective.
+    Inner gradients are treated as constants unless ``second_order``.
     """
     if traj.states is None:
         traj.states = opt.init(traj.params)
@@ -170,6 +173,10 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         return traj.task.loss(layout.unflatten(flat), b)
 
     grads, losses = vmap(grad_and_value(loss_fn))(traj.params, batch)
+    scored = losses
+    if traj.num_workers > 1:  # each worker scored on the next worker's batch
+        rolled = tuple(torch.roll(t, 1, dims=0) for t in batch)
+        scored = vmap(loss_fn)(traj.params, rolled)
     if not second_order:
         grads = grads.detach()
     step = traj.step + 1
@@ -193,8 +200,8 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
             new_states = {**new_states, "wy": flat[:, layout.size :]}
         info.update(mix_info)
     traj.params, traj.states, traj.step = new_params, new_states, step
-    traj.history.append(float(losses.detach().mean()))
-    return losses, info
+    traj.history.append(float(scored.detach().mean()))
+    return scored, info
 
 
 def consensus_distance(traj: Trajectory) -> float:

@@ -102,3 +102,20 @@ def test_speedup_definition():
     assert speedup(fast, base) > 1.5
     assert speedup(base, fast) < 0.7
     assert abs(speedup(base, base) - 1.0) < 1e-9
+
+
+def test_decentralized_runs_are_scored_on_another_workers_batch():
+    from torch.func import vmap
+
+    from learned_opt.meta_train.inner import inner_step, make_inner_optimizer, new_trajectory
+    from learned_opt.tasks import get_task
+
+    task = get_task("iris_mlp")
+    traj = new_trajectory(task, 3, "ring", "dirichlet", 0.1, 0, 10)
+    params = traj.layout.unflatten(traj.params)
+    batch = traj.batches.get(0)
+    own = vmap(task.loss)(params, batch)
+    rolled = vmap(task.loss)(params, tuple(torch.roll(t, 1, dims=0) for t in batch))
+    scored, _ = inner_step(traj, make_inner_optimizer("adam", lr=1e-3))
+    assert torch.allclose(scored, rolled) and not torch.allclose(scored, own)
+    assert abs(traj.history[-1] - float(rolled.mean())) < 1e-6
