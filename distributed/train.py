@@ -167,6 +167,7 @@ def train(args: argparse.Namespace) -> dict:
             averaged[name] = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
     metrics = task.evaluate(averaged)
+    averaged_train_loss = task.evaluate(averaged, split="train")["loss"]
     summary = {
         "task": args.task,
         "optimizer": args.optimizer,
@@ -175,6 +176,7 @@ def train(args: argparse.Namespace) -> dict:
         "workers": world,
         "steps": args.steps,
         "train_loss": float(tail) / world,
+        "averaged_model_train_loss": averaged_train_loss,
         **{f"test_{k}": v for k, v in metrics.items()},
         "consensus_distance": consensus,
         "bytes_per_step": sent / args.steps,
