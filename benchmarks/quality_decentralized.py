@@ -16,7 +16,7 @@ import itertools
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
 
@@ -75,6 +75,32 @@ def bench_setting(task_name, checkpoint, horizon, workers, topology, partition) 
     return result
 
 
+def _payload(args, results: list, total: int, seconds: float) -> dict:
+    results = sorted(results, key=lambda r: (r["workers"], r["topology"], r["partition"]))
+    summary = {}
+    for workers in sorted({r["workers"] for r in results}):
+        sub = [r for r in results if r["workers"] == workers]
+        summary[str(workers)] = {
+            "median_speedup": statistics.median(r["speedup"] for r in sub),
+            "settings_faster": sum(r["speedup"] > 1 for r in sub),
+            "settings": len(sub),
+        }
+    return {
+        "benchmark": "quality_decentralized",
+        "complete": len(results) == total,
+        "total": total,
+        "task": args.task,
+        "checkpoint": args.checkpoint,
+        "horizon": args.horizon,
+        "dirichlet_alpha": 0.1,
+        "summary": summary,
+        "median_speedup_all": statistics.median(r["speedup"] for r in results),
+        "settings": [{k: v for k, v in r.items() if k != "curves"} for r in results],
+        "wall_seconds": round(seconds, 1),
+        **machine(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="default")
@@ -85,33 +111,17 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     grid = list(itertools.product(args.workers, TOPOLOGIES, PARTITIONS))
+    grid.sort(key=lambda g: -g[0])  # the largest settings start first
     start = time.perf_counter()
+    results = []
     with ProcessPoolExecutor(args.jobs) as pool:
         futures = [
             pool.submit(bench_setting, args.task, args.checkpoint, args.horizon, *g) for g in grid
         ]
-        results = [f.result() for f in futures]
-    summary = {}
-    for workers in args.workers:
-        sub = [r for r in results if r["workers"] == workers]
-        summary[str(workers)] = {
-            "median_speedup": statistics.median(r["speedup"] for r in sub),
-            "settings_faster": sum(r["speedup"] > 1 for r in sub),
-            "settings": len(sub),
-        }
-    payload = {
-        "benchmark": "quality_decentralized",
-        "task": args.task,
-        "checkpoint": args.checkpoint,
-        "horizon": args.horizon,
-        "dirichlet_alpha": 0.1,
-        "summary": summary,
-        "median_speedup_all": statistics.median(r["speedup"] for r in results),
-        "settings": [{k: v for k, v in r.items() if k != "curves"} for r in results],
-        "wall_seconds": round(time.perf_counter() - start, 1),
-        **machine(),
-    }
-    write_json("quality_decentralized", payload)
+        for future in as_completed(futures):
+            results.append(future.result())
+            payload = _payload(args, results, len(grid), time.perf_counter() - start)
+            write_json("quality_decentralized", payload)  # partial results survive
     panels = {
         f"{r['workers']}w {r['topology']} {r['partition']}": r["curves"]
         for r in results if r["workers"] == max(args.workers)

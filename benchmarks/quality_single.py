@@ -14,7 +14,7 @@ import argparse
 import os
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 
 import torch
 
@@ -73,21 +73,8 @@ def bench_task(name: str, checkpoint: str, horizon: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="default")
-    parser.add_argument("--horizon", type=int, default=200)
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--tasks", nargs="*", default=None, help="default: every fixed task")
-    args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names = args.tasks or list_tasks()
-    start = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(
-            pool.map(bench_task, names, [args.checkpoint] * len(names), [args.horizon] * len(names))
-        )
-    _, card = load_checkpoint(args.checkpoint)
+def _payload(args, card: dict, results: list, total: int, seconds: float) -> dict:
+    results = sorted(results, key=lambda r: list_tasks().index(r["task"]))
     summary = {}
     for h in (args.horizon, 10 * args.horizon):
         speeds = [r[f"h{h}"]["speedup_median"] for r in results]
@@ -97,8 +84,10 @@ def main() -> None:
             "tasks": len(speeds),
             "learned_diverged_runs": sum(r[f"h{h}"]["learned_diverged"] for r in results),
         }
-    payload = {
+    return {
         "benchmark": "quality_single",
+        "complete": len(results) == total,
+        "total": total,
         "checkpoint": args.checkpoint,
         "checkpoint_card_name": card.get("name"),
         "horizons": [args.horizon, 10 * args.horizon],
@@ -106,10 +95,30 @@ def main() -> None:
         "baselines": list(BASELINES),
         "summary": summary,
         "tasks": [{k: v for k, v in r.items() if k != "curves_seed0"} for r in results],
-        "wall_seconds": round(time.perf_counter() - start, 1),
+        "wall_seconds": round(seconds, 1),
         **machine(),
     }
-    write_json("quality_single", payload)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="default")
+    parser.add_argument("--horizon", type=int, default=200)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--tasks", nargs="*", default=None, help="default: every fixed task")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    names = args.tasks or list_tasks()
+    names.sort(key=lambda n: get_task(n).kind != "lm")  # the slowest tasks start first
+    start = time.perf_counter()
+    _, card = load_checkpoint(args.checkpoint)
+    results = []
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(bench_task, n, args.checkpoint, args.horizon) for n in names]
+        for future in as_completed(futures):
+            results.append(future.result())
+            payload = _payload(args, card, results, len(names), time.perf_counter() - start)
+            write_json("quality_single", payload)  # partial results survive an interruption
     curves_png("quality_single", {f"{r['task']} (seed 0)": r["curves_seed0"] for r in results})
 
 

@@ -15,6 +15,13 @@ def _f(v: float) -> str:
     return "inf" if not math.isfinite(v) else f"{v:.4g}"
 
 
+def _partial(r: dict, what: str) -> str:
+    if r.get("complete", True):
+        return ""
+    done = len(r.get("tasks", r.get("settings", [])))
+    return f"**Partial run: {done} of {r.get('total', '?')} {what} measured.** "
+
+
 def _measured(r: dict) -> str:
     return f"Measured {r.get('date', '?')} on {r.get('machine', '?')}, torch {r.get('torch', '?')}."
 
@@ -36,7 +43,8 @@ def render_quality_single(r: dict) -> str:
     s1, s2 = r["summary"][f"h{h1}"], r["summary"][f"h{h2}"]
     return (
         markdown_table(header, rows)
-        + f"\n\nMedian speedup over the best of tuned Adam, AdamW and SGD+momentum: "
+        + f"\n\n{_partial(r, 'tasks')}Median speedup over the best of tuned Adam, AdamW and "
+        f"SGD+momentum: "
         f"**{_x(s1['median_speedup'])}** at {h1} steps ({s1['tasks_faster']}/{s1['tasks']} "
         f"tasks faster), **{_x(s2['median_speedup'])}** at {h2} steps ({s2['tasks_faster']}/"
         f"{s2['tasks']}). Learned-optimizer runs that diverged: {s2['learned_diverged_runs']}. "
@@ -64,7 +72,7 @@ def render_quality_decentralized(r: dict) -> str:
     per = ", ".join(f"{w} workers {_x(v['median_speedup'])}" for w, v in r["summary"].items())
     return (
         markdown_table(header, rows)
-        + f"\n\nTask `{r['task']}`, {r['horizon']} steps, Dirichlet alpha "
+        + f"\n\n{_partial(r, 'settings')}Task `{r['task']}`, {r['horizon']} steps, Dirichlet alpha "
         f"{r['dirichlet_alpha']} for the non-IID rows. Learned optimizer + learned mixing "
         f"against the best of D-SGD (momentum 0.9), D-Adam and gradient tracking (DSGT), all "
         f"Metropolis-mixed and each tuned over its 7-point grid per setting. Median speedup: "
