@@ -50,6 +50,26 @@ def _read_lightning_checkpoint(path: str) -> dict:
     return ckpt
 
 
+def card_summary(card: dict) -> str:
+    """One paragraph saying how a meta-trained checkpoint was made and what it measured."""
+    v = card.get("validation", {})
+    setting = v.get("setting", {})
+    measured = (
+        f" Validation ({setting.get('horizon', '?')} steps, held-in tasks "
+        f"{[r['task'] for r in v.get('single', [])]}): median speedup "
+        f"{v['median_speedup_adam']:.2f}x over learning-rate-tuned Adam (1 worker) and "
+        f"{v['median_speedup_dadam']:.2f}x over tuned D-Adam/Metropolis "
+        f"({setting.get('workers')} workers, {setting.get('topology')}, "
+        f"{setting.get('partition')} {setting.get('alpha')}); {v.get('diverged', 0)} diverged."
+        if "median_speedup_adam" in v
+        else " No validation recorded."
+    )
+    return (
+        f"Meta-trained by `{card.get('command')}`: {card.get('meta_steps')} meta-steps, "
+        f"{card.get('wall_time_s')} s of training.{measured}"
+    )
+
+
 def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
     """Write the deployable checkpoint of a meta-training run, with its card.
 
@@ -92,6 +112,7 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
         "exported_from": str(lightning_ckpt),
         "exported_at": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    card["summary"] = card_summary(card)
     return save_checkpoint(net, out, card)
 
 

@@ -70,10 +70,18 @@ def test_list_pretrained_default_first_and_loadable():
     assert opt.card == load_checkpoint("default")[1]
 
 
-def test_default_card_is_honest():
-    _, card = load_checkpoint("default")
+def test_shipped_cards_are_honest():
+    _, card = load_checkpoint("adam_init")
     assert card["trained"] is False
     assert "NOT meta-trained" in card["summary"]
+    _, card = load_checkpoint("default")
+    assert card["trained"] is True
+    assert card["command"].startswith("learned-opt-meta fit --config meta_train/configs/")
+    assert card["wall_time_s"] > 0 and card["meta_steps"] > 0
+    validation = card["validation"]
+    assert {"median_speedup_adam", "median_speedup_dadam", "single", "decentralized"} <= set(
+        validation
+    )
 
 
 def test_unknown_shipped_name_lists_the_shipped_ones():
