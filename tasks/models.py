@@ -13,6 +13,7 @@ tests check that they agree.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +33,12 @@ def _activation(name: str):
     return ACTIVATIONS[name]
 
 
-class Model:
+class Model(ABC):
     """Base class: a list of parameter specs, a pure ``apply`` and a ``module`` twin."""
 
+    @abstractmethod
     def param_specs(self) -> list[tuple[str, tuple[int, ...], str | float]]:
         """``(name, shape, init)`` with init "zeros", "ones" or a normal std (before scaling)."""
-        raise NotImplementedError
 
     def init(self, generator: torch.Generator | None, init_scale: float = 1.0) -> Params:
         """Fresh parameters; weight standard deviations are multiplied by ``init_scale``."""
@@ -51,11 +52,13 @@ class Model:
                 params[name] = torch.randn(shape, generator=generator) * (float(how) * init_scale)
         return params
 
+    @abstractmethod
     def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Outputs for inputs ``x``; pure in ``params``."""
 
+    @abstractmethod
     def module(self) -> nn.Module:
-        raise NotImplementedError
+        """A fresh ``nn.Module`` with the same parameter names."""
 
     @property
     def num_params(self) -> int:
