@@ -150,7 +150,7 @@ class PES:
                         grads[n] += diff * acc[n] / (2 * self.sigma**2 * self.pairs)
             head.step = parts[0].step
             head.length = min(head.length, min(p.length for p in parts))
-            head.history.extend(parts[0].history[len(head.history) :])
+            head.history = list(parts[0].history)  # the unperturbed record: pair 0, +eps
         meta_loss = torch.stack(meta).mean()
         return meta_loss, [grads[n] for n in names]
 
