@@ -11,6 +11,7 @@ differentiable, and agrees with ``tensor_step`` to 1e-5 (tested).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ class FlatLayout:
         """Layout of a params dict (shapes after ``batch_dims`` leading dims)."""
         return cls(tuple(params), tuple(tuple(t.shape[batch_dims:]) for t in params.values()))
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - layouts are few, frozen and long-lived
     def segments(self, device=None) -> Tensor:
         """Segment id of every element, ``[P]``."""
         ids = torch.arange(len(self.shapes), device=device)
