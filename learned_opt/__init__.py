@@ -15,8 +15,9 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from .chunked import learned_update, tensor_step_, tensor_steps_
 from .config import NetConfig
-from .core import init_state, learned_update, tensor_step, tensor_step_
+from .core import init_state, tensor_step
 from .network import LearnedOptimizerNet
 from .optimizer import LearnedOptimizer
 
@@ -35,4 +36,5 @@ __all__ = [
     "save_checkpoint",
     "tensor_step",
     "tensor_step_",
+    "tensor_steps_",
 ]

@@ -28,9 +28,10 @@ def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def update_moments_(g: Tensor, m: Tensor, v: Tensor) -> None:
-    """In-place twin of :func:`update_moments` for the no-grad fast path."""
-    for k, beta in enumerate(MOMENTUM_DECAYS):
-        m[k].mul_(beta).add_(g, alpha=1.0 - beta)
+    """In-place twin of :func:`update_moments` for the no-grad fast path (``m`` is ``(3, n)``,
+    ``g`` and ``v`` are ``(n,)``): one interpolation over all three momenta."""
+    weights = torch.tensor([1.0 - b for b in MOMENTUM_DECAYS], dtype=m.dtype, device=m.device)
+    m.lerp_(g.expand_as(m), weights.unsqueeze(1))
     v.mul_(SECOND_MOMENT_DECAY).addcmul_(g, g, value=1.0 - SECOND_MOMENT_DECAY)
 
 
@@ -89,20 +90,17 @@ def feature_sum_squares(
     without building the rows (``(m r)^2 = m^2 / (v + eps)``), so the fast path's first pass
     over a tensor is cheap. Sums over chunks add up; divided by the tensor's size they are
     the mean squares that :func:`feature_scales` normalises by."""
-    g = g.reshape(-1)
-    p = p.reshape(-1)
-    m2 = m.reshape(3, -1).square()
-    g2 = g * g
+    g, p, m = g.reshape(-1), p.reshape(-1), m.reshape(3, -1)
     inv = torch.reciprocal(v.reshape(-1) + cfg.eps)  # rsqrt(v + eps) ** 2
-    clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
+    clip_g = (g / (g_rms + _TINY)).clamp_(-cfg.clip_value, cfg.clip_value)
+    g_inv = g * inv
+    sums = [torch.dot(g, g), torch.dot(clip_g, clip_g), torch.dot(p, p)]
+    sums += [torch.dot(m[k], m[k]) for k in range(3)]
     return torch.cat(
         [
-            g2.sum().reshape(1),
-            torch.dot(clip_g, clip_g).reshape(1),
-            torch.dot(p, p).reshape(1),
-            m2.sum(dim=1),
-            torch.mv(m2, inv),
-            torch.dot(g2, inv).reshape(1),
+            torch.stack(sums),
+            torch.mv(m * m, inv),
+            torch.dot(g_inv, g).reshape(1),
             inv.sum().reshape(1),
         ]
     )
@@ -113,18 +111,23 @@ def feature_scales(mean_squares: Tensor) -> Tensor:
     return torch.rsqrt(NORM_EPS + mean_squares)
 
 
-def tensor_stats(ms: Tensor, v: Tensor) -> Tensor:
-    """Per-tensor statistics, shape ``(8,)``, for the per-tensor network.
+def shape_stats(shapes, like: Tensor) -> Tensor:
+    """``(len(shapes), 2)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape."""
+    rows = [[0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s)] for s in shapes]
+    return torch.tensor(rows, dtype=like.dtype, device=like.device)
+
+
+def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
+    """Per-tensor statistics, shape ``(..., 8)``, for the per-tensor network.
 
     0.1 * log rms of g, p, m_1..m_3 and sqrt(mean v); 0.1 * log(numel); 0.5 * rank. ``ms``
-    holds the feature mean squares (rows 0 and 2-5 of the features are g, p and m).
+    (``(..., 11)``) holds the feature mean squares (rows 0 and 2-5 of the features are g, p
+    and m), ``v_mean`` (``(...)``) the mean of v and ``shape`` (``(..., 2)``) the
+    :func:`shape_stats`. Leading dims batch over tensors.
     """
-    moments = torch.cat([ms[0:1], ms[2:6], v.mean().reshape(1)])
+    moments = torch.cat([ms[..., 0:1], ms[..., 2:6], v_mean.unsqueeze(-1)], dim=-1)
     logs = torch.log(safe_sqrt(moments) + _TINY)
-    shape_stats = torch.tensor(
-        [0.1 * math.log(max(v.numel(), 1)), 0.5 * v.dim()], dtype=logs.dtype, device=logs.device
-    )
-    return torch.cat([0.1 * logs, shape_stats])
+    return torch.cat([0.1 * logs, shape.to(logs.dtype)], dim=-1)
 
 
 def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
@@ -134,25 +137,28 @@ def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     return torch.tanh(step / taus - 1.0)
 
 
-def adam_denominator(
-    v: Tensor, step: Tensor | float, eps: float, out: Tensor | None = None
-) -> Tensor:
-    """``bc1 * (sqrt(v / bc2) + eps)``: Adam's direction is ``m_1 / adam_denominator``.
-
-    ``step`` may be a Python number (bias corrections in float64) or a tensor. ``out``
-    (shaped like ``v``) receives the result in place on the no-grad fast path.
-    """
+def bias_corrections(step, like: Tensor) -> tuple:
+    """Adam's ``(1 - 0.9^step, 1 - 0.999^step)``; Python floats (computed in float64) for a
+    Python ``step``, tensors for a tensor ``step``."""
     if isinstance(step, Tensor):
-        step = step.to(dtype=v.dtype, device=v.device)
-    bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
-    if out is not None:
-        return torch.mul(v, bc1 * bc1 / bc2, out=out).sqrt_().add_(eps * bc1)
-    return torch.sqrt(v * (bc1 * bc1 / bc2)) + eps * bc1
+        step = step.to(dtype=like.dtype, device=like.device)
+    return 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
 
 
 def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum."""
-    return m1 / adam_denominator(v, step, eps)
+    bc1, bc2 = bias_corrections(step, v)
+    return m1 / (torch.sqrt(v * (bc1 * bc1 / bc2)) + eps * bc1)
+
+
+def add_adam_direction_(d: Tensor, m1: Tensor, v: Tensor, step: int, eps: float, scratch: Tensor):
+    """``d += adam_direction(m1, v, step, eps)`` in place, for the no-grad fast path
+    (``scratch``, shaped like ``v``, is overwritten). Uses
+    ``m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))``,
+    which takes two passes fewer."""
+    bc1, bc2 = bias_corrections(step, v)
+    denom = torch.sqrt(v, out=scratch).add_(eps * math.sqrt(bc2))
+    return d.addcdiv_(m1, denom, value=math.sqrt(bc2) / bc1)
 
 
 def edge_features(

@@ -106,10 +106,12 @@ def element_layers(
 
     The per-tensor feature normalisation is folded into the first layer's columns (features
     are never rescaled per element), the tensor's context into its bias, and ``exp_mult``
-    into the magnitude row of the output layer.
+    into the magnitude row of the output layer. ``feature_scales`` (``(..., F)``) and
+    ``context_bias`` (``(..., H)``) may carry a leading dim over tensors; the first layer
+    then does too (see :func:`layers_of`), the other two are shared.
     """
     out_mult = torch.tensor([[1.0], [cfg.exp_mult]], dtype=dtype, device=context_bias.device)
-    w_in = theta["elem_in.weight"].to(dtype) * feature_scales
+    w_in = theta["elem_in.weight"].to(dtype) * feature_scales.unsqueeze(-2)
     w_h, b_h = theta["elem_hidden.weight"].to(dtype), theta["elem_hidden.bias"].to(dtype)
     w_o, b_o = theta["elem_out.weight"].to(dtype), theta["elem_out.bias"].to(dtype)
     return (
@@ -117,6 +119,12 @@ def element_layers(
         (w_h, b_h.unsqueeze(-1)),
         (w_o * out_mult, b_o.unsqueeze(-1) * out_mult),
     )
+
+
+def layers_of(layers: Layers, i: int) -> Layers:
+    """Tensor ``i``'s layers from :func:`element_layers` built for a batch of tensors."""
+    (w1, b1), *shared = layers
+    return ((w1[i], b1[i]), *shared)
 
 
 def element_mlp(

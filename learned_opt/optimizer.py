@@ -11,9 +11,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
-from .core import DEFAULT_CHUNK, compute_dtype, init_state, tensor_step_
+from .chunked import DEFAULT_CHUNK, tensor_steps_
+from .core import init_state
 from .flat import flat_step_
 from .network import LearnedOptimizerNet, Theta
+from .workers import SERIAL, ChunkRunner
 
 #: Default ``small_tensor_size``: up to this size, one call per tensor costs more than the
 #: tensor's math, so such tensors are stepped together. Thresholds from 2K to 32K measured
@@ -31,10 +33,14 @@ class LearnedOptimizer(Optimizer):
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
-        chunk_size: elements processed at a time on the fast path.
+        chunk_size: elements processed at a time on the fast path on CPU (accelerators
+            use :data:`learned_opt.chunked.ACCELERATOR_CHUNK`).
         small_tensor_size: tensors of at most this many elements (biases, norms) are
             stepped together in one batched call (:func:`learned_opt.flat.flat_step_`)
             instead of one call each; 0 turns batching off.
+        workers: threads that step CPU chunks in parallel, each with one intra-op
+            thread (see :mod:`learned_opt.workers`); default ``torch.get_num_threads()``
+            at each step.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
     ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
@@ -52,6 +58,7 @@ class LearnedOptimizer(Optimizer):
         net: LearnedOptimizerNet | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         small_tensor_size: int = SMALL_TENSOR_SIZE,
+        workers: int | None = None,
     ):
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"Invalid learning-rate multiplier: {lr!r} (must be >= 0)")
@@ -71,7 +78,7 @@ class LearnedOptimizer(Optimizer):
         self.small_tensor_size = small_tensor_size
         self.last_loss: Tensor | float | None = None
         self._theta_cache: dict[tuple, Theta] = {}
-        self._workspace: dict = {}  # scratch buffers of the fast path, reused across steps
+        self._runner = ChunkRunner(workers)  # also holds the reused scratch buffers
         super().__init__(params, dict(lr=lr, step=0))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -143,23 +150,32 @@ class LearnedOptimizer(Optimizer):
                 continue
             group["step"] += 1
             step, lr = group["step"], float(group["lr"])
-            batches: dict[tuple, list] = {}  # small tensors by (device, compute dtype)
-            for p, g, state in items:
-                if 0 < p.numel() <= self.small_tensor_size:
-                    batches.setdefault((p.device, state["v"].dtype), []).append((p, g, state))
-                    continue
-                theta = self.theta(p.device, compute_dtype(p))
-                ok = tensor_step_(
-                    theta, self.config, p, g, state, step, lr, self.chunk_size, self._workspace
-                )
-                state["nonfinite_skips"] += not ok
-            for (device, dtype), batch in batches.items():
+            small: dict[tuple, list] = {}  # by (device, compute dtype)
+            large: dict[tuple, list] = {}
+            for item in items:
+                p, state = item[0], item[2]
+                batches = small if 0 < p.numel() <= self.small_tensor_size else large
+                batches.setdefault((p.device, state["v"].dtype), []).append(item)
+            for (device, dtype), batch in large.items():
                 params, grads, states = zip(*batch)
-                theta = self.theta(device, dtype)
-                oks = flat_step_(theta, self.config, params, grads, states, step, lr)
-                for state, ok in zip(states, oks):
-                    state["nonfinite_skips"] += not ok
+                cpu = device.type == "cpu"
+                oks = tensor_steps_(
+                    self.theta(device, dtype), self.config, params, grads, states, step, lr,
+                    chunk=self.chunk_size if cpu else None, runner=self._runner if cpu else SERIAL,
+                )  # fmt: skip
+                self._count_skips(states, oks)
+            for (device, dtype), batch in small.items():
+                params, grads, states = zip(*batch)
+                oks = flat_step_(
+                    self.theta(device, dtype), self.config, params, grads, states, step, lr
+                )
+                self._count_skips(states, oks)
         return closure_loss
+
+    @staticmethod
+    def _count_skips(states, oks) -> None:
+        for state, ok in zip(states, oks):
+            state["nonfinite_skips"] += not ok
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state; state tensors keep their saved dtype (float32 for bf16

@@ -9,6 +9,9 @@ from torch.func import functional_call, grad, vmap
 
 from learned_opt import init_state, learned_update, tensor_step, tensor_step_
 from learned_opt.features import element_features, feature_sum_squares, rms
+from learned_opt.workers import ChunkRunner
+
+RUNNER = ChunkRunner(workers=2)  # the fast path's chunks on two threads, as on this machine
 
 
 def _theta(net):
@@ -27,7 +30,7 @@ def _warm_state(p, steps=3, seed=0):
     return s
 
 
-def _chunkwise_fast(theta, cfg, p, g, state, step, lr, chunk, workspace=None):
+def _chunkwise_fast(theta, cfg, p, g, state, step, lr, chunk, runner=None):
     """A broken fast path: each chunk normalised on its own statistics."""
     flat_p, flat_g = p.view(-1), g.reshape(-1)
     m, v = state["m"].view(3, -1), state["v"].view(-1)
@@ -66,7 +69,7 @@ def _compare_paths(fast_fn, width, shape, dtype, chunk, noncontig, steps=3):
         g = torch.randn(shape, generator=gen).to(dtype)
         new_p, new_m, new_v = tensor_step(theta, cfg, p, g, state["m"], state["v"], k + 4, 0.7)
         fast_p, fast_state = p.clone(), {n: t.clone() for n, t in state.items()}
-        assert fast_fn(theta, cfg, fast_p, g, fast_state, k + 4, 0.7, chunk, workspace={})
+        assert fast_fn(theta, cfg, fast_p, g, fast_state, k + 4, 0.7, chunk, runner=RUNNER)
         upd = (new_p.double() - p.double()).abs().max()
         if dtype == torch.bfloat16:  # both round the same float32 result to bf16
             torch.testing.assert_close(fast_p, new_p, rtol=0, atol=float(upd) * 0.02)

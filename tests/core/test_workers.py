@@ -1,0 +1,123 @@
+"""The chunk runner and the multi-tensor fast path on worker threads."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from optim_table import perturbed_net
+
+from learned_opt import LearnedOptimizer, tensor_step, tensor_steps_
+from learned_opt.core import init_state
+from learned_opt.workers import ChunkRunner
+
+
+def test_map_keeps_task_order_and_gives_each_worker_its_own_workspace():
+    runner = ChunkRunner(workers=2)
+    seen = []
+
+    def task(i, workspace):
+        workspace.setdefault("owner", threading.get_ident())
+        seen.append((workspace["owner"], threading.get_ident()))
+        return i * i
+
+    assert runner.map(task, list(range(50))) == [i * i for i in range(50)]
+    assert all(owner == ident for owner, ident in seen)  # a workspace never changes thread
+    assert runner.map(task, []) == []
+
+
+def test_map_runs_inline_with_one_worker():
+    caller = threading.get_ident()
+    assert ChunkRunner(workers=1).map(lambda t, ws: threading.get_ident(), [0, 1]) == [caller] * 2
+
+
+def test_map_raises_a_task_error_and_stays_usable():
+    runner = ChunkRunner(workers=2)
+
+    def task(i, workspace):
+        if i == 7:
+            raise ValueError("bad chunk 7")
+        return i
+
+    with pytest.raises(ValueError, match="bad chunk 7"):
+        runner.map(task, list(range(20)))
+    assert runner.map(task, [1, 2]) == [1, 2]
+
+
+def test_workers_use_one_intra_op_thread_and_leave_the_caller_alone():
+    before = torch.get_num_threads()
+    runner = ChunkRunner(workers=2)
+    inside = runner.map(lambda t, ws: torch.get_num_threads(), [0, 1, 2, 3])
+    assert inside == [1] * 4
+    assert torch.get_num_threads() == before
+    runner.close()
+    assert runner.map(lambda t, ws: t + 1, [1, 2]) == [2, 3]  # restarts after close
+
+
+def test_tasks_run_in_the_callers_grad_mode():
+    runner = ChunkRunner(workers=2)
+    with torch.no_grad():
+        assert runner.map(lambda t, ws: torch.is_grad_enabled(), [0, 1, 2]) == [False] * 3
+    assert runner.map(lambda t, ws: torch.is_grad_enabled(), [0, 1, 2]) == [True] * 3
+
+
+def test_invalid_worker_count():
+    with pytest.raises(ValueError, match="workers"):
+        ChunkRunner(workers=0)
+
+
+def test_runner_survives_deepcopy():
+    runner = ChunkRunner(workers=2)
+    runner.map(lambda t, ws: t, [0, 1])
+    clone = copy.deepcopy(runner)
+    assert clone.map(lambda t, ws: t * 2, [1, 2]) == [2, 4]
+
+
+def _model_params(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(64, 40), (300,), (5, 7, 9), (0, 4), (1000,)]
+    return [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in shapes]
+
+
+def _run(workers, steps=4, chunk=64):
+    params = _model_params()
+    opt = LearnedOptimizer(
+        params, net=perturbed_net(8), chunk_size=chunk, small_tensor_size=0, workers=workers
+    )
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return params, opt
+
+
+def test_threaded_steps_are_bitwise_repeatable_and_match_serial():
+    a, _ = _run(workers=2)
+    b, _ = _run(workers=2)
+    serial, _ = _run(workers=1)
+    for x, y, z in zip(a, b, serial):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, z, rtol=1e-6, atol=1e-7)
+
+
+def test_multi_tensor_step_skips_only_the_nonfinite_tensor():
+    net = perturbed_net(8)
+    theta, cfg = net.theta(), net.config
+    params = [t.detach().clone() for t in _model_params()]
+    grads = [torch.randn_like(p) for p in params]
+    grads[2][1, 2, 3] = float("nan")
+    states = [init_state(p) for p in params]
+    expected = [
+        tensor_step(theta, cfg, p, g, s["m"], s["v"], 1, 1.0)[0]
+        for p, g, s in zip(params, grads, states)
+    ]
+    before = [p.clone() for p in params]
+    oks = tensor_steps_(theta, cfg, params, grads, states, 1, 1.0, chunk=50, runner=ChunkRunner(2))
+    assert oks == [True, True, False, True, True]
+    assert torch.equal(params[2], before[2])
+    assert not states[2]["m"].any() and not states[2]["v"].any()
+    for i in (0, 1, 4):
+        torch.testing.assert_close(params[i], expected[i], rtol=1e-5, atol=1e-7)
