@@ -4,18 +4,21 @@
 a list of tensors, in place, in four phases:
 
 1. the mean square of each gradient, to skip tensors holding NaN or Inf;
-2. per chunk (tasks on a :class:`~learned_opt.workers.ChunkRunner`): the moment update and
-   the sums of squares of the features, computed analytically while the chunk is in cache;
+2. per tensor, in cache-sized pieces, in the calling thread: the moment update and the
+   sums of squares of the features, computed analytically while the piece is in cache
+   (large elementwise ops, which intra-op threads speed up);
 3. the per-tensor network, once for all tensors;
-4. per chunk (tasks again): the features, the per-element MLP and the update, with
-   features and activations in one scratch buffer per worker.
+4. per chunk, as tasks on a :class:`~learned_opt.workers.ChunkRunner`: the features, the
+   per-element MLP and the update, with features and activations in one scratch buffer
+   per worker (small matrix products, which only worker threads speed up).
 
-Chunks of one phase are independent, and partial sums are added in chunk order, so the
-result does not depend on how the tasks were scheduled.
+Chunks are independent and partial sums are added in order, so the result does not
+depend on how the tasks were scheduled.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from .config import NUM_ELEMENT_FEATURES, NetConfig
 from .core import compute_dtype, element_update, tensor_context, tensor_step
-from .features import element_features, feature_sum_squares, mean_square, safe_sqrt, update_moments_
+from .features import _TINY, element_features, feature_sum_squares, mean_square, update_moments_
 from .network import Theta, layers_of
 from .workers import SERIAL, ChunkRunner
 
@@ -81,34 +84,52 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
 
 
 def _scratch(workspace: dict, numel: int, dtype, device) -> Tensor:
-    """A flat buffer of at least ``numel`` elements, reused across calls via ``workspace``."""
+    """A flat buffer of at least ``numel`` elements, reused across calls via ``workspace``
+    (growing it drops the views cut from the old one)."""
     key = (dtype, str(device))
     buf = workspace.get(key)
     if buf is None or buf.numel() < numel:
+        for old in [k for k in workspace if isinstance(k, tuple) and len(k) == 4]:
+            del workspace[old]
         buf = workspace[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf
 
 
-def _moments_and_sums(task, workspace: dict, cfg: NetConfig) -> Tensor:
-    """Phase 2 on one chunk: update the moments; return the feature sums of squares and
-    the sum of v, ``(12,)``."""
-    t, g_rms, lo, hi = task
-    g, m, v = t.flat_g[lo:hi], t.flat_m[:, lo:hi], t.flat_v[lo:hi]
-    update_moments_(g, m, v)
-    sums = feature_sum_squares(t.flat_p[lo:hi], g, m, v, g_rms, cfg)
-    return torch.cat([sums, v.sum().reshape(1)])
+def _moments_and_sums(t: _Tensor, g_rms: float, size: int, cfg: NetConfig) -> Tensor:
+    """Phase 2 on one tensor, ``size`` elements at a time: update the moments; return the
+    feature mean squares and the mean of v, ``(12,)``. Partial sums add up in order."""
+    total = 0
+    for lo, hi in _spans(t.n, size):
+        g, m, v = t.flat_g[lo:hi], t.flat_m[:, lo:hi], t.flat_v[lo:hi]
+        update_moments_(g, m, v)
+        sums = feature_sum_squares(t.flat_p[lo:hi], g, m, v, g_rms, cfg)
+        total = total + torch.cat([sums, v.sum().reshape(1)])
+    return total / t.n
+
+
+def _buffers(workspace: dict, rows: tuple[int, int], k: int, like: Tensor) -> list[Tensor]:
+    """Two ``(rows[i], k)`` scratch blocks from one flat buffer kept in ``workspace``."""
+    key = (rows, k, like.dtype, str(like.device))
+    views = workspace.get(key)
+    if views is None:
+        buf = _scratch(workspace, sum(rows) * k, like.dtype, like.device)
+        views = [part.view(-1, k) for part in buf[: sum(rows) * k].split([r * k for r in rows])]
+        workspace[key] = views
+    return views
 
 
 def _update_chunk(task, workspace: dict, cfg: NetConfig, step: int) -> None:
     """Phase 4 on one chunk: features, per-element MLP, ``target += scale * dir * mag``."""
     t, g_rms, layers, scale, lo, hi = task
     k, width = hi - lo, cfg.width
-    rows = (NUM_ELEMENT_FEATURES, width, width, 2)
-    buf = _scratch(workspace, sum(rows) * k, t.flat_p.dtype, t.flat_p.device)
-    x, h1, h2, out = (b.view(-1, k) for b in buf[: sum(rows) * k].split([r * k for r in rows]))
+    # two blocks of rows, each reused once dead: features then second hidden layer in
+    # `a`, first hidden layer then outputs in `b` (a smaller footprint stays in cache)
+    a, b = _buffers(workspace, (max(NUM_ELEMENT_FEATURES, width), width), k, t.flat_p)
     m, v = t.flat_m[:, lo:hi], t.flat_v[lo:hi]
-    element_features(t.flat_p[lo:hi], t.flat_g[lo:hi], m, v, g_rms, cfg, out=x)
-    direction, magnitude = element_update(cfg, layers, x, m[0], v, step, (h1, h2, out))
+    x = element_features(
+        t.flat_p[lo:hi], t.flat_g[lo:hi], m, v, g_rms, cfg, out=a[:NUM_ELEMENT_FEATURES]
+    )
+    direction, magnitude = element_update(cfg, layers, x, m[0], v, step, (b, a[:width], b[:2]))
     t.target[lo:hi].addcmul_(direction, magnitude, value=scale)
 
 
@@ -135,20 +156,15 @@ def tensor_steps_(
         return []
     chunk = chunk or default_chunk(params[0].device)
     tensors = [_prepare(p, g, s) for p, g, s in zip(params, grads, states)]
-    g_ms = torch.stack([mean_square(t.flat_g) for t in tensors])
-    finite = torch.isfinite(g_ms).tolist()
+    g_ms = torch.stack([mean_square(t.flat_g) for t in tensors]).tolist()  # one sync
+    finite = [math.isfinite(ms) for ms in g_ms]
     live = [i for i, ok in enumerate(finite) if ok and tensors[i].n > 0]
     if not live:
         return finite
-    g_rms = safe_sqrt(g_ms)
-    big = PASS1_CHUNKS * chunk
-    tasks = [(tensors[i], g_rms[i], *span) for i in live for span in _spans(tensors[i].n, big)]
-    partial = runner.map(lambda task, ws: _moments_and_sums(task, ws, cfg), tasks)
-    sums, at = [], 0
-    for i in live:
-        count = len(_spans(tensors[i].n, big))
-        sums.append(torch.stack(partial[at : at + count]).sum(dim=0) / tensors[i].n)
-        at += count
+    g_rms = [math.sqrt(ms + _TINY * _TINY) for ms in g_ms]  # as features.safe_sqrt
+    # phase 2 in this thread: its ops are large and elementwise, so intra-op threads
+    # scale on them, and per-op costs stay low
+    sums = [_moments_and_sums(tensors[i], g_rms[i], PASS1_CHUNKS * chunk, cfg) for i in live]
     means = torch.stack(sums)  # (T, 12): feature mean squares, then mean of v
     shapes = [params[i].shape for i in live]
     layers, scales = tensor_context(theta, cfg, means[:, :-1], means[:, -1], shapes, step, lr)

@@ -69,8 +69,8 @@ def element_update(cfg, layers, x, m1, v, step, mlp_out=None) -> tuple[Tensor, T
 
     ``direction = clamp(adam_dir + d)``: Adam's direction corrected by the learned ``d``.
     With ``mlp_out`` (the no-grad fast path) everything is computed in place: the MLP's
-    output rows become direction and magnitude, and the first feature row (dead once the
-    first layer has run) is scratch.
+    output rows become direction and magnitude, and the first feature row is scratch once
+    the MLP has run (the hidden layers may reuse the features' memory).
     """
     d, log_mag = element_mlp(layers, x, out=mlp_out)
     if mlp_out is None:
