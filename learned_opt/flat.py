@@ -12,6 +12,7 @@ differentiable, and agrees with ``tensor_step`` to 1e-5 (tested).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -49,6 +50,15 @@ class FlatLayout:
         ids = torch.arange(len(self.shapes), device=device)
         return ids.repeat_interleave(torch.tensor(self.numels, device=device))
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def padded_index(self, device=None) -> Tensor:
+        """Where each element goes when every segment is padded to the longest: ``[P]``
+        indices into ``T * max(numels)``."""
+        longest = max(self.numels, default=0)
+        seg = self.segments(device)
+        starts = torch.tensor([0, *itertools.accumulate(self.numels)][:-1], device=device)
+        return seg * longest + torch.arange(self.size, device=device) - starts[seg]
+
     def flatten(self, params: dict[str, Tensor], batch_dims: int = 1) -> Tensor:
         """Concatenate ``params`` (with ``batch_dims`` leading dims) into ``[..., P]``."""
         lead = next(iter(params.values())).shape[:batch_dims]
@@ -67,11 +77,46 @@ def init_flat_state(p: Tensor) -> dict[str, Tensor]:
     return {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
 
 
-def segment_mean(x: Tensor, seg: Tensor, layout: FlatLayout) -> Tensor:
-    """Mean of ``x`` (``[..., P]``) over each segment (tensor): ``[..., T]``."""
+#: Segment sums on accelerators pad every segment to the longest while the padded size is
+#: at most this many times ``P``; beyond that they sum segment by segment.
+MAX_PADDING = 4
+
+
+def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Tensor:
+    """Sum of ``x`` (``[..., P]``) over each segment (tensor): ``[..., T]``; differentiable.
+
+    Every method is deterministic (bitwise repeatable). ``method``: ``"index_add"`` (the
+    default on CPU, where it adds in order; on CUDA it adds with atomics, in a varying
+    order), ``"padded"`` (scatter into ``[..., T, longest]`` and sum: a few kernels; the
+    default on accelerators while the padding stays below :data:`MAX_PADDING`) or
+    ``"split"`` (one sum per segment).
+    """
+    num, lead = len(layout.shapes), x.shape[:-1]
+    if method is None:
+        padded_size = num * max(layout.numels, default=0)
+        method = (
+            "index_add"
+            if x.device.type == "cpu"
+            else "padded"
+            if padded_size <= MAX_PADDING * max(layout.size, 1)
+            else "split"
+        )
+    if method == "index_add":
+        return x.new_zeros(*lead, num).index_add(-1, layout.segments(x.device), x)
+    if method == "padded":
+        longest = max(layout.numels, default=0)
+        out = x.new_zeros(*lead, num * longest).index_copy(-1, layout.padded_index(x.device), x)
+        return out.view(*lead, num, longest).sum(-1)
+    if method == "split":
+        return torch.stack([part.sum(-1) for part in x.split(layout.numels, dim=-1)], dim=-1)
+    raise ValueError(f"unknown segment_sum method {method!r}")
+
+
+def segment_mean(x: Tensor, layout: FlatLayout) -> Tensor:
+    """Mean of ``x`` (``[..., P]``) over each segment (tensor): ``[..., T]``; see
+    :func:`segment_sum`."""
     counts = torch.tensor(layout.numels, dtype=x.dtype, device=x.device)
-    out = x.new_zeros(*x.shape[:-1], len(layout.shapes))
-    return out.index_add(-1, seg, x) / counts
+    return segment_sum(x, layout) / counts
 
 
 def flat_step(
@@ -96,7 +141,7 @@ def flat_step(
     seg = layout.segments(p.device)
 
     def mean(x: Tensor) -> Tensor:
-        return segment_mean(x, seg, layout)
+        return segment_mean(x, layout)
 
     finite = torch.isfinite(mean(g * g))  # [B, T]
     g = torch.where(finite[:, seg], g, torch.zeros_like(g))

@@ -183,9 +183,8 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
     new_params, new_states = opt.update(layout, traj.params, grads, traj.states, step)
     info: dict = {"num_workers": traj.num_workers}
     with torch.no_grad():
-        seg = layout.segments(new_params.device)
         delta = (new_params - traj.params).detach()
-        info["update_rms"] = segment_mean(delta * delta, seg, layout).mean(0).sqrt()
+        info["update_rms"] = segment_mean(delta * delta, layout).mean(0).sqrt()
     if traj.comm is not None and opt.mixing != "none":
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker

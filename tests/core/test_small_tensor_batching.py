@@ -8,6 +8,7 @@ from optim_table import perturbed_net
 from torch import nn
 
 from learned_opt import LearnedOptimizer
+from learned_opt.flat import FlatLayout, segment_sum
 
 
 def _params(seed: int = 0) -> list[nn.Parameter]:
@@ -77,3 +78,19 @@ def test_batched_bad_gradient_skips_only_that_tensor():
 def test_small_tensor_size_is_validated(bad):
     with pytest.raises(ValueError, match="small_tensor_size"):
         LearnedOptimizer([nn.Parameter(torch.zeros(3))], small_tensor_size=bad)
+
+
+@pytest.mark.parametrize("method", ["index_add", "padded", "split"])
+def test_segment_sum_methods_agree_and_differentiate(method):
+    layout = FlatLayout(("a", "b", "c", "d"), ((3, 4), (5,), (), (2, 2, 2)))
+    x = torch.randn(2, 3, layout.size, dtype=torch.float64, requires_grad=True)
+    expected = torch.stack([t.sum(-1) for t in x.split(layout.numels, dim=-1)], dim=-1)
+    got = segment_sum(x, layout, method)
+    torch.testing.assert_close(got, expected)
+    assert torch.autograd.gradcheck(lambda t: segment_sum(t, layout, method), (x,))
+
+
+def test_segment_sum_rejects_unknown_method():
+    layout = FlatLayout(("a",), ((3,),))
+    with pytest.raises(ValueError, match="unknown segment_sum method"):
+        segment_sum(torch.ones(3), layout, "atomic")
