@@ -127,3 +127,40 @@ def render_gossip_throughput(r: dict) -> str:
         + f"\n\nGoal: {r['goal']}. {r['note']}. Measured {r['date'][:10]}, {r['machine']}, "
         f"torch {r['torch']}."
     )
+
+
+@section("cuda_check")
+def render_cuda_check(r: dict) -> str:
+    checks, env = r["checks"], r["checks"]["environment"]["result"]
+    rows = [
+        [name, c["status"], "; ".join(
+            filter(None, [c.get("error"), c.get("reason"), c.get("expected") and
+                          f"expected: {c['expected']}"])
+        )]
+        for name, c in checks.items()
+    ]  # fmt: skip
+    status = markdown_table(["check", "result", "note"], rows)
+    step = checks.get("step_timing", {}).get("result", {}).get("rows", [])
+    timing = markdown_table(
+        ["params", "optimizer", "ms/step (median)", "ratio to fused AdamW"],
+        [
+            [f"{s['size']} ({s['params']:,})", s["optimizer"], f"{s['median_ms']:.2f}",
+             f"{s['ratio_to_best_adamw']:.1f}x"]
+            for s in step
+        ],
+    )  # fmt: skip
+    flat = checks.get("flat_step_timing", {}).get("result", {})
+    flat_rows = [
+        [f["width"], f["pass"], f"{f['median_ms']:.1f}", f"{f['elements_per_s'] / 1e6:.0f}M"]
+        for f in flat.get("rows", [])
+    ]
+    flat_table = markdown_table(["width", "pass", "ms", "elements/s"], flat_rows)
+    return (
+        f"{status}\n\nStep time on the GPU, the optimizers taking turns:\n\n{timing}\n\n"
+        f"`flat_step` (meta-training) on {flat.get('workers')} workers x "
+        f"{flat.get('elements_per_worker', 0):,} elements:\n\n{flat_table}\n\n"
+        f"Measured {r['date'][:10]} on one {env.get('gpu')} ({env.get('gpu_memory_gb')} GB), "
+        f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}. Command: "
+        "`python3 benchmarks/cuda_check.py --out DIR` on the GPU machine, then the JSON copied "
+        "to `benchmarks/results/`."
+    )

@@ -128,6 +128,8 @@ class ProcessGroupCommunicator:
                 f"{self.world_size})"
             )
         self.timeout = _seconds(timeout)
+        # gloo has no point-to-point calls on device tensors: those go through host memory
+        self._host_p2p_only = dist.get_backend(group) == "gloo"
         self.nonfinite_excluded = 0
         self.bytes_sent = 0
         self._layouts: dict[tuple, _Layout] = {}
@@ -152,6 +154,9 @@ class ProcessGroupCommunicator:
     def _swap(self, send: Tensor, recv: Tensor, peer: int, step: int) -> None:
         """Send ``send`` to ``peer`` and receive its buffer into ``recv``, both at once."""
         what = f"exchange with neighbour rank {peer}"
+        dest = None
+        if send.is_cuda and self._host_p2p_only:  # gloo with device tensors: stage on host
+            send, dest, recv = send.cpu(), recv, torch.empty(recv.shape, dtype=recv.dtype)
         try:
             if send.is_cuda:  # NCCL pairs its point-to-point calls through a batch
                 ops = [
@@ -168,6 +173,8 @@ class ProcessGroupCommunicator:
             raise GossipError(f"rank {self.rank}: {what} failed at step {step}: {exc}") from exc
         for work in works:
             self._wait(work, what, step)
+        if dest is not None:
+            dest.copy_(recv)
 
     def all_reduce(self, t: Tensor, step: int, what: str = "all_reduce") -> Tensor:
         """Sum ``t`` over the group in place, with the communicator's timeout."""

@@ -6,9 +6,11 @@
 Each rank trains its own copy of the model on its shard of the data (``--partition``),
 then gossips with its neighbours (``--mixing``), or averages gradients with all_reduce
 (``--mixing allreduce``: plain data parallel, for comparison). At the end the ranks'
-models are averaged and evaluated; rank 0 prints a one-line summary. With CUDA, rank r
-uses ``cuda:LOCAL_RANK`` and NCCL; otherwise gloo on CPU. Per-rank TensorBoard logs go
-to ``--logdir``. Without torchrun it runs as a single worker.
+models are averaged and evaluated; rank 0 prints a one-line summary. With CUDA, a rank
+uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every local rank has a GPU of its own,
+else gloo (which passes device tensors through host memory); without CUDA, gloo on CPU.
+``--backend`` overrides the choice. Per-rank TensorBoard logs go to ``--logdir``. Without
+torchrun it runs as a single worker.
 
 This module sits on top of the package: it is the only one in ``distributed/`` that
 imports ``learned_opt.tasks``.
@@ -63,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--alpha", type=float, default=0.1, help="Dirichlet concentration")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
+    p.add_argument(
+        "--backend", choices=["auto", "nccl", "gloo"], default="auto", help="see default_backend()"
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
@@ -92,14 +97,26 @@ def _average_gradients(params, comm: ProcessGroupCommunicator, step: int) -> Non
         offset += g.numel()
 
 
+def local_device() -> torch.device:
+    """This rank's device: ``cuda:(LOCAL_RANK mod GPUs)`` where CUDA is available, else CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+
+
+def default_backend() -> str:
+    """NCCL when every local rank has a GPU of its own (NCCL refuses two ranks on one GPU),
+    else gloo."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return "nccl" if local_ranks <= torch.cuda.device_count() else "gloo"
+
+
 def train(args: argparse.Namespace) -> dict:
     """Train on this rank (the process group must be initialised); returns the summary."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}")
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
+    device = local_device()
     task = get_task(args.task)
     module = task.module(torch.Generator().manual_seed(args.seed)).to(device)
     params = list(module.parameters())
@@ -207,10 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
     if not dist.is_initialized():
         timeout = timedelta(seconds=args.timeout)
         if "WORLD_SIZE" in os.environ:  # torchrun
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+            if torch.cuda.is_available():
+                torch.cuda.set_device(local_device())
+            backend = default_backend() if args.backend == "auto" else args.backend
+            dist.init_process_group(backend, timeout=timeout)
         else:  # a single worker, no launcher
             dist.init_process_group(
                 "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
