@@ -200,9 +200,9 @@ def check_step_timing(ctx: Context, r: dict) -> None:
         for width in (8, 32):
             net = LearnedOptimizerNet(NetConfig(width=width))
             opts[f"learned_w{width}"] = LearnedOptimizer(params, net=net)
-        # every tensor through the batched flat path (a few large kernels per step)
+        # the per-tensor chunked path instead of stacking same-shaped tensors
         net = LearnedOptimizerNet(NetConfig(width=8))
-        opts["learned_w8_all_flat"] = LearnedOptimizer(params, net=net, small_tensor_size=1 << 40)
+        opts["learned_w8_chunked"] = LearnedOptimizer(params, net=net, stack_same_shape=False)
         ms = so.time_interleaved(
             {k: Synced(o.step, ctx.device) for k, o in opts.items()}, warmup, repeats
         )

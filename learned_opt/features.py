@@ -6,6 +6,7 @@ so meta-training, ``LearnedOptimizer`` and the distributed workers share them.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -18,10 +19,16 @@ NORM_EPS = 1e-5
 _TINY = 1e-12
 
 
+@functools.lru_cache(maxsize=256)
+def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A cached tensor of ``values`` (nested tuples) on ``device``: building it again on
+    every call would cost an accelerator a host-to-device copy each time. Never modify it."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """New momenta ``m`` (shape ``(3, *g.shape)``) and second moment ``v`` after gradient ``g``."""
-    decays = torch.tensor(MOMENTUM_DECAYS, dtype=m.dtype, device=m.device)
-    decays = decays.reshape((3,) + (1,) * g.dim())
+    decays = constant(MOMENTUM_DECAYS, m.dtype, m.device).reshape((3,) + (1,) * g.dim())
     m_new = m * decays + (1.0 - decays) * g.unsqueeze(0)
     v_new = v * SECOND_MOMENT_DECAY + (1.0 - SECOND_MOMENT_DECAY) * g * g
     return m_new, v_new
@@ -30,8 +37,8 @@ def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 def update_moments_(g: Tensor, m: Tensor, v: Tensor) -> None:
     """In-place twin of :func:`update_moments` for the no-grad fast path (``m`` is ``(3, n)``,
     ``g`` and ``v`` are ``(n,)``): one interpolation over all three momenta."""
-    weights = torch.tensor([1.0 - b for b in MOMENTUM_DECAYS], dtype=m.dtype, device=m.device)
-    m.lerp_(g.expand_as(m), weights.unsqueeze(1))
+    weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
+    m.lerp_(g.expand_as(m), weights)
     v.mul_(SECOND_MOMENT_DECAY).addcmul_(g, g, value=1.0 - SECOND_MOMENT_DECAY)
 
 
@@ -113,8 +120,8 @@ def feature_scales(mean_squares: Tensor) -> Tensor:
 
 def shape_stats(shapes, like: Tensor) -> Tensor:
     """``(len(shapes), 2)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape."""
-    rows = [[0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s)] for s in shapes]
-    return torch.tensor(rows, dtype=like.dtype, device=like.device)
+    rows = tuple((0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s)) for s in shapes)
+    return constant(rows, like.dtype, like.device)
 
 
 def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
@@ -132,7 +139,7 @@ def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
 
 def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     """``tanh(step / tau - 1)`` for each ``tau`` in ``cfg.time_taus``, shape ``(T,)``."""
-    taus = torch.tensor(cfg.time_taus, dtype=like.dtype, device=like.device)
+    taus = constant(cfg.time_taus, like.dtype, like.device)
     step = torch.as_tensor(step, dtype=like.dtype, device=like.device)
     return torch.tanh(step / taus - 1.0)
 

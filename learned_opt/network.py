@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import NUM_EDGE_STATS, NUM_ELEMENT_FEATURES, NUM_TENSOR_STATS, NetConfig
+from .features import constant
 
 Theta = dict[str, Tensor]
 
@@ -110,7 +111,7 @@ def element_layers(
     ``context_bias`` (``(..., H)``) may carry a leading dim over tensors; the first layer
     then does too (see :func:`layers_of`), the other two are shared.
     """
-    out_mult = torch.tensor([[1.0], [cfg.exp_mult]], dtype=dtype, device=context_bias.device)
+    out_mult = constant(((1.0,), (cfg.exp_mult,)), dtype, context_bias.device)
     w_in = theta["elem_in.weight"].to(dtype) * feature_scales.unsqueeze(-2)
     w_h, b_h = theta["elem_hidden.weight"].to(dtype), theta["elem_hidden.bias"].to(dtype)
     w_o, b_o = theta["elem_out.weight"].to(dtype), theta["elem_out.bias"].to(dtype)

@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
 from .chunked import DEFAULT_CHUNK, tensor_steps_
 from .core import init_state
-from .flat import flat_step_
+from .flat import flat_step_, stacked_step_
 from .network import LearnedOptimizerNet, Theta
 from .workers import SERIAL, ChunkRunner
 
@@ -21,6 +21,25 @@ from .workers import SERIAL, ChunkRunner
 #: tensor's math, so such tensors are stepped together. Thresholds from 2K to 32K measured
 #: alike on the step-overhead shapes; larger ones would give up the chunked path's caching.
 SMALL_TENSOR_SIZE = 1 << 13
+#: With ``stack_same_shape``, at most this many elements are stacked into one call (the
+#: stacked step holds about 40 floats per element); larger tensors take the chunked path.
+STACK_ELEMENTS = 1 << 24
+
+
+def _stacks(items: list, cap: int) -> tuple[list[list], list]:
+    """Split ``(param, grad, state)`` items into stacks of one shape with at most ``cap``
+    elements each, and the items too large to stack."""
+    by_shape: dict[tuple, list] = {}
+    rest = []
+    for item in items:
+        n = item[0].numel()
+        stackable = 0 < n <= cap
+        (by_shape.setdefault(tuple(item[0].shape), []) if stackable else rest).append(item)
+    stacks = []
+    for group in by_shape.values():
+        per = max(1, cap // max(group[0][0].numel(), 1))
+        stacks += [group[i : i + per] for i in range(0, len(group), per)]
+    return stacks, rest
 
 
 class LearnedOptimizer(Optimizer):
@@ -41,6 +60,10 @@ class LearnedOptimizer(Optimizer):
         workers: threads that step CPU chunks in parallel, each with one intra-op
             thread (see :mod:`learned_opt.workers`); default ``torch.get_num_threads()``
             at each step.
+        stack_same_shape: step large tensors of one shape together, stacked
+            (:func:`learned_opt.flat.stacked_step_`): a few dozen kernel launches per shape
+            instead of per tensor. Default (``None``): on accelerators, where the step is
+            bound by launches, but not on CPU, where the chunked path keeps data in cache.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
     ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
@@ -59,6 +82,7 @@ class LearnedOptimizer(Optimizer):
         chunk_size: int = DEFAULT_CHUNK,
         small_tensor_size: int = SMALL_TENSOR_SIZE,
         workers: int | None = None,
+        stack_same_shape: bool | None = None,
     ):
         if not isinstance(lr, (int, float)) or not lr >= 0.0:
             raise ValueError(f"Invalid learning-rate multiplier: {lr!r} (must be >= 0)")
@@ -79,6 +103,7 @@ class LearnedOptimizer(Optimizer):
         self.last_loss: Tensor | float | None = None
         self._theta_cache: dict[tuple, Theta] = {}
         self._runner = ChunkRunner(workers)  # also holds the reused scratch buffers
+        self.stack_same_shape = stack_same_shape
         super().__init__(params, dict(lr=lr, step=0))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -157,13 +182,22 @@ class LearnedOptimizer(Optimizer):
                 batches = small if 0 < p.numel() <= self.small_tensor_size else large
                 batches.setdefault((p.device, state["v"].dtype), []).append(item)
             for (device, dtype), batch in large.items():
-                params, grads, states = zip(*batch)
                 cpu = device.type == "cpu"
-                oks = tensor_steps_(
-                    self.theta(device, dtype), self.config, params, grads, states, step, lr,
-                    chunk=self.chunk_size if cpu else None, runner=self._runner if cpu else SERIAL,
-                )  # fmt: skip
-                self._count_skips(states, oks)
+                theta = self.theta(device, dtype)
+                stack = self.stack_same_shape if self.stack_same_shape is not None else not cpu
+                stacks, batch = _stacks(batch, STACK_ELEMENTS) if stack else ([], batch)
+                flags = [stacked_step_(theta, self.config, *zip(*s), step, lr) for s in stacks]
+                if flags:  # one device sync for all stacks
+                    oks = torch.cat(flags).tolist()
+                    self._count_skips([item[2] for s in stacks for item in s], oks)
+                if batch:
+                    params, grads, states = zip(*batch)
+                    oks = tensor_steps_(
+                        theta, self.config, params, grads, states, step, lr,
+                        chunk=self.chunk_size if cpu else None,
+                        runner=self._runner if cpu else SERIAL,
+                    )  # fmt: skip
+                    self._count_skips(states, oks)
             for (device, dtype), batch in small.items():
                 params, grads, states = zip(*batch)
                 oks = flat_step_(
