@@ -26,7 +26,13 @@ from torch import Tensor
 
 from .config import NUM_ELEMENT_FEATURES, NetConfig
 from .core import compute_dtype, element_update, tensor_context, tensor_step
-from .features import _TINY, element_features, feature_sum_squares, mean_square, update_moments_
+from .features import (
+    element_features,
+    feature_sum_squares,
+    mean_square,
+    safe_sqrt,
+    update_moments_,
+)
 from .network import Theta, layers_of
 from .workers import SERIAL, ChunkRunner
 
@@ -83,18 +89,6 @@ def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
 
 
-def _scratch(workspace: dict, numel: int, dtype, device) -> Tensor:
-    """A flat buffer of at least ``numel`` elements, reused across calls via ``workspace``
-    (growing it drops the views cut from the old one)."""
-    key = (dtype, str(device))
-    buf = workspace.get(key)
-    if buf is None or buf.numel() < numel:
-        for old in [k for k in workspace if isinstance(k, tuple) and len(k) == 4]:
-            del workspace[old]
-        buf = workspace[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf
-
-
 def _moments_and_sums(t: _Tensor, g_rms: float, size: int, cfg: NetConfig) -> Tensor:
     """Phase 2 on one tensor, ``size`` elements at a time: update the moments; return the
     feature mean squares and the mean of v, ``(12,)``. Partial sums add up in order."""
@@ -108,14 +102,16 @@ def _moments_and_sums(t: _Tensor, g_rms: float, size: int, cfg: NetConfig) -> Te
 
 
 def _buffers(workspace: dict, rows: tuple[int, int], k: int, like: Tensor) -> list[Tensor]:
-    """Two ``(rows[i], k)`` scratch blocks from one flat buffer kept in ``workspace``."""
-    key = (rows, k, like.dtype, str(like.device))
-    views = workspace.get(key)
-    if views is None:
-        buf = _scratch(workspace, sum(rows) * k, like.dtype, like.device)
-        views = [part.view(-1, k) for part in buf[: sum(rows) * k].split([r * k for r in rows])]
-        workspace[key] = views
-    return views
+    """Two ``(rows[i], k)`` scratch blocks cut from one flat buffer kept in ``workspace``
+    (per dtype and device, grown when too small; the cut views are cached with it)."""
+    key, need = (like.dtype, str(like.device)), sum(rows) * k
+    buf, views = workspace.get(key, (None, {}))
+    if buf is None or buf.numel() < need:
+        buf, views = torch.empty(need, dtype=like.dtype, device=like.device), {}
+        workspace[key] = (buf, views)
+    if (rows, k) not in views:
+        views[rows, k] = [part.view(-1, k) for part in buf[:need].split([r * k for r in rows])]
+    return views[rows, k]
 
 
 def _update_chunk(task, workspace: dict, cfg: NetConfig, step: int) -> None:
@@ -156,12 +152,12 @@ def tensor_steps_(
         return []
     chunk = chunk or default_chunk(params[0].device)
     tensors = [_prepare(p, g, s) for p, g, s in zip(params, grads, states)]
-    g_ms = torch.stack([mean_square(t.flat_g) for t in tensors]).tolist()  # one sync
+    g_ms = torch.stack([mean_square(t.flat_g) for t in tensors])
+    g_ms, g_rms = torch.stack([g_ms, safe_sqrt(g_ms)]).tolist()  # one sync
     finite = [math.isfinite(ms) for ms in g_ms]
     live = [i for i, ok in enumerate(finite) if ok and tensors[i].n > 0]
     if not live:
         return finite
-    g_rms = [math.sqrt(ms + _TINY * _TINY) for ms in g_ms]  # as features.safe_sqrt
     # phase 2 in this thread: its ops are large and elementwise, so intra-op threads
     # scale on them, and per-op costs stay low
     sums = [_moments_and_sums(tensors[i], g_rms[i], PASS1_CHUNKS * chunk, cfg) for i in live]

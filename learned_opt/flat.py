@@ -251,12 +251,10 @@ def flat_step_(
     compute dtype (float32 for bf16 parameters), which ``theta`` must share. Returns, per
     tensor, False where the gradient was not finite and nothing changed.
     """
-    dtype = states[0]["v"].dtype
     layout = FlatLayout(tuple(map(str, range(len(params)))), tuple(p.shape for p in params))
-    p = torch.cat([t.detach().reshape(-1).to(dtype) for t in params]).unsqueeze(0)
-    g = torch.cat([t.reshape(-1).to(dtype) for t in grads]).unsqueeze(0)
-    m = torch.cat([s["m"].reshape(3, -1) for s in states], dim=1).unsqueeze(0)
-    v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
+    p, g, m, v = (
+        torch.cat(ts, dim=-1).unsqueeze(0) for ts in _flat_operands(params, grads, states)
+    )
     new_p, new_m, new_v, finite = flat_step(
         theta, cfg, layout, p, g, m, v, step, lr, return_finite=True
     )
@@ -286,17 +284,13 @@ def stacked_step_(
     :func:`flat_step_`, except that the per-tensor flags come back as a bool tensor (no
     device sync); the stacked copies cost memory of about 40 floats per element.
     """
-    dtype = states[0]["v"].dtype
     shape = tuple(params[0].shape)
     if any(tuple(t.shape) != shape for t in params):
         raise ValueError(
             f"stacked_step_ needs tensors of one shape, got {[t.shape for t in params]}"
         )
     layout = FlatLayout(("tensor",), (shape,))
-    p = torch.stack([t.detach().reshape(-1).to(dtype) for t in params])
-    g = torch.stack([t.reshape(-1).to(dtype) for t in grads])
-    m = torch.stack([s["m"].reshape(3, -1) for s in states])
-    v = torch.stack([s["v"].reshape(-1) for s in states])
+    p, g, m, v = (torch.stack(ts) for ts in _flat_operands(params, grads, states))
     new_p, new_m, new_v, finite = flat_step(
         theta, cfg, layout, p, g, m, v, step, lr, return_finite=True
     )
@@ -308,6 +302,18 @@ def stacked_step_(
         [t.view(shape) for t in new_v],
     )
     return finite[:, 0]
+
+
+def _flat_operands(params, grads, states) -> tuple[list[Tensor], ...]:
+    """Per tensor, flat views (or compute-dtype copies) of ``(p, g, m, v)``; ``m`` is
+    ``(3, n)``. The compute dtype is the states' (float32 for bf16 parameters)."""
+    dtype = states[0]["v"].dtype
+    return (
+        [t.detach().reshape(-1).to(dtype) for t in params],
+        [t.reshape(-1).to(dtype) for t in grads],
+        [s["m"].reshape(3, -1) for s in states],
+        [s["v"].reshape(-1) for s in states],
+    )
 
 
 def _copy_back(params, states, new_p, new_m, new_v) -> None:
