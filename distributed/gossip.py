@@ -25,13 +25,14 @@ from torch.optim import Optimizer
 
 from learned_opt.network import LearnedOptimizerNet
 
+from .membership import ON_FAILURE
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES
 from .topology import Topology, get_topology
 
 
 def default_communicator(
-    topology: Topology | str, timeout: float | timedelta = 30.0
+    topology: Topology | str, timeout: float | timedelta = 30.0, on_failure: str = "exclude"
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
     by name is built for the group's world size."""
@@ -41,16 +42,18 @@ def default_communicator(
         if not dist.is_initialized():
             raise RuntimeError("init_process_group() first, or pass a communicator")
         topology = get_topology(topology, dist.get_world_size())
-    return ProcessGroupCommunicator(topology, timeout=timeout)
+    return ProcessGroupCommunicator(topology, timeout=timeout, on_failure=on_failure)
 
 
-def resolve_communicator(communicator, topology, timeout, owner: str):
+def resolve_communicator(communicator, topology, timeout, owner: str, on_failure="exclude"):
     """``communicator`` if given, else :func:`default_communicator` for ``topology``."""
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
         return communicator
     if topology is None:
         raise ValueError(f"{owner} needs a topology or a communicator")
-    return default_communicator(topology, timeout)
+    return default_communicator(topology, timeout, on_failure)
 
 
 class GossipOptimizer:
@@ -66,6 +69,10 @@ class GossipOptimizer:
         net: the network whose edge head gives learned weights; defaults to
             ``local_optimizer.net`` (a ``LearnedOptimizer``).
         timeout: seconds any collective may wait (default communicator only).
+        on_failure: ``"exclude"`` (default): a neighbour that dies or times out is dropped,
+            reported (log warning, ``failures``, ``gossip/excluded_ranks``) and the survivors
+            train on; ``"raise"``: every rank raises ``GossipError`` naming the rank that
+            failed (default communicator only; see :mod:`.membership`).
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -73,7 +80,9 @@ class GossipOptimizer:
             imported only then).
 
     ``metrics`` holds the latest ``gossip/*`` values: ``bytes_sent``, ``edge_weight_mean``,
-    ``self_weight_mean``, ``nonfinite_excluded`` and (every k steps) ``consensus_distance``.
+    ``self_weight_mean``, ``nonfinite_excluded``, ``excluded_ranks``, ``world_size`` and
+    (every k steps) ``consensus_distance``. A rank whose own parameters turn NaN/Inf raises
+    ``GossipError`` (its neighbours never mix them in).
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class GossipOptimizer:
         *,
         net: LearnedOptimizerNet | None = None,
         timeout: float | timedelta = 30.0,
+        on_failure: str = "exclude",
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -96,7 +106,9 @@ class GossipOptimizer:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
-        communicator = resolve_communicator(communicator, topology, timeout, "GossipOptimizer")
+        communicator = resolve_communicator(
+            communicator, topology, timeout, "GossipOptimizer", on_failure
+        )
         self.local = local_optimizer
         self.mixing = mixing
         self.communicator = communicator
@@ -130,6 +142,11 @@ class GossipOptimizer:
     def params(self) -> list[Tensor]:
         """Every parameter of the wrapped optimizer, in param-group order."""
         return [p for group in self.local.param_groups for p in group["params"]]
+
+    @property
+    def failures(self) -> list:
+        """Ranks dropped after a failure (``Failure(rank, step, cause)``), oldest first."""
+        return list(getattr(self.communicator, "failures", []))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.local.zero_grad(set_to_none=set_to_none)
@@ -168,6 +185,8 @@ class GossipOptimizer:
         m = self.metrics
         m["gossip/bytes_sent"] = float(info.get("bytes_sent", 0))
         m["gossip/nonfinite_excluded"] = float(getattr(self.communicator, "nonfinite_excluded", 0))
+        m["gossip/excluded_ranks"] = float(len(self.failures))
+        m["gossip/world_size"] = float(getattr(self.communicator, "world_size", 1))
         if weights and weights[0].numel():
             m["gossip/edge_weight_mean"] = float(
                 sum(float(w.mean()) for w in weights) / len(weights)

@@ -32,6 +32,8 @@ class GradientTracking:
         communicator: default: a ``ProcessGroupCommunicator`` on the default group.
         mixing: ``"metropolis"`` or ``"uniform"``.
         timeout: seconds any collective may wait (default communicator only).
+        on_failure: ``"exclude"`` or ``"raise"`` (default communicator only; see
+            :class:`~learned_opt.distributed.GossipOptimizer`).
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class GradientTracking:
         *,
         mixing: str = "metropolis",
         timeout: float | timedelta = 30.0,
+        on_failure: str = "exclude",
     ):
         if not lr > 0:
             raise ValueError(f"Invalid learning rate: {lr!r}")
@@ -54,7 +57,7 @@ class GradientTracking:
         if not self.params:
             raise ValueError("GradientTracking got an empty parameter list")
         self.communicator = resolve_communicator(
-            communicator, topology, timeout, "GradientTracking"
+            communicator, topology, timeout, "GradientTracking", on_failure
         )
         self.lr = lr
         self.mixing = mixing

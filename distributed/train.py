@@ -66,6 +66,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
     p.add_argument(
+        "--on-failure",
+        choices=["exclude", "raise"],
+        default="exclude",
+        help="a dead or frozen rank: drop it and train on (exclude), or stop every rank (raise)",
+    )
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        help="fault injection: this rank exits at --kill-step",
+    )
+    p.add_argument("--kill-step", type=int, default=None, help="step at which --kill-rank exits")
+    p.add_argument(
         "--backend", choices=["auto", "nccl", "gloo"], default="auto", help="see default_backend()"
     )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
@@ -75,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if (args.kill_rank is None) != (args.kill_step is None):
+        p.error("--kill-rank and --kill-step go together")
     return args
 
 
@@ -129,7 +144,7 @@ def train(args: argparse.Namespace) -> dict:
         device=device,
     )
     topology = get_topology(args.topology, world)
-    comm = ProcessGroupCommunicator(topology, timeout=args.timeout)
+    comm = ProcessGroupCommunicator(topology, timeout=args.timeout, on_failure=args.on_failure)
     local = _local_optimizer(args, params)
     writer = None
     if args.logdir:
@@ -154,6 +169,8 @@ def train(args: argparse.Namespace) -> dict:
     start, losses, sent = time.perf_counter(), [], 0
     nbytes = sum(p.numel() * p.element_size() for p in params)
     for step in range(args.steps):
+        if rank == args.kill_rank and step == args.kill_step:
+            os._exit(1)  # fault injection: die without a word, as a crashed worker does
         opt.zero_grad()
         loss = task.module_loss(module, next(data))
         loss.backward()
@@ -178,7 +195,7 @@ def train(args: argparse.Namespace) -> dict:
         )
         comm.all_reduce(tail, args.steps, "final loss all_reduce")
         flat = torch.cat([y.reshape(-1) for y in ys]).clone()
-        comm.all_reduce(flat, args.steps, "model averaging all_reduce").div_(world)
+        comm.all_reduce(flat, args.steps, "model averaging all_reduce").div_(comm.world_size)
         averaged, offset = {}, 0
         for name, p in module.named_parameters():
             averaged[name] = flat[offset : offset + p.numel()].view_as(p)
@@ -192,7 +209,9 @@ def train(args: argparse.Namespace) -> dict:
         "topology": args.topology,
         "workers": world,
         "steps": args.steps,
-        "train_loss": float(tail) / world,
+        "survivors": comm.members,
+        "failures": [f.as_dict() for f in comm.failures],
+        "train_loss": float(tail) / comm.world_size,
         "averaged_model_train_loss": averaged_train_loss,
         **{f"test_{k}": v for k, v in metrics.items()},
         "consensus_distance": consensus,
@@ -214,6 +233,7 @@ def format_summary(s: dict) -> str:
         f"topology={s['topology']} workers={s['workers']} steps={s['steps']} "
         f"train_loss={s['train_loss']:.4f} test_loss={s['test_loss']:.4f}{acc} "
         f"consensus={s['consensus_distance']:.3g} time={s['seconds']:.1f}s"
+        + (f" lost={[f['rank'] for f in s['failures']]}" if s["failures"] else "")
     )
 
 
@@ -235,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         created = True
     try:
         summary = train(args)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == summary["survivors"][0]:
             print(format_summary(summary), flush=True)
         return summary
     finally:

@@ -1,14 +1,10 @@
 """Multi-process gloo tests: a few spawns of 4 local workers, several checks each."""
 
-import time
-
 import dist_workers as w  # noqa: E402  (tests/distributed is on sys.path under pytest)
 import pytest
 import torch
 
 from learned_opt.distributed import (
-    LaunchError,
-    RankFailure,
     SimulatedCommunicator,
     get_topology,
     launch_local,
@@ -50,6 +46,8 @@ def test_nan_neighbour_is_excluded(exchange_results):
         assert mixed[1] == pytest.approx([2 * expect] * 2, rel=1e-12)
     excluded, count, _ = exchange_results[3]["nan"]
     assert excluded == [] and count == 0
+    msg = exchange_results[1]["own_nan_error"]  # the NaN rank itself raises
+    assert "rank 1: its own tensors hold NaN or Inf at step 0" in msg
 
 
 def test_consensus_shrinks_with_mixing_alone(exchange_results):
@@ -121,18 +119,3 @@ def test_real_run_equals_simulator():
             for a, b, p0 in zip(real[rank][kind], sim[rank], init[rank]):
                 assert not torch.allclose(a, p0)  # it moved
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-
-
-@pytest.mark.timeout(30)
-def test_killed_rank_gives_clear_error_and_no_hang():
-    start = time.monotonic()
-    res = launch_local(w.killed_rank, N, timeout=25, raise_on_error=False)
-    assert time.monotonic() - start < 25
-    assert all(isinstance(r, RankFailure) for r in res)
-    assert "exited with code 1" in res[3].message
-    for rank in (0, 2):
-        msg = res[rank].message
-        assert f"rank {rank}: exchange with neighbour rank 3 failed at step 5" in msg
-    assert "failed at step 5" in res[1].message
-    with pytest.raises(LaunchError, match="rank 3"):
-        raise LaunchError([r for r in res])

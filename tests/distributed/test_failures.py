@@ -1,0 +1,67 @@
+"""Training through failures with real gloo processes: a dead rank, a frozen rank."""
+
+import time
+
+import fault_workers as fw  # noqa: E402  (tests/distributed is on sys.path under pytest)
+import pytest
+import torch
+
+from learned_opt.distributed import RankFailure, launch_local
+
+N = 4
+TIMEOUT = 4.0  # seconds a collective may wait; generous for a loaded 2-core machine
+STEPS = 40
+# spawning 4 interpreters under load, two re-forms (about 3 timeouts), the frozen rank's
+# wake-up 3.5 timeouts after it froze, plus slack
+LAUNCH = 60 + 10 * TIMEOUT
+
+
+@pytest.fixture(scope="module")
+def kill_freeze():
+    start = time.monotonic()
+    res = launch_local(fw.kill_then_freeze, N, TIMEOUT, STEPS, timeout=LAUNCH, raise_on_error=False)
+    return res, time.monotonic() - start
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_survivors_finish_and_report_the_lost_ranks(kill_freeze):
+    res, elapsed = kill_freeze
+    assert elapsed < LAUNCH
+    assert isinstance(res[3], RankFailure) and "exited with code 1" in res[3].message
+    for rank in (0, 2):
+        out = res[rank]
+        assert out["members"] == [0, 2]
+        lost = [(f["rank"], f["step"]) for f in out["failures"]]
+        assert [r for r, _ in lost] == [3, 1]  # the dead one first, then the frozen one
+        assert 5 <= lost[0][1] <= 6 and 12 <= lost[1][1] <= 13
+        assert out["metrics"]["gossip/excluded_ranks"] == 2.0
+        assert out["metrics"]["gossip/world_size"] == 2.0
+        assert "rank 3" in out["failures"][0]["cause"]  # what the first survivor saw
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_frozen_rank_learns_it_was_excluded(kill_freeze):
+    out = kill_freeze[0][1]
+    assert "error" in out, out
+    assert "rank 1 was excluded from the gossip group" in out["error"]
+    assert "survivors [0, 2]" in out["error"]
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_survivors_keep_their_average_and_reach_consensus(kill_freeze):
+    res = kill_freeze[0]
+    a, b = res[0]["values"], res[2]["values"]  # [steps, 50] each, one row per step
+    start = res[0]["resume_at"]
+    assert res[2]["resume_at"] == start
+    total = (a + b)[start:]
+    torch.testing.assert_close(total, total[:1].expand_as(total), atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[-1], b[-1], atol=1e-5, rtol=0)  # consensus among survivors
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_raise_mode_blames_the_frozen_rank():
+    res = launch_local(fw.frozen_with_raise, N, TIMEOUT, timeout=LAUNCH, raise_on_error=False)
+    assert all(isinstance(r, RankFailure) for r in res)
+    for rank in (0, 1, 3):
+        assert f"rank {rank}: rank 2 failed at step 4" in res[rank].message, res[rank].message
+    assert "rank 2 was excluded" in res[2].message
