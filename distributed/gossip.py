@@ -73,6 +73,11 @@ class GossipOptimizer:
             reported (log warning, ``failures``, ``gossip/excluded_ranks``) and the survivors
             train on; ``"raise"``: every rank raises ``GossipError`` naming the rank that
             failed (default communicator only; see :mod:`.membership`).
+        overlap: start the exchange at the end of ``step()`` and finish it at the start of
+            the next one, so the bytes move while the forward and backward pass run. This
+            is the combine-then-adapt variant ``x_{t+1} = W x_t + u(g(x_t))`` (the gradient is
+            taken before the mix, as Decent-DP does), not adapt-then-combine; it matches the
+            simulator run in that order. Call :meth:`flush` after the last step.
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -95,6 +100,7 @@ class GossipOptimizer:
         net: LearnedOptimizerNet | None = None,
         timeout: float | timedelta = 30.0,
         on_failure: str = "exclude",
+        overlap: bool = False,
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -118,6 +124,10 @@ class GossipOptimizer:
             raise ValueError(
                 "mixing='learned' needs a LearnedOptimizer as the local optimizer, or net="
             )
+        if overlap and not hasattr(communicator, "begin"):
+            raise ValueError("overlap=True needs a communicator with begin() and finish_mix()")
+        self.overlap = overlap
+        self._inflight = None
         self.metrics_every = metrics_every
         self.step_count = 0
         self.metrics: dict[str, float] = {}
@@ -163,14 +173,12 @@ class GossipOptimizer:
         """Local step, exchange, mix. ``loss`` (this rank's batch loss) feeds the learned
         mixing's loss features; without it (and without a closure) they are marked absent.
         Returns what the local optimizer's ``step`` returned."""
-        if self._takes_loss:
-            ret = self.local.step(closure, loss=loss)
-        else:
-            ret = self.local.step(closure)
+        if self.overlap:
+            return self._overlapped_step(closure, loss)
+        ret = self._local_step(closure, loss)
         batch_loss = loss if loss is not None else ret
-        params = self.params
         with torch.no_grad():
-            ys = [p.detach() for p in params]
+            ys = [p.detach() for p in self.params]
             cfg = self.net.config if self.mixing == "learned" else None
             _, info = self.communicator.mix(
                 ys, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss, out=ys
@@ -178,6 +186,45 @@ class GossipOptimizer:
         self._record(info, ys)
         self.step_count += 1
         return ret
+
+    def _local_step(self, closure, loss):
+        if self._takes_loss:
+            return self.local.step(closure, loss=loss)
+        return self.local.step(closure)
+
+    def _finish(self, ys: list[Tensor]) -> dict:
+        """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
+        if self._inflight is None:
+            self._inflight = self.communicator.begin(ys, self.step_count, None)
+        cfg = self.net.config if self.mixing == "learned" else None
+        job, self._inflight = self._inflight, None
+        theta = self._theta(ys[0])
+        return self.communicator.finish_mix(job, ys, self.mixing, theta, cfg, out=ys)[1]
+
+    def _overlapped_step(self, closure, loss):
+        """``x <- W x_t`` with the exchange started last step, then the local step with the
+        gradient taken at ``x_t``, then start exchanging the result."""
+        ret = None
+        if closure is not None:  # the gradient at x_t, before the mix
+            with torch.enable_grad():
+                ret = closure()
+        batch_loss = loss if loss is not None else ret
+        with torch.no_grad():
+            ys = [p.detach() for p in self.params]
+            info = self._finish(ys)
+        self._local_step(None, batch_loss)
+        self._record(info, ys)
+        with torch.no_grad():
+            self._inflight = self.communicator.begin(ys, self.step_count + 1, batch_loss)
+        self.step_count += 1
+        return ret
+
+    def flush(self) -> None:
+        """With ``overlap``: finish the exchange in flight and mix it in, so every rank ends
+        on mixed parameters and nothing is left in flight. A no-op otherwise."""
+        if self._inflight is not None:
+            with torch.no_grad():
+                self._finish([p.detach() for p in self.params])
 
     def _record(self, info: dict, ys: list[Tensor]) -> None:
         weights = info["weights"]
@@ -208,7 +255,8 @@ class GossipOptimizer:
         self.step_count = int(state_dict["step_count"])
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer, if any."""
+        """:meth:`flush`, then flush and close the TensorBoard writer, if any."""
+        self.flush()
         if self._writer is not None and hasattr(self._writer, "close"):
             self._writer.close()
 

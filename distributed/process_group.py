@@ -16,9 +16,7 @@ simulator calls, over the same neighbour order (sorted by rank).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,27 +25,14 @@ from torch import Tensor
 from learned_opt.config import NetConfig
 from learned_opt.network import Theta
 
-from .membership import ON_FAILURE, Failure, GossipError, Membership
+from .collectives import GroupCollectives, _PeerFailure
+from .membership import GossipError
 from .mixing import learned_edge_weight, mix
 from .packing import Layout
 from .simulated import check_rule
 from .topology import Topology
 
 _DATA_TAG = 0
-_ATTEMPTS = 3  # re-forms tried for one operation before giving up
-
-
-def _seconds(timeout: float | timedelta) -> timedelta:
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-
-
-class _PeerFailure(Exception):
-    """An exchange or collective failed (internal; becomes a re-form or a GossipError)."""
-
-    def __init__(self, peer: int | None, message: str):
-        super().__init__(message)
-        self.peer = peer
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -63,7 +48,26 @@ class _Exchanged:
     members: list[int]
 
 
-class ProcessGroupCommunicator:
+@dataclass
+class Inflight:
+    """An exchange that :meth:`ProcessGroupCommunicator.begin` started; hand it to
+    :meth:`~ProcessGroupCommunicator.finish_mix`."""
+
+    step: int
+    epoch: int  # the group it was posted on
+    loss: float | None
+    layout: Layout
+    own_finite: bool
+    graph: Topology
+    members: list[int]
+    peers: list[int]  # neighbours at this step, sorted
+    recvs: list[Tensor]
+    pending: list = field(default_factory=list)  # (slot, works, device buffer or None)
+    done: set = field(default_factory=set)  # slots received
+    failure: _PeerFailure | None = None
+
+
+class ProcessGroupCommunicator(GroupCollectives):
     """Neighbour exchange and mixing for this rank over a process group.
 
     Args:
@@ -82,117 +86,14 @@ class ProcessGroupCommunicator:
     and ``bytes_sent`` (bytes sent by the last :meth:`mix`).
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        group: dist.ProcessGroup | None = None,
-        timeout: float | timedelta = 30.0,
-        *,
-        on_failure: str = "exclude",
-        store: dist.Store | None = None,
-    ):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ProcessGroupCommunicator needs torch.distributed.init_process_group() first"
-            )
-        if on_failure not in ON_FAILURE:
-            raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
-        size = dist.get_world_size(group)
-        if topology.world_size != size:
-            raise ValueError(
-                f"topology {topology.name!r} is built for {topology.world_size} workers but the "
-                f"process group has {size}; build it with get_topology(name, {size})"
-            )
-        self.topology = topology
-        self.group = group
-        self.timeout = _seconds(timeout)
-        self.on_failure = on_failure
-        self.membership = Membership(topology, group, self.timeout, store)
-        self.rank = self.membership.rank
-        # gloo has no point-to-point calls on device tensors: those go through host memory
-        self._host_p2p_only = dist.get_backend(group) == "gloo"
-        self.nonfinite_excluded = 0
-        self.bytes_sent = 0
-        self._layouts: dict[tuple, Layout] = {}
-        self._buffers: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
-        self._checked: set[Layout] = set()
-        self._rounds: dict[int, list] = {}
-
-    @property
-    def world_size(self) -> int:
-        """Number of live members (the group's size until a rank fails)."""
-        return len(self.membership.members)
-
-    @property
-    def members(self) -> list[int]:
-        """Ranks (of the original group) still in the gossip group."""
-        return list(self.membership.members)
-
-    @property
-    def failures(self) -> list[Failure]:
-        return list(self.membership.failures)
-
-    # ------------------------------------------------------------------ failures
-
-    def _wait(self, work, peer: int | None, what: str, step: int) -> None:
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
-            raise _PeerFailure(peer, f"{what} failed at step {step}: {exc}") from exc
-
-    def _failed(self, step: int, failure: _PeerFailure) -> None:
-        """Agree on the survivors; raise (``on_failure="raise"``) or regroup and go on."""
-        m, message = self.membership, failure.message
-        for _ in range(_ATTEMPTS):
-            try:
-                dropped = m.reform(step, message)
-            except GossipError:
-                raise
-            except Exception as exc:  # the store itself is gone (it lived in a dead rank)
-                raise GossipError(
-                    f"rank {self.rank}: {message}; the survivors could not agree on a new "
-                    f"group through the rendezvous store: {exc}"
-                ) from exc
-            if self.on_failure == "raise":
-                blame = dropped or [failure.peer]
-                raise GossipError(
-                    f"rank {self.rank}: rank {', '.join(map(str, blame))} failed at step {step} "
-                    f"(timeout {self.timeout.total_seconds():g} s); first failure seen: "
-                    f"{m.failures[-1].cause if dropped else message}"
-                )
-            try:
-                m.regroup(self.topology)
-                break
-            except Exception as exc:  # a member froze while the group was being built
-                message = f"building the survivors' group failed at step {step}: {exc}"
-        else:
-            raise GossipError(f"rank {self.rank}: gave up after {_ATTEMPTS} re-forms: {message}")
-        self._buffers.clear()  # a stale receive may still point into the old buffers
-        self._rounds.clear()
-
-    def _collective(self, start: Callable, what: str, step: int, restore: Callable = None):
-        """Run ``start(group)`` and wait for it, re-forming and retrying after a failure."""
-        while True:
-            try:
-                try:
-                    work = start(self.membership.group)
-                except Exception as exc:
-                    raise _PeerFailure(None, f"{what} failed at step {step}: {exc}") from exc
-                self._wait(work, None, what, step)
-                return
-            except _PeerFailure as failure:
-                self._failed(step, failure)
-                if restore is not None:
-                    restore()
-
-    # ------------------------------------------------------------------ collectives
+    # ------------------------------------------------------------------ exchange
 
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _swap(self, send: Tensor, recv: Tensor, peer: int, step: int) -> None:
-        """Send ``send`` to ``peer`` and receive its buffer into ``recv``, both at once."""
-        what = f"exchange with neighbour rank {peer}"
+    def _post(self, send: Tensor, recv: Tensor, peer: int, step: int):
+        """Start sending ``send`` to ``peer`` and receiving its buffer into ``recv``.
+        Returns ``(works, device buffer to copy into after the wait, or None)``."""
         m = self.membership
         dest = None
         host_only = self._host_p2p_only or m.epoch > 0  # a re-formed group is gloo
@@ -211,58 +112,18 @@ class ProcessGroupCommunicator:
                     m.group.recv([recv], m.local(peer), _DATA_TAG),
                 ]
         except Exception as exc:
-            raise _PeerFailure(peer, f"{what} failed at step {step}: {exc}") from exc
+            raise _PeerFailure(
+                peer, f"exchange with neighbour rank {peer} failed at step {step}: {exc}"
+            ) from exc
+        return works, (dest, recv) if dest is not None else None
+
+    def _settle(self, job: Inflight, slot: int, works, staged) -> None:
+        peer = job.peers[slot]
         for work in works:
-            self._wait(work, peer, what, step)
-        if dest is not None:
-            dest.copy_(recv)
-
-    def all_reduce(self, t: Tensor, step: int, what: str = "all_reduce") -> Tensor:
-        """Sum ``t`` over the live members in place, with the communicator's timeout.
-
-        After a failure the survivors re-form and redo the sum from ``t``'s value before.
-        """
-        saved = t.clone() if self.on_failure == "exclude" else None
-        self._collective(
-            lambda g: g.allreduce([t]),
-            what,
-            step,
-            lambda: t.copy_(saved) if saved is not None else None,
-        )
-        return t
-
-    def check_layout(self, ys: list[Tensor], step: int = 0) -> None:
-        """Fail with a clear message unless every rank passes the same dtypes and shapes."""
-        layout = self._layout(ys)
-        mine = torch.tensor(
-            [layout.fingerprint(), len(ys), sum(y.numel() for y in ys)],
-            dtype=torch.int64,
-            device=ys[0].device if ys else "cpu",
-        )
-        gathered: list[Tensor] = []
-
-        def start(group):
-            gathered[:] = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            return group.allgather([gathered], [mine])
-
-        self._collective(start, "parameter layout check (all_gather)", step)
-        bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-        if bad:
-            desc = ", ".join(
-                f"rank {self.membership.members[k]}: {int(g[1])} tensors, {int(g[2])} elements, "
-                f"layout {int(g[0]):#x}"
-                for k, g in enumerate(gathered)
-            )
-            raise ValueError(f"parameter layout differs across ranks ({desc})")
-        self._checked.add(layout)
-
-    # ------------------------------------------------------------------ exchange
-
-    def _layout(self, ys: list[Tensor]) -> Layout:
-        key = tuple((y.dtype, tuple(y.shape)) for y in ys)
-        if key not in self._layouts:
-            self._layouts[key] = Layout.of(ys)
-        return self._layouts[key]
+            self._wait(work, peer, f"exchange with neighbour rank {peer}", job.step)
+        if staged is not None:
+            staged[0].copy_(staged[1])
+        job.done.add(slot)
 
     def _buffers_for(self, layout: Layout, device: torch.device, peers: int):
         key = (layout, str(device))
@@ -286,7 +147,15 @@ class ProcessGroupCommunicator:
             if me in (i, j)
         ]
 
-    def _exchange(self, ys: list[Tensor], step: int, loss: float | None) -> _Exchanged:
+    def begin(self, ys: list[Tensor], step: int, loss=None, *, overlap: bool = True) -> Inflight:
+        """Pack ``ys`` (and ``loss``) and start the exchange of ``step``.
+
+        With ``overlap`` every neighbour's send and receive is posted at once (gloo moves
+        the bytes in its own threads) and nothing is waited for: the caller computes, then
+        calls :meth:`finish_mix`. Without it the swaps run round by round, each waited for.
+        ``ys`` are copied into the send buffer, so they may change afterwards; only one
+        exchange may be in flight per communicator.
+        """
         layout = self._layout(ys)
         if layout not in self._checked:
             self.check_layout(ys, step)
@@ -295,27 +164,46 @@ class ProcessGroupCommunicator:
         me = members.index(self.rank)
         peers = [members[k] for k in graph.neighbors(me, step)]
         send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
+        loss = None if loss is None else float(torch.as_tensor(loss).detach())
         own_finite = layout.pack(ys, loss, send)
-        done: set[int] = set()
-        if step >= m.resume_at:  # else: catching up after a failure, local steps only
-            try:
-                for k in self._schedule(graph, me, step):
-                    slot = peers.index(members[k])
-                    self._swap(send, recvs[slot], members[k], step)
-                    done.add(slot)
-            except _PeerFailure as failure:
-                self._failed(step, failure)  # keeps what completed, or raises
-        got = sorted(done)
-        self.bytes_sent = layout.nbytes * len(got)
-        heads = [layout.header(recvs[k]).tolist() for k in got]
+        job = Inflight(step, m.epoch, loss, layout, own_finite, graph, members, peers, recvs)
+        if step < m.resume_at:  # catching up after a failure: local steps only
+            return job
+        try:
+            for k in self._schedule(graph, me, step):
+                slot = peers.index(members[k])
+                works, staged = self._post(send, recvs[slot], members[k], step)
+                if overlap:
+                    job.pending.append((slot, works, staged))
+                else:
+                    self._settle(job, slot, works, staged)
+        except _PeerFailure as failure:
+            job.failure = failure
+        return job
+
+    def _complete(self, job: Inflight) -> _Exchanged:
+        """Wait for what ``job`` still has in flight; after a failure, re-form (keeping what
+        arrived) or raise."""
+        try:
+            while job.pending and job.failure is None:
+                self._settle(job, *job.pending.pop(0))
+        except _PeerFailure as failure:
+            job.failure = failure
+        if job.epoch != self.membership.epoch:  # posted on a group re-formed since
+            job.done.clear()
+        elif job.failure is not None:
+            self._failed(job.step, job.failure)
+        got = sorted(job.done)
+        self.bytes_sent = job.layout.nbytes * len(got)
+        heads = [job.layout.header(job.recvs[k]).tolist() for k in got]
         return _Exchanged(
-            [peers[k] for k in got],
-            [layout.unpack(recvs[k]) for k in got],
+            [job.peers[k] for k in got],
+            [job.layout.unpack(job.recvs[k]) for k in got],
             [h[0] for h in heads],
             [h[1] == 1.0 for h in heads],
-            own_finite,
-            graph,
-            members,
+            job.own_finite,
+            job.graph,
+            job.members,
         )
 
     def exchange(
@@ -327,7 +215,7 @@ class ProcessGroupCommunicator:
         sorted by rank; ``tensors[k]`` are views into a receive buffer, valid until the next
         call.
         """
-        ex = self._exchange(ys, step, None if loss is None else float(loss))
+        ex = self._complete(self.begin(ys, step, loss, overlap=False))
         return ex.peers, ex.tensors, ex.losses, ex.finite
 
     # ------------------------------------------------------------------ mixing
@@ -357,8 +245,24 @@ class ProcessGroupCommunicator:
         check_rule(rule, theta, cfg)
         if not ys:
             return [], {"neighbors": [], "weights": [], "excluded": [], "bytes_sent": 0}
-        own_loss = None if loss is None else float(torch.as_tensor(loss).detach())
-        ex = self._exchange(ys, step, own_loss)
+        job = self.begin(ys, step, loss, overlap=False)
+        return self.finish_mix(job, ys, rule, theta, cfg, out=out)
+
+    def finish_mix(
+        self,
+        job: Inflight,
+        ys: list[Tensor],
+        rule: str = "metropolis",
+        theta: Theta | None = None,
+        cfg: NetConfig | None = None,
+        *,
+        out: list[Tensor] | None = None,
+    ) -> tuple[list[Tensor], dict]:
+        """Complete the exchange ``job`` (from :meth:`begin`) and mix ``ys`` (the tensors
+        it sent, unchanged since) with what came back; same result as :meth:`mix`."""
+        check_rule(rule, theta, cfg)
+        ex, step = self._complete(job), job.step
+        own_loss = job.loss
         if not ex.own_finite:
             raise GossipError(
                 f"rank {self.rank}: its own tensors hold NaN or Inf at step {step} (after its "
@@ -401,14 +305,3 @@ class ProcessGroupCommunicator:
             deg = max(graph.degree(me, step), graph.degree(index[j], step))
             out.append(learned_edge_weight(theta, cfg, y_a, y_b, l_a, l_b, deg, step))
         return out
-
-    def consensus_distance(self, ys: list[Tensor], step: int = 0) -> Tensor:
-        """``(1/N) sum_i ||x_i - x_bar||^2`` over all tensors and the N live members, with
-        one float64 all_reduce. Uses ``mean_i ||x_i||^2 - ||x_bar||^2``; every rank gets the
-        same value."""
-        dev = ys[0].device
-        flat = torch.cat([y.detach().reshape(-1).to(torch.float64) for y in ys])
-        buf = torch.cat([flat, flat.square().sum().reshape(1)]).to(dev)
-        self.all_reduce(buf, step, "consensus distance (all_reduce)")
-        n = self.world_size
-        return (buf[-1] / n - (buf[:-1] / n).square().sum()).clamp_min(0.0)

@@ -157,16 +157,19 @@ class _Recorder:
 
 
 def equivalence_run(rank: int, n: int, seed: int) -> dict:
-    """D-SGD, D-Adam and the learned optimizer, STEPS steps each; returns final params."""
+    """D-SGD, D-Adam and the learned optimizer, STEPS steps each, blocking and overlapped;
+    returns the final params per ``(kind, overlap)``."""
     results = {}
-    for kind, topo in KINDS.items():
-        params = init_params(rank, seed)
-        mixing = "learned" if kind == "learned" else "metropolis"
-        opt = GossipOptimizer(make_local(kind, params, seed), topo, mixing, timeout=10)
-        for step in range(STEPS):
-            opt.zero_grad()
-            loss = loss_fn(params, batch(rank, step, seed))
-            loss.backward()
-            opt.step(loss=loss.detach())
-        results[kind] = [p.detach().clone() for p in params]
+    for overlap in (False, True):
+        for kind, topo in KINDS.items():
+            params = init_params(rank, seed)
+            mixing = "learned" if kind == "learned" else "metropolis"
+            local = make_local(kind, params, seed)
+            opt = GossipOptimizer(local, topo, mixing, timeout=10, overlap=overlap)
+            for step in range(STEPS):
+                opt.zero_grad()
+                loss = loss_fn(params, batch(rank, step, seed))
+                loss.backward()
+                opt.step(loss=loss.detach())
+            results[kind, overlap] = [p.detach().clone() for p in params]
     return results
