@@ -6,7 +6,12 @@
 Each rank trains its own copy of the model on its shard of the data (``--partition``),
 then gossips with its neighbours (``--mixing``), or averages gradients with all_reduce
 (``--mixing allreduce``: plain data parallel, for comparison). At the end the ranks'
-models are averaged and evaluated; rank 0 prints a one-line summary. With CUDA, a rank
+models are averaged and evaluated; the lowest surviving rank prints a one-line summary.
+A rank that dies or freezes is dropped and the others train on (``--on-failure raise``
+stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Note that
+torchrun itself stops every worker when one exits with an error; the survivors train on
+under launchers that leave them running (``launch_local``) and through frozen ranks.
+``--overlap`` moves the exchange behind the next forward and backward pass. With CUDA, a rank
 uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every local rank has a GPU of its own,
 else gloo (which passes device tensors through host memory); without CUDA, gloo on CPU.
 ``--backend`` overrides the choice. Per-rank TensorBoard logs go to ``--logdir``. Without
@@ -80,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-step", type=int, default=None, help="step at which --kill-rank exits")
     p.add_argument(
         "--backend", choices=["auto", "nccl", "gloo"], default="auto", help="see default_backend()"
+    )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="exchange while the next forward/backward runs (combine-then-adapt variant)",
     )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
@@ -165,6 +175,7 @@ def train(args: argparse.Namespace) -> dict:
             net=net,
             metrics_every=args.metrics_every,
             writer=writer,
+            overlap=args.overlap,
         )
     start, losses, sent = time.perf_counter(), [], 0
     nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -186,6 +197,8 @@ def train(args: argparse.Namespace) -> dict:
         losses.append(float(loss.detach()))
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
+    if isinstance(opt, GossipOptimizer):
+        opt.flush()  # with --overlap, mix in the last exchange
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         ys = [p.detach() for p in params]

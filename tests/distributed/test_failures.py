@@ -65,3 +65,34 @@ def test_raise_mode_blames_the_frozen_rank():
     for rank in (0, 1, 3):
         assert f"rank {rank}: rank 2 failed at step 4" in res[rank].message, res[rank].message
     assert "rank 2 was excluded" in res[2].message
+
+
+def _train_pair(rank, world_size, argv):
+    from learned_opt.distributed.train import launched
+
+    return launched(rank, world_size, argv)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_killing_one_of_eight_keeps_the_final_loss():
+    """8 ranks train digits_mlp with D-Adam; rank 5 dies at step 60 of 150. The 7 others
+    finish, and their averaged model's loss is within 10% of the run without a failure."""
+    argv = ["--task", "digits_mlp", "--optimizer", "adam", "--steps", "150", "--timeout", "10"]
+    argv += ["--partition", "iid", "--metrics-every", "0"]
+    clean = launch_local(_train_pair, 8, argv, timeout=400)
+    hurt = launch_local(
+        _train_pair,
+        8,
+        argv + ["--kill-rank", "5", "--kill-step", "60"],
+        timeout=400,
+        raise_on_error=False,
+    )
+    assert isinstance(hurt[5], RankFailure)
+    survivors = [r for r in hurt if not isinstance(r, RankFailure)]
+    assert len(survivors) == 7
+    for s in survivors:
+        assert s["survivors"] == [0, 1, 2, 3, 4, 6, 7]
+        assert [f["rank"] for f in s["failures"]] == [5]
+    base, lost = clean[0]["averaged_model_train_loss"], survivors[0]["averaged_model_train_loss"]
+    assert lost <= 1.1 * base, (lost, base)

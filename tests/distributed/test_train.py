@@ -11,7 +11,7 @@ CONFIGS = [
     ["--optimizer", "adam", "--mixing", "metropolis", "--topology", "complete"],
     ["--optimizer", "sgd", "--mixing", "uniform", "--topology", "exponential"],
     ["--optimizer", "sgd", "--mixing", "allreduce"],
-    ["--optimizer", "adam", "--mixing", "learned"],
+    ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
 ]
 
 
@@ -34,6 +34,7 @@ def test_train_entry_point_all_optimizers(tmp_path):
         assert a["workers"] == 2 and a["steps"] == 15
         assert torch.isfinite(torch.tensor(a["train_loss"]))
         assert "test_loss=" in format_summary(a)
+        assert a["survivors"] == [0, 1] and a["failures"] == []
     assert results[0][3]["consensus_distance"] == pytest.approx(0.0, abs=1e-10)  # allreduce
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
@@ -44,6 +45,9 @@ def test_parse_args_defaults():
     assert parse_args([]).mixing == "learned"
     with pytest.raises(SystemExit):
         parse_args(["--topology", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--kill-rank", "1"])  # needs --kill-step
+    assert parse_args([]).on_failure == "exclude"
 
 
 def test_gossip_optimizer_validates_arguments():
@@ -54,3 +58,5 @@ def test_gossip_optimizer_validates_arguments():
         GossipOptimizer(sgd, mixing="metropolis")
     with pytest.raises(RuntimeError, match="init_process_group"):
         GossipOptimizer(sgd, "ring", mixing="metropolis")
+    with pytest.raises(ValueError, match="on_failure must be one of"):
+        GossipOptimizer(sgd, "ring", mixing="metropolis", on_failure="ignore")
