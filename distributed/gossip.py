@@ -32,28 +32,30 @@ from .topology import Topology, get_topology
 
 
 def default_communicator(
-    topology: Topology | str, timeout: float | timedelta = 30.0, on_failure: str = "exclude"
+    topology: Topology | str, timeout: float | timedelta = 30.0, **options
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
-    by name is built for the group's world size."""
+    by name is built for the group's world size. ``options`` (``on_failure``,
+    ``compression``, ``consensus_step``) go to the communicator."""
     import torch.distributed as dist
 
     if isinstance(topology, str):
         if not dist.is_initialized():
             raise RuntimeError("init_process_group() first, or pass a communicator")
         topology = get_topology(topology, dist.get_world_size())
-    return ProcessGroupCommunicator(topology, timeout=timeout, on_failure=on_failure)
+    return ProcessGroupCommunicator(topology, timeout=timeout, **options)
 
 
-def resolve_communicator(communicator, topology, timeout, owner: str, on_failure="exclude"):
+def resolve_communicator(communicator, topology, timeout, owner: str, **options):
     """``communicator`` if given, else :func:`default_communicator` for ``topology``."""
+    on_failure = options.get("on_failure", "exclude")
     if on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
         return communicator
     if topology is None:
         raise ValueError(f"{owner} needs a topology or a communicator")
-    return default_communicator(topology, timeout, on_failure)
+    return default_communicator(topology, timeout, **options)
 
 
 class GossipOptimizer:
@@ -78,6 +80,11 @@ class GossipOptimizer:
             is the combine-then-adapt variant ``x_{t+1} = W x_t + u(g(x_t))`` (the gradient is
             taken before the mix, as Decent-DP does), not adapt-then-combine; it matches the
             simulator run in that order. Call :meth:`flush` after the last step.
+        compression: ``None`` (exact), ``"topk:R"``, ``"sign"`` or ``"int8"``: exchange
+            compressed differences with error feedback; the network average stays exact
+            (default communicator only; see :mod:`.compression`).
+        consensus_step: the compressed mix's step ``gamma`` in (0, 1]; smaller is steadier
+            under strong compression.
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -101,6 +108,8 @@ class GossipOptimizer:
         timeout: float | timedelta = 30.0,
         on_failure: str = "exclude",
         overlap: bool = False,
+        compression: str | None = None,
+        consensus_step: float = 1.0,
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -113,7 +122,13 @@ class GossipOptimizer:
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
         communicator = resolve_communicator(
-            communicator, topology, timeout, "GossipOptimizer", on_failure
+            communicator,
+            topology,
+            timeout,
+            "GossipOptimizer",
+            on_failure=on_failure,
+            compression=compression,
+            consensus_step=consensus_step,
         )
         self.local = local_optimizer
         self.mixing = mixing

@@ -17,6 +17,7 @@ simulator calls, over the same neighbour order (sorted by rank).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from learned_opt.config import NetConfig
 from learned_opt.network import Theta
 
 from .collectives import GroupCollectives, _PeerFailure
+from .compression import ErrorFeedback
 from .membership import GossipError
 from .mixing import learned_edge_weight, mix
 from .packing import Layout
@@ -65,6 +67,7 @@ class Inflight:
     pending: list = field(default_factory=list)  # (slot, works, device buffer or None)
     done: set = field(default_factory=set)  # slots received
     failure: _PeerFailure | None = None
+    full: bool = True  # compression: the tensors went whole (the copies start)
 
 
 class ProcessGroupCommunicator(GroupCollectives):
@@ -79,12 +82,31 @@ class ProcessGroupCommunicator(GroupCollectives):
             go on with the survivors; ``"raise"``: raise :class:`GossipError` on every rank.
         store: the rendezvous store used to agree on the survivors (default: the default
             group's). Create communicators in the same order on every rank.
+        compression: ``None`` (exact exchange), ``"topk:R"``, ``"sign"`` or ``"int8"``: send
+            compressed differences with error feedback; the average stays exact (see
+            :mod:`.compression`).
+        consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression).
 
     Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
     ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
     dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf)
     and ``bytes_sent`` (bytes sent by the last :meth:`mix`).
     """
+
+    def __init__(
+        self,
+        topology: Topology,
+        group: dist.ProcessGroup | None = None,
+        timeout: float | timedelta = 30.0,
+        *,
+        on_failure: str = "exclude",
+        store: dist.Store | None = None,
+        compression: str | None = None,
+        consensus_step: float = 1.0,
+    ):
+        super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
+        self.compression = compression
+        self._codec = ErrorFeedback(compression, consensus_step) if compression else None
 
     # ------------------------------------------------------------------ exchange
 
@@ -163,10 +185,18 @@ class ProcessGroupCommunicator(GroupCollectives):
         graph, members = m.graph, list(m.members)
         me = members.index(self.rank)
         peers = [members[k] for k in graph.neighbors(me, step)]
-        send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
         loss = None if loss is None else float(torch.as_tensor(loss).detach())
+        full = True
+        if self._codec is not None and step >= m.resume_at:
+            full = self._codec.full(step, m.epoch, graph.period)
+            ys = self._codec.encode(ys, full)
+            layout = self._layout(ys)
+            if layout not in self._checked:
+                self.check_layout(ys, step)
+        send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
         own_finite = layout.pack(ys, loss, send)
         job = Inflight(step, m.epoch, loss, layout, own_finite, graph, members, peers, recvs)
+        job.full = full
         if step < m.resume_at:  # catching up after a failure: local steps only
             return job
         try:
@@ -215,6 +245,8 @@ class ProcessGroupCommunicator(GroupCollectives):
         sorted by rank; ``tensors[k]`` are views into a receive buffer, valid until the next
         call.
         """
+        if self._codec is not None:
+            raise ValueError("exchange() sends tensors as they are; with compression use mix()")
         ex = self._complete(self.begin(ys, step, loss, overlap=False))
         return ex.peers, ex.tensors, ex.losses, ex.finite
 
@@ -272,14 +304,18 @@ class ProcessGroupCommunicator(GroupCollectives):
         keep = [k for k in range(len(ex.peers)) if ex.finite[k]]
         excluded = [ex.peers[k] for k in range(len(ex.peers)) if not ex.finite[k]]
         self.nonfinite_excluded += len(excluded)
-        weights = [
-            self._weights(ys, t, ex, own_loss, keep, step, rule, theta, cfg) for t in range(len(ys))
-        ]
-        targets = out if out is not None else [None] * len(ys)
-        mixed = [
-            mix(y, [ex.tensors[k][t] for k in keep], w, out=o)
-            for t, (y, w, o) in enumerate(zip(ys, weights, targets))
-        ]
+        if self._codec is not None:  # mix the public copies, see compression
+            mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rule, theta, cfg, out)
+        else:
+            weights = [
+                self._weights(ys, t, ex, own_loss, keep, step, rule, theta, cfg)
+                for t in range(len(ys))
+            ]
+            targets = out if out is not None else [None] * len(ys)
+            mixed = [
+                mix(y, [ex.tensors[k][t] for k in keep], w, out=o)
+                for t, (y, w, o) in enumerate(zip(ys, weights, targets))
+            ]
         info = {
             "neighbors": [ex.peers[k] for k in keep],
             "weights": [torch.tensor([float(x) for x in w], dtype=torch.float64) for w in weights],
@@ -287,6 +323,28 @@ class ProcessGroupCommunicator(GroupCollectives):
             "bytes_sent": self.bytes_sent,
         }
         return mixed, info
+
+    def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rule, theta, cfg, out):
+        """Compressed mix: ``y_i += gamma * sum_j w_ij (h_j - h_i)``, with the weights taken
+        from the public copies ``h`` (the same on both ends of an edge)."""
+        codec = self._codec
+        peers = [ex.peers[k] for k in keep]
+        copies = [codec.decode(p, ex.tensors[k], job.full) for p, k in zip(peers, keep)]
+        losses = [ex.losses[k] for k in keep]
+        on_copies = _Exchanged(
+            peers, copies, losses, [True] * len(peers), True, ex.graph, ex.members
+        )
+        order = list(range(len(peers)))
+        weights = [
+            self._weights(codec.own, t, on_copies, own_loss, order, job.step, rule, theta, cfg)
+            for t in range(len(ys))
+        ]
+        mixed = list(out) if out is not None else [y.clone() for y in ys]
+        for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
+            if target is not y:
+                target.copy_(y)
+            codec.mix_(target, codec.own[t], [c[t] for c in copies], w)
+        return mixed, weights
 
     def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):
         """Weights of tensor ``t`` for the kept neighbours, ordered as ``keep``, on the graph

@@ -57,7 +57,7 @@ class GradientTracking:
         if not self.params:
             raise ValueError("GradientTracking got an empty parameter list")
         self.communicator = resolve_communicator(
-            communicator, topology, timeout, "GradientTracking", on_failure
+            communicator, topology, timeout, "GradientTracking", on_failure=on_failure
         )
         self.lr = lr
         self.mixing = mixing

@@ -35,6 +35,7 @@ from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.tasks import get_task
 
+from .compression import get_compressor
 from .gossip import GossipOptimizer
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -91,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="exchange while the next forward/backward runs (combine-then-adapt variant)",
     )
+    p.add_argument(
+        "--compression", default=None, help="topk:R, sign or int8 (error feedback; exact average)"
+    )
+    p.add_argument("--consensus-step", type=float, default=1.0, help="gamma of the compressed mix")
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
@@ -98,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.compression is not None:
+        try:
+            get_compressor(args.compression)
+        except ValueError as exc:
+            p.error(str(exc))
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
     return args
@@ -154,7 +164,13 @@ def train(args: argparse.Namespace) -> dict:
         device=device,
     )
     topology = get_topology(args.topology, world)
-    comm = ProcessGroupCommunicator(topology, timeout=args.timeout, on_failure=args.on_failure)
+    comm = ProcessGroupCommunicator(
+        topology,
+        timeout=args.timeout,
+        on_failure=args.on_failure,
+        compression=None if args.mixing == "allreduce" else args.compression,
+        consensus_step=args.consensus_step,
+    )
     local = _local_optimizer(args, params)
     writer = None
     if args.logdir:
@@ -220,6 +236,7 @@ def train(args: argparse.Namespace) -> dict:
         "optimizer": args.optimizer,
         "mixing": args.mixing,
         "topology": args.topology,
+        "compression": args.compression,
         "workers": world,
         "steps": args.steps,
         "survivors": comm.members,

@@ -135,6 +135,30 @@ def exchange_suite(rank: int, n: int) -> dict:
     out["mean_change"] = float(mean_change.abs().max())
     out["bytes_sent"] = opt.metrics["gossip/bytes_sent"]
 
+    for spec, rule in (("topk:0.25", "metropolis"), ("sign", "metropolis"), ("int8", "learned")):
+        gen = torch.Generator().manual_seed(rank)
+        params = [torch.randn(6, 3, generator=gen), torch.randn(4, generator=gen)]
+        start = torch.cat([p.reshape(-1) for p in params]).clone()
+        net = make_net() if rule == "learned" else None
+        opt = GossipOptimizer(
+            torch.optim.SGD(params, lr=0.0),
+            "ring",
+            rule,
+            net=net,
+            compression=spec,
+            consensus_step=0.5,
+            metrics_every=0,
+        )
+        before = opt.communicator.consensus_distance(params)
+        for _ in range(30):
+            opt.step()
+        moved = torch.cat([p.reshape(-1) for p in params]) - start
+        out[spec] = {
+            "mean_change": float(opt.communicator.all_reduce(moved, 0).abs().max()),
+            "consensus": (float(before), float(opt.communicator.consensus_distance(params))),
+            "bytes": opt.metrics["gossip/bytes_sent"],
+        }
+
     target = torch.full((3,), float(rank))  # f_i(x) = |x - target_i|^2 / 2, optimum mean = 1.5
     x = torch.zeros(3, requires_grad=True)
     dsgt = GradientTracking([x], lr=0.2, topology="ring")

@@ -62,6 +62,16 @@ def test_consensus_shrinks_with_mixing_alone(exchange_results):
         assert res["bytes_sent"] > 2 * 4 * 22
 
 
+@pytest.mark.parametrize("spec", ["topk:0.25", "sign", "int8"])
+def test_compressed_gossip_keeps_the_average_and_sends_less(exchange_results, spec):
+    full = 2 * (16 + 22 * 4)  # two neighbours, header plus 22 float32 values
+    for res in exchange_results:
+        r = res[spec]
+        assert r["mean_change"] < 1e-5  # exact average, whatever the compressor drops
+        assert r["consensus"][1] < 0.5 * r["consensus"][0]
+        assert r["bytes"] < full
+
+
 def test_gradient_tracking_matches_dense_reference(exchange_results):
     # x <- W x - lr y;  y <- W y + g_new - g_old, for f_i(x) = |x - i|^2 / 2
     mixing = get_topology("ring", N).mixing_matrix()
