@@ -11,7 +11,11 @@ rank's median, of:
 - ``D-Adam``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
 - ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
   forward/backward);
-- ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint.
+- ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint;
+- ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
+  decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
+  ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
+  steps and exchanges bucket by bucket from backward hooks.
 
 The configurations take turns, a few steps each, round after round, so a change in the
 machine's load hits them all alike.
@@ -74,6 +78,28 @@ class _AllReduceAdam:
         self.adam.step()
 
 
+class _DecentDP:
+    """Decent-DP steps inside backward (its hooks); nothing to do in zero_grad or step."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self, loss=None):
+        pass
+
+
+def _decent_dp(rank: int):
+    try:
+        from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import optim_fn_adam
+    except ImportError:
+        return None
+    from functools import partial
+
+    fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
+    return DecentralizedDataParallel(_model(rank), fn, topology="ring", _local_world_size=WORLD)
+
+
 def _configs(rank: int) -> dict:
     ring = get_topology("ring", WORLD)
     out = {}
@@ -92,6 +118,9 @@ def _configs(rank: int) -> dict:
             model,
             GossipOptimizer(local, ring, "learned", overlap=overlap, metrics_every=0),
         )
+    peer = _decent_dp(rank)
+    if peer is not None:
+        out["Decent-DP Adam"] = (peer, _DecentDP())
     return out
 
 
