@@ -11,14 +11,15 @@ from learned_opt.distributed import (
 )
 
 N = 4
+LAUNCH = 180  # seconds: 4 spawned interpreters on a loaded 2-core machine take a while
 
 
 @pytest.fixture(scope="module")
 def exchange_results():
-    return launch_local(w.exchange_suite, N, timeout=60)
+    return launch_local(w.exchange_suite, N, timeout=LAUNCH)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(LAUNCH + 60)
 @pytest.mark.parametrize("name", ["ring", "one_peer_exponential"])
 def test_exact_neighbour_exchange(exchange_results, name):
     topo = get_topology(name, N)
@@ -128,10 +129,10 @@ def _simulate(kind, seed, overlap):
     return params
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(LAUNCH + 60)
 def test_real_run_equals_simulator():
     seed = 3
-    real = launch_local(w.equivalence_run, N, seed, timeout=90)
+    real = launch_local(w.equivalence_run, N, seed, timeout=LAUNCH)
     for overlap in (False, True):
         for kind in w.KINDS:
             sim = _simulate(kind, seed, overlap)
