@@ -3,12 +3,13 @@
 Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``).
 Writes ``benchmarks/results/gossip_step.json``.
 
-4 local gloo processes on a ring, each training its own copy of a 1M-parameter MLP
+4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
+(``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
 (784-1024-256-10, batch 64 of random data). Median milliseconds per step, the slowest
 rank's median, of:
 
 - ``allreduce + Adam``: data parallel, one all_reduce of the flat gradient, then Adam;
-- ``D-Adam``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
+- ``D-Adam <topology>``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
 - ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
   forward/backward);
 - ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint;
@@ -101,26 +102,28 @@ def _decent_dp(rank: int):
 
 
 def _configs(rank: int) -> dict:
-    ring = get_topology("ring", WORLD)
     out = {}
     model = _model(rank)
-    out["allreduce + Adam"] = (
-        model,
-        _AllReduceAdam(model.parameters(), ProcessGroupCommunicator(ring)),
-    )
-    for overlap in (False, True):
-        suffix = " overlap" if overlap else ""
-        model = _model(rank)
-        out["D-Adam" + suffix] = (model, dadam(model.parameters(), 1e-3, ring, overlap=overlap))
-        model = _model(rank)
-        local = LearnedOptimizer(model.parameters())
-        out["learned + learned mixing" + suffix] = (
-            model,
-            GossipOptimizer(local, ring, "learned", overlap=overlap, metrics_every=0),
-        )
+    comm = ProcessGroupCommunicator(get_topology("ring", WORLD))
+    out["allreduce + Adam"] = (model, _AllReduceAdam(model.parameters(), comm))
+    for topo in ("ring", "one_peer_ring"):
+        graph = get_topology(topo, WORLD)
+        for overlap in (False, True):
+            suffix = f" {topo}" + (" overlap" if overlap else "")
+            model = _model(rank)
+            out["D-Adam" + suffix] = (
+                model,
+                dadam(model.parameters(), 1e-3, graph, overlap=overlap),
+            )
+            model = _model(rank)
+            local = LearnedOptimizer(model.parameters())
+            out["learned + learned mixing" + suffix] = (
+                model,
+                GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
+            )
     peer = _decent_dp(rank)
     if peer is not None:
-        out["Decent-DP Adam"] = (peer, _DecentDP())
+        out["Decent-DP Adam one-peer ring"] = (peer, _DecentDP())
     return out
 
 
@@ -164,12 +167,15 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
         f"worker, gloo over loopback, load average {load:.1f} at start",
         "torch": torch.__version__,
-        "setup": f"{WORLD} ranks, ring, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
+        "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
         f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
         "command": "OMP_NUM_THREADS=1 python benchmarks/gossip_step.py",
         "step_ms": res,
         "vs_allreduce": {k: v / base for k, v in res.items()},
     }
+    peer = res.get("Decent-DP Adam one-peer ring")
+    if peer is not None:
+        results["vs_decent_dp"] = {k: v / peer for k, v in res.items()}
     for name, ms in res.items():
         print(f"{name:<32}{ms:>9.1f} ms {ms / base:>6.2f}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

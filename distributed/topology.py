@@ -256,6 +256,17 @@ def _one_peer_exponential(n: int) -> list[list[Edge]]:
     ]
 
 
+def _one_peer_ring(n: int) -> list[list[Edge]]:
+    if n % 2:
+        raise ValueError(
+            f"one_peer_ring needs an even world_size (it pairs each even rank with its right "
+            f"neighbour, then with its left one), got {n}"
+        )
+    if n == 2:
+        return [[(0, 1)]]
+    return [[(i, i + 1) for i in range(0, n, 2)], [(i, (i - 1) % n) for i in range(0, n, 2)]]
+
+
 def _complete(n: int) -> list[list[Edge]]:
     return [[(i, j) for i in range(n) for j in range(i + 1, n)]]
 
@@ -292,6 +303,7 @@ _REGISTRY: dict[str, Callable[..., list[list[Edge]]]] = {
     "torus": _torus,
     "exponential": _exponential,
     "one_peer_exponential": _one_peer_exponential,
+    "one_peer_ring": _one_peer_ring,
     "complete": _complete,
     "random_regular": _random_regular,
     "custom": _custom,
@@ -308,6 +320,8 @@ def get_topology(name: str, world_size: int, **kwargs) -> Topology:
 
     Names: ``ring``, ``torus`` (``rows=`` optional), ``exponential`` (static, hops 2^k),
     ``one_peer_exponential`` (time-varying, one peer per step, power-of-two sizes),
+    ``one_peer_ring`` (time-varying ring, right then left neighbour, even sizes; the ring
+    Decent-DP uses),
     ``complete``, ``random_regular`` (``degree=``, ``seed=``) and ``custom`` (``edges=``).
     Impossible sizes raise ``ValueError``.
     """
