@@ -113,7 +113,7 @@ def _configs(rank: int) -> dict:
             model = _model(rank)
             out["D-Adam" + suffix] = (
                 model,
-                dadam(model.parameters(), 1e-3, graph, overlap=overlap),
+                dadam(model.parameters(), 1e-3, graph, overlap=overlap, metrics_every=0),
             )
             model = _model(rank)
             local = LearnedOptimizer(model.parameters())
