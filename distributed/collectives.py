@@ -112,10 +112,11 @@ class GroupCollectives:
                     f"group through the rendezvous store: {exc}"
                 ) from exc
             if self.on_failure == "raise":
-                blame = dropped or [failure.peer]
+                blame = dropped or [r for r in [failure.peer] if r is not None]
+                who = f"rank {', '.join(map(str, blame))} failed" if blame else "a wait failed"
                 raise GossipError(
-                    f"rank {self.rank}: rank {', '.join(map(str, blame))} failed at step {step} "
-                    f"(timeout {self.timeout.total_seconds():g} s); first failure seen: "
+                    f"rank {self.rank}: {who} at step {step} (timeout "
+                    f"{self.timeout.total_seconds():g} s); first failure seen: "
                     f"{m.failures[-1].cause if dropped else message}"
                 )
             try:

@@ -7,7 +7,9 @@ Each rank keeps a tracker ``y`` of the network-average gradient::
 
 Both ``W x`` and ``W y`` travel in one exchange per step. With a doubly stochastic ``W``
 the mean of the trackers equals the mean of the current gradients, which removes the
-bias that label-skewed data puts on D-SGD.
+bias that label-skewed data puts on D-SGD. After a rank is dropped (see
+:mod:`.membership`) its share of the trackers is gone, so from then on the trackers track
+the survivors' gradients only approximately.
 """
 
 from __future__ import annotations
