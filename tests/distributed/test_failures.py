@@ -58,6 +58,7 @@ def test_survivors_keep_their_average_and_reach_consensus(kill_freeze):
     torch.testing.assert_close(a[-1], b[-1], atol=1e-5, rtol=0)  # consensus among survivors
 
 
+@pytest.mark.slow  # about 50 s on a loaded machine; blame is also checked by the fixture above
 @pytest.mark.timeout(LAUNCH + 30)
 def test_raise_mode_blames_the_frozen_rank():
     res = launch_local(fw.frozen_with_raise, N, TIMEOUT, timeout=LAUNCH, raise_on_error=False)
