@@ -81,6 +81,10 @@ class _LocalStep:
         return run(closure)
 
 
+def _is_float(value) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
 def own_rank_view(checkpoint: dict, rank: int, world_size: int, path: Any = None) -> dict:
     """This rank's view of a checkpoint written by :class:`GossipStrategy`: its own model and
     optimizer states in place of the averaged model. Other checkpoints pass unchanged."""
@@ -114,8 +118,10 @@ class GossipStrategy(DDPStrategy):
         average_at_end: when ``fit`` ends, replace every rank's model by the average of all
             ranks' models (the result of training), as the torchrun entry point evaluates it.
         gossip_kwargs: further keyword arguments for each
-            :class:`~learned_opt.distributed.GossipOptimizer`, so whatever the gossip engine
-            offers is reachable from here.
+            :class:`~learned_opt.distributed.GossipOptimizer`, and
+        communicator_kwargs: for the
+            :class:`~learned_opt.distributed.ProcessGroupCommunicator`, so whatever the
+            gossip engine offers is reachable from here.
         start_method, process_group_backend, accelerator, parallel_devices,
         cluster_environment, checkpoint_io, precision_plugin: as for Lightning's
             ``DDPStrategy`` (``start_method="popen"`` relaunches the script, like torchrun;
@@ -137,9 +143,14 @@ class GossipStrategy(DDPStrategy):
         metrics_every: int | None = None,
         average_at_end: bool = True,
         gossip_kwargs: Mapping[str, Any] | None = None,
+        communicator_kwargs: Mapping[str, Any] | None = None,
         start_method: str = "popen",
         process_group_backend: str | None = None,
-        **plugins: Any,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
     ):
         if mixing is not None and mixing not in MIXINGS:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {MIXINGS}")
@@ -151,21 +162,30 @@ class GossipStrategy(DDPStrategy):
             raise ValueError(f"metrics_every must be an int >= 0 or None, got {metrics_every!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        clash = _RESERVED & set(gossip_kwargs or {})
-        if clash:
-            raise ValueError(
-                f"gossip_kwargs {sorted(clash)} are set by GossipStrategy; use its own arguments"
-            )
+        for name, given, reserved in (
+            ("gossip_kwargs", gossip_kwargs, _RESERVED),
+            ("communicator_kwargs", communicator_kwargs, {"topology", "group", "timeout"}),
+        ):
+            clash = reserved & set(given or {})
+            if clash:
+                raise ValueError(
+                    f"{name} {sorted(clash)} are set by GossipStrategy; use its own arguments"
+                )
         super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
             timeout=timedelta(seconds=timeout),
             start_method=start_method,
-            process_group_backend=process_group_backend,
-            **plugins,
         )
         self.topology, self.mixing, self.checkpoint = topology, mixing, checkpoint
         self.gossip_timeout, self.metrics_every = float(timeout), metrics_every
         self.average_at_end = average_at_end
         self.gossip_kwargs = dict(gossip_kwargs or {})
+        self.communicator_kwargs = dict(communicator_kwargs or {})
         self.gossips: dict[int, GossipOptimizer] = {}  # by id() of the user's optimizer
         self._communicator: ProcessGroupCommunicator | None = None
         self._own_state: dict[str, Tensor] | None = None  # while the averaged model is in place
@@ -185,7 +205,9 @@ class GossipStrategy(DDPStrategy):
             topology = self.topology
             if isinstance(topology, str):
                 topology = get_topology(topology, self.world_size)
-            self._communicator = ProcessGroupCommunicator(topology, timeout=self.gossip_timeout)
+            self._communicator = ProcessGroupCommunicator(
+                topology, timeout=self.gossip_timeout, **self.communicator_kwargs
+            )
         return self._communicator
 
     def configure_ddp(self) -> None:
@@ -300,7 +322,7 @@ class GossipStrategy(DDPStrategy):
 
     def _float_state(self) -> dict[str, Tensor]:
         state = self.lightning_module.state_dict(keep_vars=True)
-        return {k: t.detach() for k, t in state.items() if t.is_floating_point()}
+        return {k: t.detach() for k, t in state.items() if _is_float(t)}
 
     def average_model_(self) -> None:
         """Replace this rank's parameters and floating-point buffers by their mean over all
@@ -321,23 +343,8 @@ class GossipStrategy(DDPStrategy):
                     t.copy_(self._own_state[k])
             self._own_state = None
 
-    def on_validation_start(self) -> None:
-        self._use_averaged_model()
-
-    def on_validation_end(self) -> None:
-        self._use_own_model()
-
-    def on_test_start(self) -> None:
-        self._use_averaged_model()
-
-    def on_test_end(self) -> None:
-        self._use_own_model()
-
-    def on_predict_start(self) -> None:
-        self._use_averaged_model()
-
-    def on_predict_end(self) -> None:
-        self._use_own_model()
+    on_validation_start = on_test_start = on_predict_start = _use_averaged_model
+    on_validation_end = on_test_end = on_predict_end = _use_own_model
 
     def on_train_end(self) -> None:
         if self.average_at_end:
@@ -359,8 +366,11 @@ class GossipStrategy(DDPStrategy):
             own = {k: checkpoint[k] for k in ("state_dict", "optimizer_states") if k in checkpoint}
             ranks = [None] * self.world_size if self.is_global_zero else None
             dist.gather_object(move_data_to_device(own, "cpu"), ranks, dst=0)
-            averaged = {k: v.clone() for k, v in checkpoint["state_dict"].items()}
-            floats = [v for v in averaged.values() if v.is_floating_point()]
+            averaged = {
+                k: v.clone() if isinstance(v, Tensor) else v
+                for k, v in checkpoint["state_dict"].items()
+            }
+            floats = [v for v in averaged.values() if _is_float(v)]
             all_reduce_mean_(floats, self.communicator(), 0, "checkpoint averaging")
             checkpoint = {**checkpoint, "state_dict": averaged}
             checkpoint[CHECKPOINT_KEY] = {
