@@ -93,6 +93,13 @@ class Digits(lightning.LightningModule):
         self.grad_norms.append(float(torch.stack(grads).norm()))
 
 
+class RankDigits(Digits):
+    """Digits whose module builds each rank's loader itself (for ``start_method="spawn"``)."""
+
+    def train_dataloader(self):
+        return loader(self.global_rank, self.trainer.world_size)
+
+
 def param_sum(model):
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 

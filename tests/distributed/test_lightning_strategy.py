@@ -116,6 +116,20 @@ def test_300_steps_match_the_torchrun_entry_point(tmp_path):
         assert r["resumed"] == r["full"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_spawned_ranks_hand_back_the_averaged_model(tmp_path):
+    model = w.RankDigits()
+    before = w.param_sum(model)
+    strategy = GossipStrategy("ring", timeout=300, start_method="spawn")
+    w.trainer(str(tmp_path), N, 1, strategy=strategy).fit(model)
+    assert w.param_sum(model) != before  # rank 0's final (averaged) model came back
+    ckpt = torch.load(w._only_checkpoint(str(tmp_path)), map_location="cpu", weights_only=True)
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p, ckpt["state_dict"][name])  # the averaged model
+    assert len(ckpt[CHECKPOINT_KEY]["ranks"]) == N
+
+
 # ----------------------------------------------------------------------------- one process
 
 
