@@ -381,9 +381,14 @@ class GossipStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
-        """When fitting, this rank's own states (:func:`own_rank_view`); else the averaged
-        model."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Read with ``weights_only=True`` (reading can never run code). When fitting, this
+        rank's own states (:func:`own_rank_view`); else the averaged model."""
+        if weights_only is False:
+            raise ValueError(
+                f"{checkpoint_path}: GossipStrategy reads checkpoints with weights_only=True "
+                "only (tensors and plain data), so that loading one can never run code"
+            )
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True)
         if self._fitting():
             checkpoint = own_rank_view(
                 checkpoint, self.global_rank, self.world_size, checkpoint_path

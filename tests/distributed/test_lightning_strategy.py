@@ -166,6 +166,22 @@ def test_own_rank_view_picks_this_ranks_states_and_checks_the_world_size():
         own_rank_view(ckpt, 0, 2, "run.ckpt")
 
 
+class _Payload:  # unpickling it would run code
+    pass
+
+
+def test_checkpoints_are_read_as_weights_only(tmp_path):
+    strategy = GossipStrategy()
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": _Payload()}, path)
+    with pytest.raises(ValueError, match="weights_only=True only"):
+        strategy.load_checkpoint(path, weights_only=False)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        strategy.load_checkpoint(path)
+    torch.save({"state_dict": {"w": torch.ones(2)}}, path)
+    assert torch.equal(strategy.load_checkpoint(path)["state_dict"]["w"], torch.ones(2))
+
+
 def test_the_distributed_package_does_not_import_lightning():
     probe = "import sys, learned_opt.distributed; print(any(m.startswith('lightning') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
