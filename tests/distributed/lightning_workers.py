@@ -179,7 +179,9 @@ def parity_and_resume(rank, world, root, epochs):
 def features(rank, world, root, batches=8, epochs=2):
     """Adam with learned mixing, a scheduler, clipping, accumulation and bf16-mixed; the model
     is not averaged at the end, so each rank keeps its own."""
-    strategy = GossipStrategy("exponential", "learned", metrics_every=1, average_at_end=False)
+    strategy = GossipStrategy(
+        "exponential", "learned", timeout=120, metrics_every=1, average_at_end=False
+    )
     model = Digits(optimizer="adam", schedule=True)
     run = trainer(
         f"{root}/features",
@@ -205,7 +207,9 @@ def features(rank, world, root, batches=8, epochs=2):
 
 def allreduce(rank, world, root, batches=6):
     """Plain data parallel: gradients averaged, so the ranks stay identical."""
-    strategy = GossipStrategy(mixing="allreduce", metrics_every=1, average_at_end=False)
+    strategy = GossipStrategy(
+        mixing="allreduce", timeout=120, metrics_every=1, average_at_end=False
+    )
     model = Digits(optimizer="adam")
     run = trainer(f"{root}/allreduce", world, 1, strategy=strategy, accumulate_grad_batches=2)
     run.fit(model, loader(rank, world, batches))
