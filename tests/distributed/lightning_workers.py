@@ -100,6 +100,21 @@ class RankDigits(Digits):
         return loader(self.global_rank, self.trainer.world_size)
 
 
+class ManualDigits(Digits):
+    """Digits with manual optimization: the user calls the optimizer's step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        loss = self.task.module_loss(self.net, batch)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+
+
 def param_sum(model):
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -144,6 +159,7 @@ def suite(rank, world, root, epochs):
     out = parity_and_resume(rank, world, root, epochs)
     out["features"] = features(rank, world, root)
     out["allreduce"] = allreduce(rank, world, root)
+    out["manual"] = manual(rank, world, root)
     return out
 
 
@@ -214,6 +230,16 @@ def allreduce(rank, world, root, batches=6):
     run = trainer(f"{root}/allreduce", world, 1, strategy=strategy, accumulate_grad_batches=2)
     run.fit(model, loader(rank, world, batches))
     return {"params": [p.detach().clone() for p in model.parameters()]}
+
+
+def manual(rank, world, root, batches=4):
+    """Manual optimization: each ``opt.step()`` in ``training_step`` is a gossip step."""
+    strategy = GossipStrategy("ring", timeout=120, average_at_end=False)
+    model = ManualDigits()
+    before = param_sum(model)
+    trainer(f"{root}/manual", world, 1, strategy=strategy).fit(model, loader(rank, world, batches))
+    steps = [g.step_count for g in strategy.gossips.values()]
+    return {"gossip_steps": steps, "changed": param_sum(model) != before}
 
 
 def _only_checkpoint(root):

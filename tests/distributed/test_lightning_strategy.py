@@ -105,6 +105,12 @@ def test_allreduce_mixing_keeps_the_ranks_identical(results):
         assert all(torch.equal(a, b) for a, b in zip(first, r["allreduce"]["params"]))
 
 
+@pytest.mark.timeout(LAUNCH_S + 60)
+def test_manual_optimization_gossips_at_each_step(results):
+    for r in results:
+        assert r["manual"] == {"gossip_steps": [4], "changed": True}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_300_steps_match_the_torchrun_entry_point(tmp_path):
