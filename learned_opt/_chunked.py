@@ -26,8 +26,14 @@ import torch
 from torch import Tensor
 
 from .config import NUM_ELEMENT_FEATURES, NetConfig
-from .features import compute_dtype, element_features, safe_sqrt, stepped, sum_squares
-from .features import update_moments
+from .features import (
+    compute_dtype,
+    element_features,
+    safe_sqrt,
+    stepped,
+    sum_squares,
+    update_moments,
+)
 from .network import Theta, element_layers, element_mlp, layers_of
 from .stages import apply_update, tensor_context
 from .workers import SERIAL, ChunkRunner
@@ -147,7 +153,9 @@ def chunked_step_(
         return []
     chunk = chunk or default_chunk(params[0].device)
     tensors = [_prepare(p, g, s) for p, g, s in zip(params, grads, states)]
-    sums = torch.stack([torch.stack([sum_squares(t.flat_g), sum_squares(t.flat_p)]) for t in tensors])
+    sums = torch.stack(
+        [torch.stack([sum_squares(t.flat_g), sum_squares(t.flat_p)]) for t in tensors]
+    )
     sizes = torch.tensor([max(t.n, 1) for t in tensors], dtype=sums.dtype, device=sums.device)
     ok = stepped(sums[:, 0], sums[:, 1])
     g_rms = safe_sqrt(torch.where(ok, sums[:, 0], 0.0) / sizes)

@@ -12,9 +12,8 @@ the output parameterisation or of the per-tensor network's inputs is made here o
 
 from __future__ import annotations
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from .config import NetConfig
 from .features import adam_direction, feature_scales, shape_stats, tensor_stats, time_features

@@ -1,8 +1,9 @@
 """Inner training on stacked workers: the unroll that meta-training differentiates through.
 
 Every inner optimizer here is a pure function over parameter tensors stacked along a
-leading worker dimension ``[N, ...]``. The learned optimizer is the core's
-:func:`learned_opt.core.learned_update` under ``torch.func.vmap``; mixing is the
+leading worker dimension ``[N, ...]``, flattened to ``[N, P]``. The learned optimizer is
+the core's differentiable :func:`learned_opt.flat.flat_step` (the math that
+``LearnedOptimizer`` runs in place), on every worker at once; mixing is the
 :class:`~learned_opt.distributed.simulated.SimulatedCommunicator`, i.e. the same local-update
 and mixing functions as deployment.
 """
@@ -18,7 +19,8 @@ from torch.func import grad_and_value, vmap
 from learned_opt.config import NetConfig
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
-from learned_opt.flat import FlatLayout, flat_step, init_flat_state, segment_mean
+from learned_opt.flat import flat_step, init_flat_state
+from learned_opt.segments import FlatLayout, segment_mean
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
@@ -30,8 +32,8 @@ class InnerOptimizer:
     """A pure optimizer over flat stacked worker parameters ``[N, P]``, and the mixing rule
     it is paired with.
 
-    ``kind`` is "learned", "adam" or "sgd"; ``lr`` is Adam's/SGD's learning rate or the
-    learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
+    ``kind`` is one of :data:`INNER_OPTIMIZERS`; ``lr`` is the hand-designed rule's
+    learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
     """
 
     kind: str

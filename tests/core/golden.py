@@ -35,7 +35,7 @@ def golden_inputs(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
 
 def _record() -> None:
     from learned_opt import list_pretrained, load_checkpoint
-    from learned_opt.core import tensor_step
+    from learned_opt.flat import tensor_step
 
     result = {}
     for ckpt in list_pretrained():

@@ -55,9 +55,13 @@ def _in_place(fn):
 
 def _stacked(theta, cfg, params, grads, states):
     (w1, w2), rest = (0, 1), range(2, len(params))
-    flags = stacked_step_(theta, cfg, *([x[i] for i in (w1, w2)] for x in (params, grads, states)), STEP, LR)
+    flags = stacked_step_(
+        theta, cfg, *([x[i] for i in (w1, w2)] for x in (params, grads, states)), STEP, LR
+    )
     for i in rest:
-        flags = torch.cat([flags, stacked_step_(theta, cfg, [params[i]], [grads[i]], [states[i]], STEP, LR)])
+        flags = torch.cat(
+            [flags, stacked_step_(theta, cfg, [params[i]], [grads[i]], [states[i]], STEP, LR)]
+        )
     return flags.tolist()
 
 

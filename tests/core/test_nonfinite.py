@@ -6,7 +6,9 @@ import pytest
 import torch
 from optim_table import fixed_grads, make_params, perturbed_net
 
-from learned_opt import LearnedOptimizer, init_state, tensor_step
+from learned_opt import LearnedOptimizer
+from learned_opt.features import init_state
+from learned_opt.flat import tensor_step
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
