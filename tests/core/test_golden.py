@@ -6,11 +6,13 @@ step before the step math was written once; a refactor of any layout must keep i
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from golden import GOLDEN, LR, STEP, golden_inputs
 
-from learned_opt import list_pretrained, load_checkpoint
+from learned_opt import list_pretrained, load_checkpoint, stages
 from learned_opt._chunked import chunked_step_
 from learned_opt._stacked import packed_step_, stacked_step_
 from learned_opt.flat import flat_step, tensor_step
@@ -92,3 +94,31 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
         assert err <= 1e-5 * update + 1e-9, f"{name}: {err:.2e} of update {update:.2e}"
         torch.testing.assert_close(new_m, ref["m"], rtol=1e-5, atol=1e-8)
         torch.testing.assert_close(new_v, ref["v"], rtol=1e-5, atol=1e-10)
+
+
+def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, scratch=None):
+    """A changed output stage (twice the update), to be swapped into ``apply_update``."""
+    before = p.clone()
+    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, scratch)  # noqa: F821
+    return torch.add(new, new - before, out=new if scratch is not None else None)
+
+
+def test_changing_the_output_stage_once_changes_every_path(monkeypatch):
+    """The output parameterisation is one function: swapping its code changes all paths."""
+    net, _ = load_checkpoint("default")
+    inputs = golden_inputs()
+    before = {path: fn(net.theta(), net.config, inputs) for path, fn in PATHS.items()}
+    original = types.FunctionType(
+        stages.apply_update.__code__,
+        stages.__dict__,
+        "apply_update",
+        stages.apply_update.__defaults__,
+    )
+    monkeypatch.setitem(stages.__dict__, "_original_apply_update", original)
+    monkeypatch.setattr(stages.apply_update, "__code__", _doubled_update.__code__)
+    for path, fn in PATHS.items():
+        after = fn(net.theta(), net.config, inputs)
+        for name, t in inputs.items():
+            old_upd = before[path][name][0] - t["p"]
+            new_upd = after[name][0] - t["p"]
+            torch.testing.assert_close(new_upd, 2 * old_upd, rtol=1e-4, atol=1e-9, msg=path)
