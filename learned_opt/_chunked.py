@@ -101,8 +101,8 @@ def _moments_and_sums(task, workspace: dict, cfg: NetConfig) -> Tensor:
     return torch.stack([torch.dot(row, row) for row in rows] + [v.sum()])
 
 
-def _buffers(workspace: dict, rows: tuple[int, int], k: int, like: Tensor) -> list[Tensor]:
-    """Two ``(rows[i], k)`` scratch blocks cut from one flat buffer kept in ``workspace``
+def _buffers(workspace: dict, rows: tuple[int, ...], k: int, like: Tensor) -> list[Tensor]:
+    """``(rows[i], k)`` scratch blocks cut from one flat buffer kept in ``workspace``
     (per dtype and device, grown when too small; the cut views are cached with it)."""
     key, need = (like.dtype, str(like.device)), sum(rows) * k
     buf, views = workspace.get(key, (None, {}))
