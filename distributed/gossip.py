@@ -47,12 +47,23 @@ def default_communicator(
 
 
 def resolve_communicator(communicator, topology, timeout, owner: str, **options):
-    """``communicator`` if given, else :func:`default_communicator` for ``topology``."""
-    on_failure = options.get("on_failure", "exclude")
-    if on_failure not in ON_FAILURE:
+    """``communicator`` if given, else :func:`default_communicator` for ``topology``.
+
+    ``options`` left at ``None`` take the communicator's defaults; one set to a value that a
+    given ``communicator`` does not have is an error (it would be silently ignored)."""
+    on_failure = options.get("on_failure")
+    if on_failure is not None and on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
+        for key in ("on_failure", "compression"):
+            if options.get(key) is not None and options[key] != getattr(communicator, key, None):
+                raise ValueError(
+                    f"{owner}: {key}={options[key]!r} applies to the default communicator; "
+                    f"the given one has {key}={getattr(communicator, key, None)!r} (pass it to "
+                    "ProcessGroupCommunicator instead)"
+                )
         return communicator
+    options = {k: v for k, v in options.items() if v is not None}
     if topology is None:
         raise ValueError(f"{owner} needs a topology or a communicator")
     return default_communicator(topology, timeout, **options)
@@ -71,7 +82,7 @@ class GossipOptimizer:
         net: the network whose edge head gives learned weights; defaults to
             ``local_optimizer.net`` (a ``LearnedOptimizer``).
         timeout: seconds any collective may wait (default communicator only).
-        on_failure: ``"exclude"`` (default): a neighbour that dies or times out is dropped,
+        on_failure: ``"exclude"`` (the default): a neighbour that dies or times out is dropped,
             reported (log warning, ``failures``, ``gossip/excluded_ranks``) and the survivors
             train on; ``"raise"``: every rank raises ``GossipError`` naming the rank that
             failed (default communicator only; see :mod:`.membership`).
@@ -106,7 +117,7 @@ class GossipOptimizer:
         *,
         net: LearnedOptimizerNet | None = None,
         timeout: float | timedelta = 30.0,
-        on_failure: str = "exclude",
+        on_failure: str | None = None,
         overlap: bool = False,
         compression: str | None = None,
         consensus_step: float = 1.0,

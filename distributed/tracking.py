@@ -47,7 +47,7 @@ class GradientTracking:
         *,
         mixing: str = "metropolis",
         timeout: float | timedelta = 30.0,
-        on_failure: str = "exclude",
+        on_failure: str | None = None,
     ):
         if not lr > 0:
             raise ValueError(f"Invalid learning rate: {lr!r}")

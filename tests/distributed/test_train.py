@@ -1,5 +1,7 @@
 """The torchrun entry point, run through the local launcher (one spawn, several configs)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -60,3 +62,8 @@ def test_gossip_optimizer_validates_arguments():
         GossipOptimizer(sgd, "ring", mixing="metropolis")
     with pytest.raises(ValueError, match="on_failure must be one of"):
         GossipOptimizer(sgd, "ring", mixing="metropolis", on_failure="ignore")
+    given = SimpleNamespace(topology=None, on_failure="exclude", compression=None)
+    with pytest.raises(ValueError, match="compression='sign' applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", compression="sign")
+    with pytest.raises(ValueError, match="on_failure='raise' applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
