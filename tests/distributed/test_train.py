@@ -1,5 +1,6 @@
 """The torchrun entry point, run through the local launcher (one spawn, several configs)."""
 
+import dist_workers as w
 import pytest
 import torch
 
@@ -19,15 +20,18 @@ def _run_all(rank, world_size, logdir):
     out = []
     for i, cfg in enumerate(CONFIGS):
         argv = ["--task", "iris_mlp", "--steps", "15", "--metrics-every", "5", *cfg]
+        argv += ["--timeout", str(w.COLLECTIVE_TIMEOUT)]
         if i == 0:
             argv += ["--logdir", logdir]
         out.append(launched(rank, world_size, argv))
     return out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 def test_train_entry_point_all_optimizers(tmp_path):
-    results = launch_local(_run_all, 2, str(tmp_path), timeout=60)
+    results = launch_local(
+        _run_all, 2, str(tmp_path), timeout=w.launch_timeout(), pg_timeout=w.STARTUP
+    )
     for per_config in zip(*results):
         a, b = per_config
         assert a["test_loss"] == pytest.approx(b["test_loss"])  # the averaged model, on every rank
