@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
+from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .chunked import DEFAULT_CHUNK, tensor_steps_
 from .core import compute_dtype, init_state
 from .flat import flat_step_, stacked_step_
@@ -65,6 +65,8 @@ class LearnedOptimizer(Optimizer):
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
         checkpoint: a shipped name (see :func:`learned_opt.list_pretrained`) or a file path.
+            A shipped name wins over a file of that name in the working directory (write
+            ``./default`` for the file); ``checkpoint_path`` says which file was loaded.
             Ignored when ``net`` is given.
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
@@ -120,9 +122,10 @@ class LearnedOptimizer(Optimizer):
                 f"Invalid small_tensor_size: {small_tensor_size!r} (must be an int >= 0)"
             )
         if net is None:
-            net, card = load_checkpoint(checkpoint)
+            self.checkpoint_path = resolve_checkpoint(checkpoint)
+            net, card = load_checkpoint(self.checkpoint_path)
         else:
-            card = {}
+            self.checkpoint_path, card = None, {}
         self.net = net
         self.card = card
         self.chunk_size = chunk_size
@@ -135,7 +138,10 @@ class LearnedOptimizer(Optimizer):
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
     #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
-    _PICKLED = ("net", "card", "chunk_size", "small_tensor_size", "stack_same_shape", "last_loss")
+    _PICKLED = (
+        "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
+        "last_loss",
+    )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -172,7 +178,7 @@ class LearnedOptimizer(Optimizer):
                 "the state with load_state_dict"
             )
         for name, default in (
-            ("card", {}), ("chunk_size", DEFAULT_CHUNK), ("small_tensor_size", SMALL_TENSOR_SIZE),
+            ("card", {}), ("checkpoint_path", None), ("chunk_size", DEFAULT_CHUNK), ("small_tensor_size", SMALL_TENSOR_SIZE),
             ("stack_same_shape", None), ("last_loss", None), ("_theta_cache", {}),
         ):  # fmt: skip
             self.__dict__.setdefault(name, default)
