@@ -23,6 +23,13 @@ import importlib.util
 extras = ["lightning", "tensorboard", "sklearn", "matplotlib", "jsonargparse"]
 present = [name for name in extras if importlib.util.find_spec(name)]
 assert not present, f"core install pulled optional packages: {present}"
+
+from importlib import resources
+
+shipped = resources.files("learned_opt")
+for name in ("meta_train/configs/smoke.yaml", "meta_train/configs/finetune.yaml",
+             "checkpoints/default.pt", "checkpoints/default_stage1.pt"):
+    assert (shipped / name).is_file(), f"the wheel lacks {name}"
 PY
 OMP_NUM_THREADS=1 venv/bin/python quickstart.py
 venv/bin/learned-opt --version

@@ -329,3 +329,9 @@ def test_compiled_step_matches_eager_dynamo():
 @pytest.mark.slow
 def test_compiled_step_matches_eager_inductor():
     _compiled_matches_eager("inductor")
+
+
+def test_unpickling_without_a_network_says_so():
+    opt = LearnedOptimizer.__new__(LearnedOptimizer)
+    with pytest.raises(ValueError, match="holds no network"):
+        opt.__setstate__({"defaults": {"lr": 1.0}, "state": {}, "param_groups": []})
