@@ -70,7 +70,8 @@ class LearnedOptimizer(Optimizer):
             Ignored when ``net`` is given.
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
-            one-element Tensor; it is checked again at every step, so a scheduler or an edit
+            one-element Tensor (read with ``.item()`` once per group and step); it is
+            checked again at every step, so a scheduler or an edit
             of ``param_groups`` that makes it negative, infinite or NaN raises a
             ``ValueError`` instead of corrupting the parameters.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
@@ -177,10 +178,16 @@ class LearnedOptimizer(Optimizer):
                 "version of learned-opt that dropped theta; build a new optimizer and load "
                 "the state with load_state_dict"
             )
-        for name, default in (
-            ("card", {}), ("checkpoint_path", None), ("chunk_size", DEFAULT_CHUNK), ("small_tensor_size", SMALL_TENSOR_SIZE),
-            ("stack_same_shape", None), ("last_loss", None), ("_theta_cache", {}),
-        ):  # fmt: skip
+        defaults = {
+            "card": {},
+            "checkpoint_path": None,
+            "chunk_size": DEFAULT_CHUNK,
+            "small_tensor_size": SMALL_TENSOR_SIZE,
+            "stack_same_shape": None,
+            "last_loss": None,
+            "_theta_cache": {},
+        }
+        for name, default in defaults.items():
             self.__dict__.setdefault(name, default)
         if "_runner" not in self.__dict__:
             self._runner = ChunkRunner(workers)
