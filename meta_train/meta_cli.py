@@ -33,6 +33,10 @@ class UsageError(Exception):
     """A command-line or config mistake, reported as one line with exit code 2."""
 
 
+#: ``--ckpt_path`` values that Lightning resolves to a checkpoint of the run itself.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
 def shipped_configs() -> list[str]:
     """Names of the shipped meta-training configs (``--config <name>``)."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -63,8 +67,8 @@ def check_resume_checkpoint(ckpt_path: str | None, weights_only: bool | None) ->
             "--weights_only false is not supported: checkpoints are always read as tensors "
             "and plain data, so that loading one can never run code"
         )
-    if not ckpt_path:
-        return
+    if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+        return  # Lightning finds that file itself, and loads it with weights_only=True
     if not Path(ckpt_path).is_file():
         raise UsageError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
     payload = read_torch_file(ckpt_path, "a Lightning checkpoint")

@@ -89,3 +89,13 @@ def test_command_line_errors_in_a_real_process(tmp_path):
 def test_learned_opt_version(capsys):
     assert learned_opt_main(["--version"]) == 0
     assert capsys.readouterr().out.startswith("learned-opt ")
+
+
+def test_fit_and_validate_always_load_weights_only(tmp_path, monkeypatch):
+    cli = _parse(tmp_path)
+    seen = []
+    for name in ("fit", "validate"):
+        monkeypatch.setattr(cli.trainer, name, lambda model, **kw: seen.append(kw))
+    cli.fit(cli.model, ckpt_path="x.ckpt", weights_only=False)
+    cli.validate(cli.model, ckpt_path="x.ckpt")
+    assert [kw["weights_only"] for kw in seen] == [True, True]
