@@ -20,7 +20,12 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
-from learned_opt.checkpoint import CheckpointError, is_explicit_path, read_torch_file
+from learned_opt.checkpoint import (
+    CheckpointError,
+    is_explicit_path,
+    load_checkpoint,
+    read_torch_file,
+)
 
 from .cli import CONFIG_DIR
 from .settings import validate_settings
@@ -97,7 +102,9 @@ class MetaCLI(LightningCLI):
             if model is not None:  # before seeding, logging or any process starts
                 try:
                     validate_settings(model.as_dict())
-                except ValueError as exc:
+                    if model.get("init_checkpoint"):
+                        load_checkpoint(model.init_checkpoint)
+                except (ValueError, CheckpointError) as exc:
                     raise UsageError(str(exc)) from None
 
     def instantiate_classes(self) -> None:

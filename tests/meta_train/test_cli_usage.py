@@ -56,17 +56,23 @@ def test_data_tasks_per_step_follows_the_model_and_runs_are_one_epoch(tmp_path):
         _parse(tmp_path, "--data.tasks_per_step=5")
 
 
-def test_config_mistake_is_one_line_with_exit_code_2(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        ("--model.family=no_such_family", "meta-training config field 'family'"),
+        ("--model.init_checkpoint=./nope.pt", "./nope.pt: no such file"),
+    ],
+)
+def test_config_mistake_is_one_line_with_exit_code_2(tmp_path, capsys, mistake, message):
     with pytest.raises(SystemExit) as info:
         meta_cli_main(
-            ["fit", "--config", "smoke", f"--trainer.default_root_dir={tmp_path}",
-             "--model.family=no_such_family"]
-        )  # fmt: skip
+            ["fit", "--config", "smoke", f"--trainer.default_root_dir={tmp_path}", mistake]
+        )
     assert info.value.code == 2
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("learned-opt-meta: error: meta-training config field 'family'")
-    assert "Traceback" not in err
+    assert last.startswith(f"learned-opt-meta: error: {message}"), err
+    assert "Traceback" not in err and "Seed set" not in err
 
 
 def test_command_line_errors_in_a_real_process(tmp_path):
