@@ -2,24 +2,36 @@
 
 import time
 
-import fault_workers as fw  # noqa: E402  (tests/distributed is on sys.path under pytest)
+import dist_workers as w  # noqa: E402  (tests/distributed is on sys.path under pytest)
+import fault_workers as fw  # noqa: E402
 import pytest
 import torch
 
 from learned_opt.distributed import RankFailure, launch_local
 
 N = 4
-TIMEOUT = 4.0  # seconds a collective may wait; generous for a loaded 2-core machine
+# Seconds a collective may wait. Short, because the frozen rank is found by this timeout
+# and the survivors then wait as long again for each other; long enough that a live rank
+# lagging on a loaded machine is not taken for a frozen one.
+TIMEOUT = 6.0
 STEPS = 40
-# spawning 4 interpreters under load, two re-forms (about 3 timeouts), the frozen rank's
-# wake-up 3.5 timeouts after it froze, plus slack
-LAUNCH = 60 + 10 * TIMEOUT
+# start-up, two re-forms (about 3 timeouts), the frozen rank's wake-up 3.5 timeouts after
+# it froze, plus slack
+LAUNCH = w.STARTUP + 10 * TIMEOUT + 60
 
 
 @pytest.fixture(scope="module")
 def kill_freeze():
     start = time.monotonic()
-    res = launch_local(fw.kill_then_freeze, N, TIMEOUT, STEPS, timeout=LAUNCH, raise_on_error=False)
+    res = launch_local(
+        fw.kill_then_freeze,
+        N,
+        TIMEOUT,
+        STEPS,
+        timeout=LAUNCH,
+        pg_timeout=w.STARTUP,
+        raise_on_error=False,
+    )
     return res, time.monotonic() - start
 
 
@@ -61,7 +73,9 @@ def test_survivors_keep_their_average_and_reach_consensus(kill_freeze):
 @pytest.mark.slow  # about 50 s on a loaded machine; blame is also checked by the fixture above
 @pytest.mark.timeout(LAUNCH + 30)
 def test_raise_mode_blames_the_frozen_rank():
-    res = launch_local(fw.frozen_with_raise, N, TIMEOUT, timeout=LAUNCH, raise_on_error=False)
+    res = launch_local(
+        fw.frozen_with_raise, N, TIMEOUT, timeout=LAUNCH, pg_timeout=w.STARTUP, raise_on_error=False
+    )
     assert all(isinstance(r, RankFailure) for r in res)
     for rank in (0, 1, 3):
         assert f"rank {rank}: rank 2 failed at step 4" in res[rank].message, res[rank].message
@@ -81,12 +95,13 @@ def test_killing_one_of_eight_keeps_the_final_loss():
     finish, and their averaged model's loss is within 10% of the run without a failure."""
     argv = ["--task", "digits_mlp", "--optimizer", "adam", "--steps", "150", "--timeout", "10"]
     argv += ["--partition", "iid", "--metrics-every", "1000"]
-    clean = launch_local(_train_pair, 8, argv, timeout=400)
+    clean = launch_local(_train_pair, 8, argv, timeout=400, pg_timeout=w.STARTUP)
     hurt = launch_local(
         _train_pair,
         8,
         argv + ["--kill-rank", "5", "--kill-step", "60"],
         timeout=400,
+        pg_timeout=w.STARTUP,
         raise_on_error=False,
     )
     assert isinstance(hurt[5], RankFailure)
