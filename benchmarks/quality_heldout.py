@@ -1,0 +1,278 @@
+"""Held-out suite: the learned optimizer, untuned, on tasks meta-training never sees.
+
+Single worker: every held-out task (``learned_opt.tasks.list_heldout_tasks()``) at two
+horizons (200 steps, and 1500-2000), against AdamW tuned per task and horizon over 6
+learning rates (extended at an edge), constant and cosine. Decentralized: simulated
+workers on label-skewed data, learned optimizer + learned mixing against tuned D-SGD,
+D-Adam and DSGT, scored on the averaged model's loss on the whole training set. Speedups
+by step count (the README's definition) and by wall clock (the step-count speedup times
+the ratio of step times measured side by side), the learned side at lr multipliers 0.3
+and 3, and divergences. One seed (0).
+
+Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json``,
+so evaluating a new checkpoint only runs the learned side. Writes
+``benchmarks/results/quality_heldout.json`` (``--quick``: ``quality_heldout_quick.json``)
+and a PNG of loss curves beside it.
+
+    python -m benchmarks.quality_heldout                          # full suite, default
+    python -m benchmarks.quality_heldout --checkpoint default adam_init
+    python -m benchmarks.quality_heldout --quick --factory mypkg.rules:make_opt
+    python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
+
+A factory ``module:function`` is a callable ``(params, lr_mult) -> torch.optim.Optimizer``;
+it is evaluated single-worker only (decentralized runs need a checkpoint's mixing head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+from benchmarks import heldout_decentralized as dec
+from benchmarks import heldout_single as single
+from benchmarks.common import RESULTS, curves_png, machine, write_json
+from benchmarks.heldout_summary import assemble
+from learned_opt.meta_train.evaluation import BaselineCache, final_loss
+from learned_opt.tasks import list_heldout_tasks
+
+SHORT = 200
+LONG = {"heldout_char_lm": 1500, "heldout_wide_mlp": 1500}  # the costliest at 1500 steps
+DEFAULT_LONG = 2000
+MAX_EXTENSIONS = 2
+#: Relative cost, for the submission order.
+COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 2,
+        "decentralized": 3, "heldout_wide_mlp": 4, "heldout_char_lm": 5}  # fmt: skip
+#: Bumped whenever what a cached baseline run measures changes.
+CACHE_VERSION = 1
+CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json"
+#: Learned-side runs of checkpoints, keyed by the checkpoint's content hash, so a rerun of
+#: the same command (say, after a change to the report) only assembles.
+LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json"
+
+
+def _setting(task, workers, topology, alpha, horizon, every=1) -> dict:
+    return dict(task=task, workers=workers, topology=topology, alpha=alpha,
+                horizon=horizon, every=every, seed=0)  # fmt: skip
+
+
+DEC_FULL = [
+    _setting("heldout_autoencoder", 16, "ring", 0.1, 500),
+    _setting("heldout_autoencoder", 8, "torus", 1.0, 200),
+    _setting("heldout_logreg_l2", 8, "exponential", 0.3, 1000),
+    _setting("heldout_logreg_l2", 16, "torus", 0.1, 200),
+    _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
+]
+DEC_QUICK = [
+    _setting("heldout_autoencoder", 8, "ring", 0.1, 200),
+    _setting("heldout_logreg_l2", 8, "exponential", 0.3, 200),
+]
+
+
+class Suite:
+    """The jobs of one invocation, their results, and the baseline cache."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cache = BaselineCache(CACHE)
+        self.tasks = args.tasks or list_heldout_tasks()
+        self.sides = list(args.checkpoint) + list(args.factory)
+        self.checkpoints = list(args.checkpoint)
+        self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
+        self.lrs = {t: set(self.grid) for t in self.tasks}
+        self.extensions = {t: 0 for t in self.tasks}
+        self.grid_size = 3 if args.quick else None
+        plan = DEC_QUICK if args.quick else DEC_FULL
+        self.settings = [s for s in plan if s["task"] in self.tasks]
+        self.learned_cache = BaselineCache(LEARNED_CACHE)
+        self.side_ids = {side: single.side_id(side) for side in self.sides}
+        self.learned: dict = {}  # (side, task, mult) -> curve
+        self.timing: dict = {}  # (side, task) -> ms per step
+        self.dec_learned: dict = {}  # (side, setting key) -> result
+        self.pending: dict = {}  # future -> (kind, key, task)
+        self.done = 0
+
+    def horizons(self, task: str) -> list[int]:
+        return [SHORT] if self.args.quick else [SHORT, LONG.get(task, DEFAULT_LONG)]
+
+    # ------------------------------------------------------------------ AdamW grid
+    def adamw_key(self, task, schedule, lr, steps) -> str:
+        return f"single|{task}|{schedule}|{lr!r}|{steps}|0"
+
+    def adamw_runs(self, task: str) -> dict[str, list[float]]:
+        """Cached AdamW curves of ``task`` on its current grid, keyed for best_adamw."""
+        out = {}
+        for lr in self.lrs[task]:
+            for schedule in single.SCHEDULES:
+                for steps in set(self.horizons(task)):
+                    key = self.adamw_key(task, schedule, lr, steps)
+                    if key in self.cache.data:
+                        out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
+        return out
+
+    def submit_adamw(self, pool, task: str, lr: float) -> None:
+        hs = self.horizons(task)
+        runs = [("constant", max(hs))] + [("cosine", h) for h in hs]
+        for schedule, steps in runs:
+            key = self.adamw_key(task, schedule, lr, steps)
+            if key not in self.cache.data:
+                f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule)
+                self.pending[f] = ("adamw", key, task)
+
+    def maybe_extend(self, pool, task: str) -> None:
+        """Once a task's grid is complete, add a rate beyond an edge that holds the best
+        (at most ``2 * MAX_EXTENSIONS`` in all); repeats while the added runs are cached."""
+        added = True
+        while added and self.extensions[task] < 2 * MAX_EXTENSIONS:
+            if any(v[2] == task and v[0] == "adamw" for v in self.pending.values()):
+                return
+            added = False
+            runs = self.adamw_runs(task)
+            for h in self.horizons(task):
+                best = single.best_adamw(runs, h)
+                new = best and single.edge_extension(best, sorted(self.lrs[task]))
+                if new and new not in self.lrs[task]:
+                    self.lrs[task].add(new)
+                    self.extensions[task] += 1
+                    added = True
+                    print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
+                          f"steps; adding {new:g}", flush=True)  # fmt: skip
+                    self.submit_adamw(pool, task, new)
+
+    # ------------------------------------------------------------------ scheduling
+    def _learned_key(self, kind: str, key: tuple) -> str | None:
+        sid = self.side_ids[key[0]]
+        return None if sid is None else "|".join([kind, sid, *map(str, key[1:])])
+
+    def _store(self, kind: str) -> dict:
+        return {"learned": self.learned, "timing": self.timing, "dec_learned": self.dec_learned}[
+            kind
+        ]
+
+    def submit_learned(self, pool, kind: str, key: tuple, task: str, fn, *args, **kwargs):
+        """Submit a learned-side job unless the learned cache holds its result."""
+        cache_key = self._learned_key(kind, key)
+        if cache_key is not None and cache_key in self.learned_cache.data:
+            self._store(kind)[key] = self.learned_cache.data[cache_key]
+            return
+        self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
+
+    def submit_all(self, pool) -> None:
+        """Submit every job, cheapest tasks first (decentralized after the conv net), so a
+        run stopped early has whole tasks done."""
+        order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
+        decentral_at = sum(COST.get(t, 0) < COST["decentralized"] for t in order)
+        for i, task in enumerate(order + [None]):
+            if i == decentral_at:
+                self.submit_decentralized(pool)
+            if task is not None:
+                self.submit_single(pool, task)
+
+    def submit_decentralized(self, pool) -> None:
+        for s in self.settings:
+            key = dec.setting_key(s, self.grid_size)
+            if key not in self.cache.data:
+                f = pool.submit(dec.baseline_job, s["task"], s, self.grid_size)
+                self.pending[f] = ("dec_base", key, s["task"])
+            for side in self.checkpoints:
+                self.submit_learned(pool, "dec_learned", (side, key), s["task"],
+                                    dec.learned_job, s["task"], s, side)  # fmt: skip
+
+    def submit_single(self, pool, task: str) -> None:
+        steps = max(self.horizons(task))
+        for side in self.sides:
+            for mult in single.LR_MULTS:
+                self.submit_learned(pool, "learned", (side, task, mult, steps), task,
+                                    single.run_job, task, side, steps, lr=mult)  # fmt: skip
+            self.submit_learned(pool, "timing", (side, task), task,
+                                single.timing_job, task, side)  # fmt: skip
+        for lr in sorted(self.lrs[task]):
+            self.submit_adamw(pool, task, lr)
+        self.maybe_extend(pool, task)  # when the whole grid was cached
+
+    def record(self, pool, future) -> None:
+        kind, key, task = self.pending.pop(future)
+        out = future.result()
+        self.done += 1
+        total = self.done + len(self.pending)
+        if kind == "adamw":
+            self.cache.get(key, lambda: out["curve"])
+            what = f"AdamW {key.split('|', 2)[2]}: final {final_loss(out['curve']):.4g}"
+            self.maybe_extend(pool, task)
+        elif kind == "learned":
+            self._keep(kind, key, out["curve"])
+            what = f"{key[0]} x{key[2]:g}: final {final_loss(out['curve']):.4g}"
+        elif kind == "timing":
+            self._keep(kind, key, out["ms_per_step"])
+            what = f"{key[0]} timing: " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in out["ms_per_step"].items()
+            )
+        elif kind == "dec_base":
+            self.cache.get(key, lambda: out)
+            what = "decentralized baselines tuned: " + ", ".join(
+                f"{k} lr {out[k]['lr']:g} final {out[k]['final']:.4g}" for k in dec.BASELINES
+            )
+        else:
+            self._keep(kind, key, out)
+            what = f"{key[0]} decentralized: final {final_loss(out['curve']):.4g}"
+        secs = f" ({out['seconds']} s)" if "seconds" in out else ""
+        print(f"[{self.done}/{total}] {task} {what}{secs}", flush=True)
+
+    def _keep(self, kind: str, key: tuple, value) -> None:
+        self._store(kind)[key] = value
+        cache_key = self._learned_key(kind, key)
+        if cache_key is not None:
+            self.learned_cache.get(cache_key, lambda: value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", nargs="*", default=["default"],
+                        help="checkpoints (shipped names or paths) to evaluate")  # fmt: skip
+    parser.add_argument("--factory", nargs="*", default=[],
+                        help="optimizer factories module:function, (params, lr_mult) -> opt")  # fmt: skip
+    parser.add_argument("--tasks", nargs="*", default=None, help="default: every held-out task")
+    parser.add_argument("--quick", action="store_true",
+                        help="200 steps, 3 AdamW rates, 2 small decentralized settings")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    sides = list(args.checkpoint) + list(args.factory)
+    if not sides:
+        parser.error("give at least one --checkpoint or --factory")
+    unknown = sorted(set(args.tasks or []) - set(list_heldout_tasks()))
+    if unknown:
+        parser.error(f"unknown held-out tasks {unknown}; valid choices: {list_heldout_tasks()}")
+    for side in args.factory:
+        if not single.is_factory(side):
+            parser.error(f"--factory takes module:function, got {side!r}")
+    for side in sides:  # fail before any work: bad checkpoint file, unimportable factory
+        single.resolve_side(side)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    name = args.out or ("quality_heldout_quick" if args.quick else "quality_heldout")
+    suite = Suite(args)
+    start = time.perf_counter()
+    command = "python -m benchmarks.quality_heldout " + " ".join(argv or sys.argv[1:])
+    with ProcessPoolExecutor(args.jobs) as pool:
+        suite.submit_all(pool)
+        print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
+        while suite.pending:
+            finished, _ = wait(list(suite.pending), return_when=FIRST_COMPLETED)
+            for future in finished:
+                suite.record(pool, future)
+            payload, _ = assemble(suite, time.perf_counter() - start)
+            write_json(name, {**payload, "command": command.strip(), **machine()}, quiet=True)
+    payload, panels = assemble(suite, time.perf_counter() - start)
+    write_json(name, {**payload, "command": command.strip(), **machine()})
+    curves_png(name, panels, ncols=5)
+    s = payload["summary"]
+    print(f"{sides[0]}: median speedup single {s['median_speedup_single']}, decentralized "
+          f"{s['median_speedup_decentralized']}, min {s['min_speedup']}, divergences "
+          f"{s['divergences']}; {(time.perf_counter() - start) / 60:.1f} min")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
