@@ -59,9 +59,9 @@ def _setting(task, workers, topology, alpha, horizon, every=1) -> dict:
 
 
 DEC_FULL = [
-    _setting("heldout_autoencoder", 16, "ring", 0.1, 500),
+    _setting("heldout_autoencoder", 16, "ring", 0.1, 200),
     _setting("heldout_autoencoder", 8, "torus", 1.0, 200),
-    _setting("heldout_logreg_l2", 8, "exponential", 0.3, 1000),
+    _setting("heldout_logreg_l2", 8, "exponential", 0.3, 200),
     _setting("heldout_logreg_l2", 16, "torus", 0.1, 200),
     _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
 ]
@@ -102,11 +102,13 @@ class Suite:
         return f"single|{task}|{schedule}|{lr!r}|{steps}|0"
 
     def adamw_runs(self, task: str) -> dict[str, list[float]]:
-        """Cached AdamW curves of ``task`` on its current grid, keyed for best_adamw."""
+        """Cached AdamW curves of ``task`` on its current grid, keyed for best_adamw (a
+        constant run of the full suite's long horizon serves --quick's short one too)."""
         out = {}
+        lengths = {SHORT, LONG.get(task, DEFAULT_LONG)}
         for lr in self.lrs[task]:
             for schedule in single.SCHEDULES:
-                for steps in set(self.horizons(task)):
+                for steps in lengths:
                     key = self.adamw_key(task, schedule, lr, steps)
                     if key in self.cache.data:
                         out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
@@ -114,7 +116,11 @@ class Suite:
 
     def submit_adamw(self, pool, task: str, lr: float) -> None:
         hs = self.horizons(task)
-        runs = [("constant", max(hs))] + [("cosine", h) for h in hs]
+        runs = [("cosine", h) for h in hs]
+        cached = self.adamw_runs(task)
+        if not any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= max(hs)
+                   for k in cached):  # fmt: skip
+            runs.append(("constant", max(hs)))
         for schedule, steps in runs:
             key = self.adamw_key(task, schedule, lr, steps)
             if key not in self.cache.data:
@@ -160,15 +166,17 @@ class Suite:
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 
     def submit_all(self, pool) -> None:
-        """Submit every job, cheapest tasks first (decentralized after the conv net), so a
-        run stopped early has whole tasks done."""
+        """Submit every job, cheapest tasks first (decentralized after the conv net), and
+        the lr-multiplier runs last, so a run stopped early has whole rows done."""
         order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
         decentral_at = sum(COST.get(t, 0) < COST["decentralized"] for t in order)
         for i, task in enumerate(order + [None]):
             if i == decentral_at:
                 self.submit_decentralized(pool)
             if task is not None:
-                self.submit_single(pool, task)
+                self.submit_single(pool, task, single.LR_MULTS[:1], grid=True)
+        for task in order:
+            self.submit_single(pool, task, single.LR_MULTS[1:], grid=False)
 
     def submit_decentralized(self, pool) -> None:
         for s in self.settings:
@@ -180,17 +188,19 @@ class Suite:
                 self.submit_learned(pool, "dec_learned", (side, key), s["task"],
                                     dec.learned_job, s["task"], s, side)  # fmt: skip
 
-    def submit_single(self, pool, task: str) -> None:
+    def submit_single(self, pool, task: str, mults: tuple, grid: bool) -> None:
         steps = max(self.horizons(task))
         for side in self.sides:
-            for mult in single.LR_MULTS:
+            if grid:
+                self.submit_learned(pool, "timing", (side, task), task,
+                                    single.timing_job, task, side)  # fmt: skip
+            for mult in mults:
                 self.submit_learned(pool, "learned", (side, task, mult, steps), task,
                                     single.run_job, task, side, steps, lr=mult)  # fmt: skip
-            self.submit_learned(pool, "timing", (side, task), task,
-                                single.timing_job, task, side)  # fmt: skip
-        for lr in sorted(self.lrs[task]):
-            self.submit_adamw(pool, task, lr)
-        self.maybe_extend(pool, task)  # when the whole grid was cached
+        if grid:
+            for lr in sorted(self.lrs[task]):
+                self.submit_adamw(pool, task, lr)
+            self.maybe_extend(pool, task)  # when the whole grid was cached
 
     def record(self, pool, future) -> None:
         kind, key, task = self.pending.pop(future)
