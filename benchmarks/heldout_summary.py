@@ -32,7 +32,7 @@ def _r(x: float | None, digits: int = 4) -> float | None:
 
 
 def _single_row(suite, side: str, task: str, h: int, best: dict, curves: dict) -> dict:
-    lc = curves[1.0][:h]
+    lc = curves[1.0]
     sp = speedup(lc, best["curve"])
     ms = suite.timing.get((side, task))
     row = {
@@ -47,10 +47,10 @@ def _single_row(suite, side: str, task: str, h: int, best: dict, curves: dict) -
         c = curves.get(mult)
         if c is None:
             continue
-        sm = speedup(c[:h], best["curve"])
-        bad = single.diverged(c[:h])
+        sm = speedup(c, best["curve"])
+        bad = single.diverged(c)
         row["lr_mult"][f"{mult:g}"] = {
-            "speedup": _r(sm), "final": final_loss(c[:h]), "diverged": bad,
+            "speedup": _r(sm), "final": final_loss(c), "diverged": bad,
             "ratio_to_default": _r(sm / sp) if sp > 0 else None,
             "within_2x": (not bad) and sm >= 0.5 * sp,
         }  # fmt: skip
@@ -68,13 +68,12 @@ def single_rows(suite) -> tuple[list[dict], dict]:
             if h == max(suite.horizons(task)):
                 panels[f"{task} @{h}"] = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
             for side in suite.sides:
-                steps = max(suite.horizons(task))
-                curves = {m: suite.learned.get((side, task, m, steps)) for m in single.LR_MULTS}
+                curves = {m: suite.learned_curve(side, task, m, h) for m in single.LR_MULTS}
                 if curves[1.0] is None:
                     continue
                 rows.append(_single_row(suite, side, task, h, best, curves))
                 if f"{task} @{h}" in panels:
-                    panels[f"{task} @{h}"][side] = curves[1.0][:h]
+                    panels[f"{task} @{h}"][side] = curves[1.0]
     return rows, panels
 
 

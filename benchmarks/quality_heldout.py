@@ -44,7 +44,7 @@ DEFAULT_LONG = 2000
 MAX_EXTENSIONS = 2
 #: Relative cost, for the submission order.
 COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 2,
-        "decentralized": 3, "heldout_wide_mlp": 4, "heldout_char_lm": 5}  # fmt: skip
+        "heldout_wide_mlp": 3, "heldout_char_lm": 4}  # fmt: skip
 #: Bumped whenever what a cached baseline run measures changes.
 CACHE_VERSION = 1
 CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json"
@@ -114,30 +114,29 @@ class Suite:
                         out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
         return out
 
-    def submit_adamw(self, pool, task: str, lr: float) -> None:
-        hs = self.horizons(task)
-        runs = [("cosine", h) for h in hs]
-        cached = self.adamw_runs(task)
-        if not any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= max(hs)
-                   for k in cached):  # fmt: skip
-            runs.append(("constant", max(hs)))
-        for schedule, steps in runs:
+    def submit_adamw(self, pool, task: str, lr: float, horizons: list[int]) -> None:
+        """AdamW at ``lr``: a cosine run at each horizon and a constant run as long as the
+        longest (its prefixes serve the shorter ones), unless cached."""
+        for schedule, steps in [("cosine", h) for h in horizons] + [("constant", max(horizons))]:
             key = self.adamw_key(task, schedule, lr, steps)
             if key not in self.cache.data:
                 f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule)
                 self.pending[f] = ("adamw", key, task)
 
     def maybe_extend(self, pool, task: str) -> None:
-        """Once a task's grid is complete, add a rate beyond an edge that holds the best
-        (at most ``2 * MAX_EXTENSIONS`` in all); repeats while the added runs are cached."""
+        """Per horizon, once its grid runs are in, add a rate beyond an edge that holds the
+        best (at most ``2 * MAX_EXTENSIONS`` in all); repeats while the added runs are cached."""
         added = True
         while added and self.extensions[task] < 2 * MAX_EXTENSIONS:
-            if any(v[2] == task and v[0] == "adamw" for v in self.pending.values()):
-                return
             added = False
+            busy = {int(k.split("|")[4]) for kind, k, t in self.pending.values()
+                    if kind == "adamw" and t == task}  # fmt: skip
             runs = self.adamw_runs(task)
             for h in self.horizons(task):
-                best = single.best_adamw(runs, h)
+                if h in busy:
+                    continue
+                best = single.best_adamw({k: c for k, c in runs.items()
+                                          if int(k.split("|")[2]) == h}, h)  # fmt: skip
                 new = best and single.edge_extension(best, sorted(self.lrs[task]))
                 if new and new not in self.lrs[task]:
                     self.lrs[task].add(new)
@@ -145,7 +144,7 @@ class Suite:
                     added = True
                     print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
                           f"steps; adding {new:g}", flush=True)  # fmt: skip
-                    self.submit_adamw(pool, task, new)
+                    self.submit_adamw(pool, task, new, self.horizons(task))
 
     # ------------------------------------------------------------------ scheduling
     def _learned_key(self, kind: str, key: tuple) -> str | None:
@@ -166,17 +165,22 @@ class Suite:
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 
     def submit_all(self, pool) -> None:
-        """Submit every job, cheapest tasks first (decentralized after the conv net), and
-        the lr-multiplier runs last, so a run stopped early has whole rows done."""
+        """Submit every job in the order that makes a run stopped early most useful: the
+        short horizon of every task (cheapest first; this is also all that --quick runs),
+        then the decentralized settings, the long horizon, and its lr-multiplier runs."""
         order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
-        decentral_at = sum(COST.get(t, 0) < COST["decentralized"] for t in order)
-        for i, task in enumerate(order + [None]):
-            if i == decentral_at:
-                self.submit_decentralized(pool)
-            if task is not None:
-                self.submit_single(pool, task, single.LR_MULTS[:1], grid=True)
         for task in order:
-            self.submit_single(pool, task, single.LR_MULTS[1:], grid=False)
+            self.submit_task(pool, task, SHORT, single.LR_MULTS, timing=True)
+        self.submit_decentralized(pool)
+        if not self.args.quick:
+            for task in order:
+                long = LONG.get(task, DEFAULT_LONG)
+                self.submit_task(pool, task, long, single.LR_MULTS[:1])
+            for task in order:
+                long = LONG.get(task, DEFAULT_LONG)
+                self.submit_task(pool, task, long, single.LR_MULTS[1:], grid=False)
+        for task in order:
+            self.maybe_extend(pool, task)  # when whole grids were cached
 
     def submit_decentralized(self, pool) -> None:
         for s in self.settings:
@@ -188,10 +192,12 @@ class Suite:
                 self.submit_learned(pool, "dec_learned", (side, key), s["task"],
                                     dec.learned_job, s["task"], s, side)  # fmt: skip
 
-    def submit_single(self, pool, task: str, mults: tuple, grid: bool) -> None:
-        steps = max(self.horizons(task))
+    def submit_task(self, pool, task: str, steps: int, mults: tuple, grid: bool = True,
+                    timing: bool = False) -> None:  # fmt: skip
+        """A task's learned-side runs of ``steps`` steps at ``mults`` (and its step timing),
+        and with ``grid`` the AdamW grid at that horizon."""
         for side in self.sides:
-            if grid:
+            if timing:
                 self.submit_learned(pool, "timing", (side, task), task,
                                     single.timing_job, task, side)  # fmt: skip
             for mult in mults:
@@ -199,8 +205,16 @@ class Suite:
                                     single.run_job, task, side, steps, lr=mult)  # fmt: skip
         if grid:
             for lr in sorted(self.lrs[task]):
-                self.submit_adamw(pool, task, lr)
-            self.maybe_extend(pool, task)  # when the whole grid was cached
+                self.submit_adamw(pool, task, lr, [steps])
+
+    def learned_curve(self, side: str, task: str, mult: float, h: int) -> list[float] | None:
+        """The learned side's curve at horizon ``h``: its run of ``h`` steps, else the first
+        ``h`` steps of its longest run."""
+        for steps in (h, max(self.horizons(task))):
+            curve = self.learned.get((side, task, mult, steps))
+            if curve is not None and len(curve) >= h:
+                return curve[:h]
+        return None
 
     def record(self, pool, future) -> None:
         kind, key, task = self.pending.pop(future)

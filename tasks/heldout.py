@@ -61,20 +61,19 @@ class _Block(nn.Module):
     def __init__(self, dim: int, heads: int):
         super().__init__()
         self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 4 * dim)
-        self.fc2 = nn.Linear(4 * dim, dim)
+        self.attn_in = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 3 * dim))
+        self.attn_out = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(
+            nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         b, t, d = h.shape
-        q, k, v = self.qkv(self.ln1(h)).split(d, dim=-1)
+        q, k, v = self.attn_in(h).split(d, dim=-1)
         q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = h + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        h = h + self.attn_out(y.transpose(1, 2).reshape(b, t, d))
+        return h + self.mlp(h)
 
 
 class CharTransformerLM(nn.Module):

@@ -64,36 +64,15 @@ class ModuleModel(Model):
         return self.factory()
 
 
-class FullBatches:
-    """Full-batch "batches" for one worker: every step is the whole training set.
-
-    Duck-types :class:`~learned_opt.tasks.base.WorkerBatches` (``get``, ``worker``,
-    ``indices``, ``shards``, ``to``).
-    """
+class FullBatches(WorkerBatches):
+    """Full-batch "batches" for one worker: every step is the whole training set."""
 
     def __init__(self, task: Task, device=None):
-        self.task, self.num_workers = task, 1
+        super().__init__(task, 0, 1, "iid", 1.0, device)
         self.batch_size = task.data.num_train
-        self.shards = [torch.arange(task.data.num_train)]
-        self.sizes = torch.tensor([task.data.num_train])
-        self.to(device)
-
-    def to(self, device) -> FullBatches:
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self._x = self.task.data.x_train.to(self.device)
-        self._y = self.task.data.y_train.to(self.device)
-        return self
 
     def indices(self, step: int) -> torch.Tensor:
-        return self.shards[0][None]
-
-    def get(self, step: int) -> Batch:
-        return self._x[None], self._y[None]
-
-    def worker(self, step: int, worker: int) -> Batch:
-        if worker != 0:
-            raise ValueError(f"worker {worker} out of range; valid choices: 0 to 0")
-        return self._x, self._y
+        return torch.arange(self.task.data.num_train)[None]
 
 
 class ModuleTask(Task):
