@@ -63,8 +63,8 @@ def single_rows(suite) -> tuple[list[dict], dict]:
         runs = suite.adamw_runs(task)
         for h in suite.horizons(task):
             best = single.best_adamw(runs, h)
-            if best is None:
-                continue
+            if best is None or not suite.grid_complete(task, h):
+                continue  # a row only once its baseline is fully tuned
             if h == max(suite.horizons(task)):
                 panels[f"{task} @{h}"] = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
             for side in suite.sides:

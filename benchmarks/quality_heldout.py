@@ -26,6 +26,7 @@ it is evaluated single-worker only (decentralized runs need a checkpoint's mixin
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -69,6 +70,13 @@ DEC_QUICK = [
     _setting("heldout_autoencoder", 8, "ring", 0.1, 200),
     _setting("heldout_logreg_l2", 8, "exponential", 0.3, 200),
 ]
+
+
+class _NoPool:
+    """Stands in for the process pool with --cached-only: jobs are recorded, never run."""
+
+    def submit(self, fn, *args, **kwargs):
+        return object()
 
 
 class Suite:
@@ -145,6 +153,19 @@ class Suite:
                     print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
                           f"steps; adding {new:g}", flush=True)  # fmt: skip
                     self.submit_adamw(pool, task, new, self.horizons(task))
+
+    def grid_complete(self, task: str, h: int) -> bool:
+        """Whether every AdamW run of ``task``'s grid at horizon ``h`` is in (and no edge
+        extension for it is under way)."""
+        if any(kind == "adamw" and t == task and int(k.split("|")[4]) == h
+               for kind, k, t in self.pending.values()):  # fmt: skip
+            return False
+        runs = self.adamw_runs(task)
+        return all(
+            f"cosine|{lr!r}|{h}" in runs
+            and any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= h for k in runs)
+            for lr in self.lrs[task]
+        )
 
     # ------------------------------------------------------------------ scheduling
     def _learned_key(self, kind: str, key: tuple) -> str | None:
@@ -262,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="200 steps, 3 AdamW rates, 2 small decentralized settings")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="run nothing: assemble the result from the caches (what is "
+                        "missing is left out and the result marked partial)")  # fmt: skip
     args = parser.parse_args(argv)
     sides = list(args.checkpoint) + list(args.factory)
     if not sides:
@@ -276,20 +300,38 @@ def main(argv: list[str] | None = None) -> int:
         single.resolve_side(side)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     name = args.out or ("quality_heldout_quick" if args.quick else "quality_heldout")
+    previous = RESULTS / f"{name}.json"
+    measured = {}  # --cached-only keeps the record of the run that measured
+    if args.cached_only and previous.exists():
+        old = json.loads(previous.read_text())
+        measured = {k: old[k] for k in ("command", "wall_seconds", "load_average", "date")
+                    if k in old}  # fmt: skip
     suite = Suite(args)
     start = time.perf_counter()
     command = "python -m benchmarks.quality_heldout " + " ".join(argv or sys.argv[1:])
-    with ProcessPoolExecutor(args.jobs) as pool:
-        suite.submit_all(pool)
-        print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
-        while suite.pending:
-            finished, _ = wait(list(suite.pending), return_when=FIRST_COMPLETED)
-            for future in finished:
-                suite.record(pool, future)
-            payload, _ = assemble(suite, time.perf_counter() - start)
-            write_json(name, {**payload, "command": command.strip(), **machine()}, quiet=True)
-    payload, panels = assemble(suite, time.perf_counter() - start)
-    write_json(name, {**payload, "command": command.strip(), **machine()})
+    loads: list[float] = []  # the machine's load while measuring, for the record
+
+    def snapshot(quiet: bool):
+        loads.append(os.getloadavg()[0])
+        payload, panels = assemble(suite, time.perf_counter() - start)
+        payload.update(load_average=round(sum(loads) / len(loads), 1), command=command.strip())
+        payload = {**payload, **machine(), **measured}
+        write_json(name, payload, quiet=quiet)
+        return payload, panels
+
+    if args.cached_only:
+        suite.submit_all(_NoPool())
+        print(f"--cached-only: {len(suite.pending)} jobs not run", flush=True)
+    else:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            suite.submit_all(pool)
+            print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
+            while suite.pending:
+                finished, _ = wait(list(suite.pending), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    suite.record(pool, future)
+                snapshot(quiet=True)
+    payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)
     s = payload["summary"]
     print(f"{sides[0]}: median speedup single {s['median_speedup_single']}, decentralized "

@@ -86,9 +86,12 @@ def render_quality_heldout(r: dict) -> str:
         partial = (
             f"**Partial run: {len(r['single'])} of {exp['single']} single-worker and "
             f"{len(r['decentralized'])} of {exp['decentralized']} decentralized rows measured; "
-            "rows shown may rest on an incomplete AdamW grid.** "
+            "the rest were still running.** "
         )
     t = r["targets"]
+    load = ""
+    if "load_average" in r:
+        load = f" Mean load average while measuring: {r['load_average']:g} (on its cores)."
     summaries = "\n".join(f"- {_summary_line(side, s)}" for side, s in r["summaries"].items())
     return (
         "Single worker, against AdamW tuned per task and horizon:\n\n"
@@ -107,7 +110,8 @@ def render_quality_heldout(r: dict) -> str:
         f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
         "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
         "step speedups at those multipliers). A run diverged if its loss went non-finite or "
-        f"ended above its start. Seed {r['seed']}. {_measured(r)} Wall time "
-        f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`. Plot: "
+        f"ended above its start. Seed {r['seed']}. {_measured(r)}{load} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
+        f"`{r['command']}`. Plot: "
         "`benchmarks/results/quality_heldout.png`."
     )
