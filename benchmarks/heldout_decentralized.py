@@ -18,7 +18,7 @@ import time
 import torch
 
 from learned_opt import load_checkpoint
-from learned_opt.meta_train.evaluation import LR_GRIDS, final_loss, speedup, tune_baseline
+from learned_opt.meta_train.evaluation import final_loss, speedup, tune_baseline
 from learned_opt.meta_train.inner import (
     InnerOptimizer,
     consensus_distance,
@@ -32,9 +32,9 @@ from learned_opt.tasks import get_task
 BASELINES = {"D-SGD": "sgd", "D-Adam": "adam", "DSGT": "dsgt"}
 
 
-def setting_key(setting: dict, grid_size: int | None) -> str:
-    """The cache key of a setting's tuned baselines."""
-    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + f"|grid{grid_size}"
+def setting_key(setting: dict) -> str:
+    """The cache key of a setting's tuned baselines (each over its full grid)."""
+    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + "|gridNone"
 
 
 def averaged_train_loss(task, traj) -> float:
@@ -65,20 +65,14 @@ def run_averaged(task_name: str, opt: InnerOptimizer, setting: dict) -> dict:
     return {"curve": curve, "consensus": consensus_distance(traj)}
 
 
-def baseline_job(task_name: str, setting: dict, grid_size: int | None = None) -> dict:
-    """Every baseline tuned over its grid (the first ``grid_size`` points around the middle
-    when given, for --quick), by the averaged model's final loss."""
+def baseline_job(task_name: str, setting: dict) -> dict:
+    """Every baseline tuned over its grid by the averaged model's final loss."""
     torch.set_num_threads(1)
     start = time.perf_counter()
     out = {}
     for label, kind in BASELINES.items():
-        grid = None
-        if grid_size:
-            full = LR_GRIDS[kind]
-            lo = max(0, (len(full) - grid_size) // 2)
-            grid = full[lo : lo + grid_size]
         tuned = tune_baseline(kind, "metropolis",
-                              lambda o: run_averaged(task_name, o, setting), grid)  # fmt: skip
+                              lambda o: run_averaged(task_name, o, setting))  # fmt: skip
         out[label] = {"lr": tuned["lr"], "curve": tuned["curve"], "final": tuned["final"],
                       "consensus": tuned["consensus"], "grid": tuned["grid"]}  # fmt: skip
     out["seconds"] = round(time.perf_counter() - start, 1)

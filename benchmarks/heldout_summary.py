@@ -80,7 +80,7 @@ def single_rows(suite) -> tuple[list[dict], dict]:
 def decentralized_rows(suite) -> tuple[list[dict], dict]:
     rows, panels = [], {}
     for s in suite.settings:
-        key = dec.setting_key(s, suite.grid_size)
+        key = dec.setting_key(s)
         base = suite.cache.data.get(key)
         if base is None:
             continue
