@@ -30,12 +30,13 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
+from benchmarks.job_queue import JobQueue
 from learned_opt.meta_train.evaluation import BaselineCache, final_loss
 from learned_opt.tasks import list_heldout_tasks
 
@@ -69,13 +70,6 @@ DEC_FULL = [
 DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve it
 
 
-class _NoPool:
-    """Stands in for the process pool with --cached-only: jobs are recorded, never run."""
-
-    def submit(self, fn, *args, **kwargs):
-        return object()
-
-
 class Suite:
     """The jobs of one invocation, their results, and the baseline cache."""
 
@@ -95,7 +89,7 @@ class Suite:
         self.learned: dict = {}  # (side, task, mult) -> curve
         self.timing: dict = {}  # (side, task) -> ms per step
         self.dec_learned: dict = {}  # (side, setting key) -> result
-        self.pending: dict = {}  # future -> (kind, key, task)
+        self.pending: dict = {}  # job ticket -> (kind, key, task)
         self.done = 0
 
     def horizons(self, task: str) -> list[int]:
@@ -148,7 +142,8 @@ class Suite:
                     added = True
                     print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
                           f"steps; adding {new:g}", flush=True)  # fmt: skip
-                    self.submit_adamw(pool, task, new, self.horizons(task))
+                    with pool.urgent():  # before the long tail already queued
+                        self.submit_adamw(pool, task, new, self.horizons(task))
 
     def grid_complete(self, task: str, h: int) -> bool:
         """Whether every AdamW run of ``task``'s grid at horizon ``h`` is in (and no edge
@@ -233,8 +228,8 @@ class Suite:
                 return curve[:h]
         return None
 
-    def record(self, pool, future) -> None:
-        kind, key, task = self.pending.pop(future)
+    def record(self, pool, ticket, future) -> None:
+        kind, key, task = self.pending.pop(ticket)
         out = future.result()
         self.done += 1
         total = self.done + len(self.pending)
@@ -316,16 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         return payload, panels
 
     if args.cached_only:
-        suite.submit_all(_NoPool())
+        suite.submit_all(JobQueue(None))
         print(f"--cached-only: {len(suite.pending)} jobs not run", flush=True)
     else:
-        with ProcessPoolExecutor(args.jobs) as pool:
+        with ProcessPoolExecutor(args.jobs) as executor:
+            pool = JobQueue(executor, args.jobs)
             suite.submit_all(pool)
             print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
             while suite.pending:
-                finished, _ = wait(list(suite.pending), return_when=FIRST_COMPLETED)
-                for future in finished:
-                    suite.record(pool, future)
+                for ticket, future in pool.wait_any():
+                    suite.record(pool, ticket, future)
                 snapshot(quiet=True)
     payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)

@@ -129,3 +129,22 @@ def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
     assert quality_heldout.main(argv) == 0  # baselines and the checkpoint's runs cached:
     out = capsys.readouterr().out  # only the factory runs again (3 multipliers, timing)
     assert "\n4 jobs on 1 processes" in "\n" + out
+
+
+def test_job_queue_runs_urgent_jobs_first():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks.job_queue import JobQueue
+
+    ran = []
+    with ThreadPoolExecutor(1) as executor:
+        queue = JobQueue(executor, width=1)
+        tickets = {queue.submit(ran.append, name): name for name in ("a", "b", "c")}
+        with queue.urgent():
+            tickets[queue.submit(ran.append, "urgent")] = "urgent"
+        while len(queue):
+            for ticket, future in queue.wait_any():
+                assert future.result() is None and ticket in tickets
+    assert ran == ["urgent", "a", "b", "c"]
+    with pytest.raises(RuntimeError, match="no executor"):
+        JobQueue(None).wait_any()
