@@ -222,7 +222,8 @@ def check_flat_timing(ctx: Context, r: dict) -> None:
     """``flat_step`` (the meta-training step) on a batch of workers: forward, and forward
     plus the backward pass to theta."""
     from learned_opt import LearnedOptimizerNet, NetConfig
-    from learned_opt.flat import FlatLayout, flat_step, init_flat_state
+    from learned_opt.flat import flat_step, init_flat_state
+    from learned_opt.segments import FlatLayout
 
     so = import_from(ROOT / "benchmarks", "step_overhead")
     dims, workers = (so.SIZES["1M"], 8) if ctx.cuda else (CPU_SIZES["tiny"], 2)

@@ -5,7 +5,9 @@ Public API::
     from learned_opt import LearnedOptimizer, list_pretrained
     opt = LearnedOptimizer(model.parameters())          # the shipped default checkpoint
 
-The core (this package) imports torch only: never Lightning or TensorBoard.
+The step itself is :func:`learned_opt.functional.learned_step` (in place, the layout
+chosen per device and size) and :func:`learned_opt.flat.flat_step` (differentiable, for
+meta-training). The core (this package) imports torch only: never Lightning or TensorBoard.
 """
 
 from .checkpoint import (
@@ -15,9 +17,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .chunked import learned_update, tensor_step_, tensor_steps_
 from .config import NetConfig
-from .core import init_state, tensor_step
 from .network import LearnedOptimizerNet
 from .optimizer import LearnedOptimizer
 
@@ -29,12 +29,7 @@ __all__ = [
     "LearnedOptimizer",
     "LearnedOptimizerNet",
     "NetConfig",
-    "init_state",
-    "learned_update",
     "list_pretrained",
     "load_checkpoint",
     "save_checkpoint",
-    "tensor_step",
-    "tensor_step_",
-    "tensor_steps_",
 ]

@@ -1,7 +1,15 @@
-"""Input features of the learned optimizer: per element, per tensor, per edge, and time.
+"""Every formula of the learned step that comes before the network, written once.
 
-All functions are pure (tensors in, tensors out) and work under ``torch.func.vmap``,
-so meta-training, ``LearnedOptimizer`` and the distributed workers share them.
+The formulas act on a layout-neutral view: element tensors are ``[..., n]`` (momenta
+``[..., 3, n]``, features ``[..., F, n]``) and per-tensor values reach the elements by
+broadcasting. The layouts (a chunk of one tensor, same-shape tensors stacked as rows,
+flat segments of many tensors; see :mod:`learned_opt.segments`) differ only in what ``n``
+and the leading dims mean and in how they sum over a tensor.
+
+Functions that take ``out=`` (or ``inplace=``) write into the given memory on the no-grad
+fast path and build new tensors otherwise: the same expression either way, so the
+formula exists once. All of them work under ``torch.func.vmap`` and autograd when no
+output memory is given.
 """
 
 from __future__ import annotations
@@ -12,11 +20,12 @@ import math
 import torch
 from torch import Tensor
 
-from .config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
+from .config import MOMENTUM_DECAYS, NUM_ELEMENT_FEATURES, SECOND_MOMENT_DECAY, NetConfig
 
 #: Added inside the per-tensor normalisation x * rsqrt(NORM_EPS + mean(x^2)).
 NORM_EPS = 1e-5
-_TINY = 1e-12
+#: Keeps logs and divisions finite at exactly zero.
+TINY = 1e-12
 
 
 @functools.lru_cache(maxsize=256)
@@ -26,36 +35,77 @@ def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """New momenta ``m`` (shape ``(3, *g.shape)``) and second moment ``v`` after gradient ``g``."""
-    decays = constant(MOMENTUM_DECAYS, m.dtype, m.device).reshape((3,) + (1,) * g.dim())
-    m_new = m * decays + (1.0 - decays) * g.unsqueeze(0)
-    v_new = v * SECOND_MOMENT_DECAY + (1.0 - SECOND_MOMENT_DECAY) * g * g
-    return m_new, v_new
+def compute_dtype(p: Tensor) -> torch.dtype:
+    """float64 parameters compute in float64; everything else (bf16, fp16, fp32) in float32."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def update_moments_(g: Tensor, m: Tensor, v: Tensor) -> None:
-    """In-place twin of :func:`update_moments` for the no-grad fast path (``m`` is ``(3, n)``,
-    ``g`` and ``v`` are ``(n,)``): one interpolation over all three momenta."""
+def init_state(p: Tensor) -> dict[str, Tensor]:
+    """Zero state for parameter ``p``: momenta ``m`` of shape ``(3, *p.shape)`` and ``v``,
+    contiguous, in :func:`compute_dtype`."""
+    dtype = compute_dtype(p)
+    return {
+        "m": torch.zeros((3,) + tuple(p.shape), dtype=dtype, device=p.device),
+        "v": torch.zeros(p.shape, dtype=dtype, device=p.device),
+    }
+
+
+def stepped(g_sum_squares: Tensor, p_sum_squares: Tensor) -> Tensor:
+    """The masking rule: a tensor is stepped only where the sums of squares of its gradient
+    and of its parameter are finite (no NaN or Inf in either, and no overflow). Elsewhere
+    the parameter and its state stay as they are, and the skip is counted."""
+    return torch.isfinite(g_sum_squares + p_sum_squares)
+
+
+def update_moments(g: Tensor, m: Tensor, v: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+    """New momenta ``m`` (``[..., 3, n]``, decays :data:`MOMENTUM_DECAYS`) and second moment
+    ``v`` (``[..., n]``) after gradient ``g`` (``[..., n]``); written into ``m`` and ``v``
+    when ``inplace``."""
     weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
-    m.lerp_(g.expand_as(m), weights)
-    v.mul_(SECOND_MOMENT_DECAY).addcmul_(g, g, value=1.0 - SECOND_MOMENT_DECAY)
+    g_rows = g.unsqueeze(-2)
+    m_new = m.lerp_(g_rows.expand_as(m), weights) if inplace else torch.lerp(m, g_rows, weights)
+    out = v if inplace else None
+    v_new = torch.mul(v, SECOND_MOMENT_DECAY, out=out)
+    v_new = torch.addcmul(v_new, g, g, value=1.0 - SECOND_MOMENT_DECAY, out=out)
+    return m_new, v_new
 
 
 def safe_sqrt(x: Tensor) -> Tensor:
     """``sqrt(x)`` with a finite gradient at 0 (``x`` is a mean square, never negative)."""
-    return torch.sqrt(x + _TINY * _TINY)
+    return torch.sqrt(x + TINY * TINY)
 
 
-def rms(x: Tensor) -> Tensor:
-    """Root mean square over all elements (a 0-d tensor)."""
-    return safe_sqrt(mean_square(x))
-
-
-def mean_square(x: Tensor) -> Tensor:
-    """``mean(x^2)`` as a dot product (no temporary the size of ``x``)."""
+def sum_squares(x: Tensor) -> Tensor:
+    """``sum(x^2)`` over all elements as a dot product (no temporary the size of ``x``)."""
     flat = x.reshape(-1)
-    return torch.dot(flat, flat) / max(flat.numel(), 1)
+    return torch.dot(flat, flat)
+
+
+def feature_rows(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    g_rms: Tensor | float,
+    cfg: NetConfig,
+    out: Tensor | None = None,
+) -> list[Tensor]:
+    """The 11 unnormalised per-element features, as rows ``[..., n]``.
+
+    Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps),
+    rsqrt(v + eps). ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms``
+    (broadcastable to ``g``) is the rms over the whole tensor, so the features of a chunk
+    equal those of the full tensor. The rows that are inputs (g, p, m) are returned as
+    they are; the computed rows are written into the matching rows of ``out``
+    (``[..., 11, n]``) when it is given.
+    """
+    rows: list = [None] * NUM_ELEMENT_FEATURES if out is None else list(out.unbind(-2))
+    r = torch.rsqrt(torch.add(v, cfg.eps, out=rows[10]), out=rows[10])
+    clip_g = torch.div(g, g_rms + TINY, out=rows[1])
+    clip_g = torch.clamp(clip_g, -cfg.clip_value, cfg.clip_value, out=rows[1])
+    m_r = torch.mul(m, r.unsqueeze(-2), out=None if out is None else out[..., 6:9, :])
+    g_r = torch.mul(g, r, out=rows[9])
+    return [g, clip_g, p, *m.unbind(-2), *m_r.unbind(-2), g_r, r]
 
 
 def element_features(
@@ -63,54 +113,19 @@ def element_features(
     g: Tensor,
     m: Tensor,
     v: Tensor,
-    g_rms: Tensor,
+    g_rms: Tensor | float,
     cfg: NetConfig,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Unnormalised per-element features, shape ``(11, n)`` for ``n = p.numel()``.
-
-    Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps), rsqrt(v + eps).
-    ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms`` is the rms of
-    the whole tensor, so the features of a chunk equal those of the full tensor.
-    ``out`` (contiguous, ``(11, n)``) receives the rows on the no-grad fast path.
-    """
-    g = g.reshape(1, -1)
-    m = m.reshape(3, -1)
-    if out is not None:  # no-grad fast path: each row written once, no temporaries
-        r = torch.add(v.reshape(1, -1), cfg.eps, out=out[10:11]).rsqrt_()
-        torch.div(g, g_rms + _TINY, out=out[1:2]).clamp_(-cfg.clip_value, cfg.clip_value)
-        torch.mul(m, r, out=out[6:9])
-        torch.mul(g, r, out=out[9:10])
-        out[0:1].copy_(g)
-        out[2:3].copy_(p.reshape(1, -1))
-        out[3:6].copy_(m)
-        return out
-    r = torch.rsqrt(v.reshape(1, -1) + cfg.eps)
-    clip_g = (g / (g_rms + _TINY)).clamp(-cfg.clip_value, cfg.clip_value)
-    return torch.cat([g, clip_g, p.reshape(1, -1), m, m * r, g * r, r])
-
-
-def feature_sum_squares(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, g_rms: Tensor, cfg: NetConfig
-) -> Tensor:
-    """Per-row sums of squares of :func:`element_features`, shape ``(11,)``, computed
-    without building the rows (``(m r)^2 = m^2 / (v + eps)``), so the fast path's first pass
-    over a tensor is cheap. Sums over chunks add up; divided by the tensor's size they are
-    the mean squares that :func:`feature_scales` normalises by."""
-    g, p, m = g.reshape(-1), p.reshape(-1), m.reshape(3, -1)
-    inv = torch.reciprocal(v.reshape(-1) + cfg.eps)  # rsqrt(v + eps) ** 2
-    clip_g = (g / (g_rms + _TINY)).clamp_(-cfg.clip_value, cfg.clip_value)
-    g_inv = g * inv
-    sums = [torch.dot(g, g), torch.dot(clip_g, clip_g), torch.dot(p, p)]
-    sums += [torch.dot(m[k], m[k]) for k in range(3)]
-    return torch.cat(
-        [
-            torch.stack(sums),
-            torch.mv(m * m, inv),
-            torch.dot(g_inv, g).reshape(1),
-            inv.sum().reshape(1),
-        ]
-    )
+    """The :func:`feature_rows` as one tensor ``[..., 11, n]``, built in ``out`` (contiguous)
+    on the no-grad fast path."""
+    rows = feature_rows(p, g, m, v, g_rms, cfg, out)
+    if out is None:
+        return torch.stack(rows, dim=-2)
+    for dst, row in zip(out.unbind(-2), rows):
+        if dst.data_ptr() != row.data_ptr():  # an input row, not computed in place
+            dst.copy_(row)
+    return out
 
 
 def feature_scales(mean_squares: Tensor) -> Tensor:
@@ -133,7 +148,7 @@ def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
     :func:`shape_stats`. Leading dims batch over tensors.
     """
     moments = torch.cat([ms[..., 0:1], ms[..., 2:6], v_mean.unsqueeze(-1)], dim=-1)
-    logs = torch.log(safe_sqrt(moments) + _TINY)
+    logs = torch.log(safe_sqrt(moments) + TINY)
     return torch.cat([0.1 * logs, shape.to(logs.dtype)], dim=-1)
 
 
@@ -144,28 +159,18 @@ def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     return torch.tanh(step / taus - 1.0)
 
 
-def bias_corrections(step, like: Tensor) -> tuple:
-    """Adam's ``(1 - 0.9^step, 1 - 0.999^step)``; Python floats (computed in float64) for a
-    Python ``step``, tensors for a tensor ``step``."""
+def adam_direction(
+    m1: Tensor, v: Tensor, step: Tensor | float, eps: float, out: Tensor | None = None
+) -> Tensor:
+    """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum,
+    as ``(sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))`` (two passes fewer).
+    ``step`` is a Python number or a tensor; ``out`` (shaped like ``v``) receives it."""
     if isinstance(step, Tensor):
-        step = step.to(dtype=like.dtype, device=like.device)
-    return 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
-
-
-def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:
-    """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum."""
-    bc1, bc2 = bias_corrections(step, v)
-    return m1 / (torch.sqrt(v * (bc1 * bc1 / bc2)) + eps * bc1)
-
-
-def add_adam_direction_(d: Tensor, m1: Tensor, v: Tensor, step: int, eps: float, scratch: Tensor):
-    """``d += adam_direction(m1, v, step, eps)`` in place, for the no-grad fast path
-    (``scratch``, shaped like ``v``, is overwritten). Uses
-    ``m_hat / (sqrt(v_hat) + eps) = (sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))``,
-    which takes two passes fewer."""
-    bc1, bc2 = bias_corrections(step, v)
-    denom = torch.sqrt(v, out=scratch).add_(eps * math.sqrt(bc2))
-    return d.addcdiv_(m1, denom, value=math.sqrt(bc2) / bc1)
+        step = step.to(dtype=v.dtype, device=v.device)
+    bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
+    root_bc2 = bc2**0.5
+    denom = torch.add(torch.sqrt(v, out=out), eps * root_bc2, out=out)
+    return torch.mul(torch.div(m1, denom, out=out), root_bc2 / bc1, out=out)
 
 
 def edge_features(
@@ -183,7 +188,7 @@ def edge_features(
     a loss-present flag (the loss rows are 0 when absent), log(max degree).
     """
     dist = torch.linalg.vector_norm(y_a - y_b) / (
-        torch.linalg.vector_norm(y_a) + torch.linalg.vector_norm(y_b) + _TINY
+        torch.linalg.vector_norm(y_a) + torch.linalg.vector_norm(y_b) + TINY
     )
     zero = torch.zeros((), dtype=dist.dtype, device=dist.device)
     if loss_a is None or loss_b is None:
@@ -192,8 +197,8 @@ def edge_features(
         la = torch.as_tensor(loss_a, dtype=dist.dtype, device=dist.device)
         lb = torch.as_tensor(loss_b, dtype=dist.dtype, device=dist.device)
         total = la.abs() + lb.abs()
-        loss_mean = 0.1 * torch.log(0.5 * total + _TINY)
-        loss_gap = (la - lb).abs() / (total + _TINY)
+        loss_mean = 0.1 * torch.log(0.5 * total + TINY)
+        loss_gap = (la - lb).abs() / (total + TINY)
         present = torch.ones((), dtype=dist.dtype, device=dist.device)
     deg = torch.log(torch.as_tensor(max_degree, dtype=dist.dtype, device=dist.device))
     return torch.stack([dist, loss_mean, loss_gap, present, deg])

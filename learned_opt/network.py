@@ -4,11 +4,9 @@ The meta-parameters ``theta`` live only here, as an ``nn.Module``. Every forward
 also a pure function of a ``theta`` dict (``dict(net.named_parameters())``), so the same
 code runs under ``torch.func.functional_call``, ``grad`` and ``vmap`` in meta-training.
 
-Output parameterisation (Adam is built in; zero-initialised heads give exactly Adam)::
-
-    update = -lr * step_mult * exp(log_scale) * clamp(adam_dir + d) * exp(exp_mult * a)
-
-(``adam_dir`` is Adam's bias-corrected ``m_hat / (sqrt(v_hat) + eps)``.)
+The per-element MLP outputs a direction ``d`` and a log magnitude; the output stage that
+turns them into the update is :func:`learned_opt.stages.apply_update` (Adam is built in;
+zero-initialised heads give exactly Adam).
 
 Mixing weights lie in ``[0, 1 / max_degree]`` and start at Metropolis-Hastings
 ``1 / (1 + max_degree)``.
@@ -29,7 +27,7 @@ Theta = dict[str, Tensor]
 
 
 class LearnedOptimizerNet(nn.Module):
-    """Holds theta. ``forward`` is the per-tensor local step (see :func:`core.tensor_step`)."""
+    """Holds theta. ``forward`` is the per-tensor local step (see :func:`flat.tensor_step`)."""
 
     def __init__(self, config: NetConfig | None = None):
         super().__init__()
@@ -70,7 +68,7 @@ class LearnedOptimizerNet(nn.Module):
 
     def forward(self, p, g, m, v, step, lr=1.0):  # noqa: D401 - functional_call entry
         """Differentiable local step of one tensor; returns ``(new_p, new_m, new_v)``."""
-        from .core import tensor_step
+        from .flat import tensor_step
 
         return tensor_step(self.theta(), self.config, p, g, m, v, step, lr)
 
@@ -101,22 +99,26 @@ Layers = tuple[tuple[Tensor, Tensor], ...]
 
 
 def element_layers(
-    theta: Theta, cfg: NetConfig, feature_scales: Tensor, context_bias: Tensor, dtype
+    theta: Theta, cfg: NetConfig, dtype, first_bias: Tensor, feature_scales: Tensor | None = None
 ) -> Layers:
-    """The per-element MLP of one tensor as ``((weight, bias[:, None]), ...)``.
+    """The per-element MLP as ``((weight, bias), ...)``, biases shaped to add to ``W @ x``.
 
-    The per-tensor feature normalisation is folded into the first layer's columns (features
-    are never rescaled per element), the tensor's context into its bias, and ``exp_mult``
-    into the magnitude row of the output layer. ``feature_scales`` (``(..., F)``) and
-    ``context_bias`` (``(..., H)``) may carry a leading dim over tensors; the first layer
-    then does too (see :func:`layers_of`), the other two are shared.
+    ``first_bias`` is the first layer's bias, already shaped to broadcast over elements:
+    ``(..., H, 1)`` per tensor, or ``(..., H, n)`` per element when the tensors' contexts
+    differ along the elements. ``feature_scales`` (``(..., F)``), when given, folds the
+    per-tensor feature normalisation into the first layer's columns, so the features are
+    never rescaled per element; ``None`` means the features come normalised. ``exp_mult``
+    is folded into the magnitude row of the output layer. Leading dims of ``first_bias``
+    and ``feature_scales`` batch over tensors (see :func:`layers_of`).
     """
-    out_mult = constant(((1.0,), (cfg.exp_mult,)), dtype, context_bias.device)
-    w_in = theta["elem_in.weight"].to(dtype) * feature_scales.unsqueeze(-2)
+    out_mult = constant(((1.0,), (cfg.exp_mult,)), dtype, first_bias.device)
+    w_in = theta["elem_in.weight"].to(dtype)
+    if feature_scales is not None:
+        w_in = w_in * feature_scales.unsqueeze(-2)
     w_h, b_h = theta["elem_hidden.weight"].to(dtype), theta["elem_hidden.bias"].to(dtype)
     w_o, b_o = theta["elem_out.weight"].to(dtype), theta["elem_out.bias"].to(dtype)
     return (
-        (w_in, context_bias.unsqueeze(-1)),
+        (w_in, first_bias),
         (w_h, b_h.unsqueeze(-1)),
         (w_o * out_mult, b_o.unsqueeze(-1) * out_mult),
     )
@@ -131,18 +133,21 @@ def layers_of(layers: Layers, i: int) -> Layers:
 def element_mlp(
     layers: Layers, x: Tensor, out: tuple[Tensor, Tensor, Tensor] | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Per-element MLP on features ``x`` of shape ``(F, n)``: 2 hidden ReLU layers.
+    """Per-element MLP on features ``x`` (``[..., F, n]``): 2 hidden ReLU layers.
 
-    Returns ``(d, log_mag)``, each ``(n,)``: the direction and ``exp_mult * a``. ``out``
-    (contiguous buffers of shapes ``(H, n)``, ``(H, n)``, ``(2, n)``) receives the
-    activations on the no-grad fast path.
+    Returns ``(d, log_mag)``, each ``[..., n]``: the direction and ``exp_mult * a``. ``out``
+    (contiguous buffers of shapes ``(H, n)``, ``(H, n)``, ``(2, n)``; 2-D ``x`` only)
+    receives the activations on the no-grad fast path.
     """
-    (w1, b1), (w2, b2), (w3, b3) = layers
-    h1, h2, o = out if out is not None else (None, None, None)
-    h = torch.addmm(b1, w1, x, out=h1).relu_()
-    h = torch.addmm(b2, w2, h, out=h2).relu_()
-    res = torch.addmm(b3, w3, h, out=o)
-    return res[0], res[1]
+    h = x
+    for i, (w, b) in enumerate(layers):
+        if h.dim() == 2 and w.dim() == 2 and b.dim() == 2:
+            h = torch.addmm(b, w, h, out=None if out is None else out[i])
+        else:  # leading dims over tensors or rows: broadcast matmul
+            h = torch.matmul(w, h) + b
+        if i < len(layers) - 1:
+            h = h.relu_()
+    return h[..., 0, :], h[..., 1, :]
 
 
 def edge_weight(

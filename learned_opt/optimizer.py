@@ -11,35 +11,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
-from .chunked import DEFAULT_CHUNK, tensor_steps_
-from .core import init_state
-from .flat import flat_step_, stacked_step_
+from .features import init_state
+from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, learned_step
 from .network import LearnedOptimizerNet, Theta
-from .workers import SERIAL, ChunkRunner
-
-#: Default ``small_tensor_size``: up to this size, one call per tensor costs more than the
-#: tensor's math, so such tensors are stepped together. Thresholds from 2K to 32K measured
-#: alike on the step-overhead shapes; larger ones would give up the chunked path's caching.
-SMALL_TENSOR_SIZE = 1 << 13
-#: With ``stack_same_shape``, at most this many elements are stacked into one call (the
-#: stacked step holds about 40 floats per element); larger tensors take the chunked path.
-STACK_ELEMENTS = 1 << 24
-
-
-def _stacks(items: list, cap: int) -> tuple[list[list], list]:
-    """Split ``(param, grad, state)`` items into stacks of one shape with at most ``cap``
-    elements each, and the items too large to stack."""
-    by_shape: dict[tuple, list] = {}
-    rest = []
-    for item in items:
-        n = item[0].numel()
-        stackable = 0 < n <= cap
-        (by_shape.setdefault(tuple(item[0].shape), []) if stackable else rest).append(item)
-    stacks = []
-    for group in by_shape.values():
-        per = max(1, cap // max(group[0][0].numel(), 1))
-        stacks += [group[i : i + per] for i in range(0, len(group), per)]
-    return stacks, rest
+from .workers import ChunkRunner
 
 
 class LearnedOptimizer(Optimizer):
@@ -53,22 +28,23 @@ class LearnedOptimizer(Optimizer):
             ``torch.optim.lr_scheduler`` works unchanged.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
         chunk_size: elements processed at a time on the fast path on CPU (accelerators
-            use :data:`learned_opt.chunked.ACCELERATOR_CHUNK`).
+            use :data:`learned_opt._chunked.ACCELERATOR_CHUNK`).
         small_tensor_size: tensors of at most this many elements (biases, norms) are
-            stepped together in one batched call (:func:`learned_opt.flat.flat_step_`)
-            instead of one call each; 0 turns batching off.
+            stepped together in one batched call instead of one call each; 0 turns
+            batching off (see :func:`learned_opt.functional.learned_step`).
         workers: threads that step CPU chunks in parallel, each with one intra-op
             thread (see :mod:`learned_opt.workers`); default ``torch.get_num_threads()``
             at each step.
         stack_same_shape: step large tensors of one shape together, stacked
-            (:func:`learned_opt.flat.stacked_step_`): a few dozen kernel launches per shape
+            (see :func:`learned_opt.functional.learned_step`): a few dozen kernel launches per shape
             instead of per tensor. Default (``None``): on accelerators, where the step is
             bound by launches, but not on CPU, where the chunked path keeps data in cache.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
     ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
-    steps this tensor's update was skipped because its gradient held NaN or Inf. Such a
-    gradient never reaches the parameter or the state. The step count is per param group
+    steps this tensor's update was skipped because its gradient or the parameter itself
+    held NaN or Inf. Such a gradient never reaches the parameter or the state, and a
+    non-finite parameter never spreads to the rest of its tensor. The step count is per param group
     (``group["step"]``). Theta lives in ``self.net``, not in ``state_dict()``.
     """
 
@@ -126,7 +102,7 @@ class LearnedOptimizer(Optimizer):
 
     @property
     def nonfinite_skips(self) -> int:
-        """Total tensor updates skipped because a gradient held NaN or Inf."""
+        """Total tensor updates skipped because a gradient or a parameter held NaN or Inf."""
         return sum(int(s.get("nonfinite_skips", 0)) for s in self.state.values())
 
     def theta(self, device: torch.device, dtype: torch.dtype) -> Theta:
@@ -174,42 +150,16 @@ class LearnedOptimizer(Optimizer):
             if not items:
                 continue
             group["step"] += 1
-            step, lr = group["step"], float(group["lr"])
-            small: dict[tuple, list] = {}  # by (device, compute dtype)
-            large: dict[tuple, list] = {}
-            for item in items:
-                p, state = item[0], item[2]
-                batches = small if 0 < p.numel() <= self.small_tensor_size else large
-                batches.setdefault((p.device, state["v"].dtype), []).append(item)
-            for (device, dtype), batch in large.items():
-                cpu = device.type == "cpu"
-                theta = self.theta(device, dtype)
-                stack = self.stack_same_shape if self.stack_same_shape is not None else not cpu
-                stacks, batch = _stacks(batch, STACK_ELEMENTS) if stack else ([], batch)
-                flags = [stacked_step_(theta, self.config, *zip(*s), step, lr) for s in stacks]
-                if flags:  # one device sync for all stacks
-                    oks = torch.cat(flags).tolist()
-                    self._count_skips([item[2] for s in stacks for item in s], oks)
-                if batch:
-                    params, grads, states = zip(*batch)
-                    oks = tensor_steps_(
-                        theta, self.config, params, grads, states, step, lr,
-                        chunk=self.chunk_size if cpu else None,
-                        runner=self._runner if cpu else SERIAL,
-                    )  # fmt: skip
-                    self._count_skips(states, oks)
-            for (device, dtype), batch in small.items():
-                params, grads, states = zip(*batch)
-                oks = flat_step_(
-                    self.theta(device, dtype), self.config, params, grads, states, step, lr
-                )
-                self._count_skips(states, oks)
+            params, grads, states = zip(*items)
+            oks = learned_step(
+                self.theta, self.config, params, grads, states, group["step"],
+                float(group["lr"]), chunk_size=self.chunk_size,
+                small_tensor_size=self.small_tensor_size,
+                stack_same_shape=self.stack_same_shape, runner=self._runner,
+            )  # fmt: skip
+            for state, ok in zip(states, oks):
+                state["nonfinite_skips"] += not ok
         return closure_loss
-
-    @staticmethod
-    def _count_skips(states, oks) -> None:
-        for state, ok in zip(states, oks):
-            state["nonfinite_skips"] += not ok
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state; state tensors keep their saved dtype (float32 for bf16

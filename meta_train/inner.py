@@ -1,8 +1,9 @@
 """Inner training on stacked workers: the unroll that meta-training differentiates through.
 
 Every inner optimizer here is a pure function over parameter tensors stacked along a
-leading worker dimension ``[N, ...]``. The learned optimizer is the core's
-:func:`learned_opt.core.learned_update` under ``torch.func.vmap``; mixing is the
+leading worker dimension ``[N, ...]``, flattened to ``[N, P]``. The learned optimizer is
+the core's differentiable :func:`learned_opt.flat.flat_step` (the math that
+``LearnedOptimizer`` runs in place), on every worker at once; mixing is the
 :class:`~learned_opt.distributed.simulated.SimulatedCommunicator`, i.e. the same local-update
 and mixing functions as deployment.
 """
@@ -15,10 +16,12 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
-from learned_opt.config import NetConfig
+from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
-from learned_opt.flat import FlatLayout, flat_step, init_flat_state, segment_mean
+from learned_opt.features import adam_direction
+from learned_opt.flat import flat_step, init_flat_state
+from learned_opt.segments import FlatLayout, segment_mean
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
@@ -30,8 +33,8 @@ class InnerOptimizer:
     """A pure optimizer over flat stacked worker parameters ``[N, P]``, and the mixing rule
     it is paired with.
 
-    ``kind`` is "learned", "adam" or "sgd"; ``lr`` is Adam's/SGD's learning rate or the
-    learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
+    ``kind`` is one of :data:`INNER_OPTIMIZERS`; ``lr`` is the hand-designed rule's
+    learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
     """
 
     kind: str
@@ -60,10 +63,10 @@ class InnerOptimizer:
             )
             return p, {"m": m, "v": v}
         if self.kind in ("adam", "adamw"):
-            b1, b2, eps = 0.9, 0.999, 1e-8
+            b1, b2 = MOMENTUM_DECAYS[0], SECOND_MOMENT_DECAY  # Adam's (0.9, 0.999)
             m = b1 * state["m"] + (1 - b1) * g
             v = b2 * state["v"] + (1 - b2) * g * g
-            upd = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            upd = adam_direction(m, v, step, eps=1e-8)
             if self.kind == "adamw":  # decoupled weight decay, torch's default 1e-2
                 upd = upd + self.weight_decay * p
             return p - self.lr * upd, {"m": m, "v": v}

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from learned_opt.config import NetConfig
-from learned_opt.core import init_state, tensor_step
-from learned_opt.features import edge_features, time_features
+from learned_opt.features import edge_features, init_state, time_features
+from learned_opt.flat import tensor_step
 from learned_opt.network import edge_weight
 
 

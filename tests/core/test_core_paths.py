@@ -7,8 +7,9 @@ import torch
 from optim_table import perturbed_net
 from torch.func import functional_call, grad, vmap
 
-from learned_opt import init_state, learned_update, tensor_step, tensor_step_
-from learned_opt.features import element_features, feature_sum_squares, rms
+from learned_opt._chunked import chunked_step_
+from learned_opt.features import init_state
+from learned_opt.flat import tensor_step
 from learned_opt.workers import ChunkRunner
 
 RUNNER = ChunkRunner(workers=2)  # the fast path's chunks on two threads, as on this machine
@@ -30,6 +31,11 @@ def _warm_state(p, steps=3, seed=0):
     return s
 
 
+def _chunked(theta, cfg, p, g, state, step, lr, chunk, runner=None):
+    """The chunked layout on one tensor."""
+    return chunked_step_(theta, cfg, [p], [g], [state], step, lr, chunk, runner or RUNNER)[0]
+
+
 def _chunkwise_fast(theta, cfg, p, g, state, step, lr, chunk, runner=None):
     """A broken fast path: each chunk normalised on its own statistics."""
     flat_p, flat_g = p.view(-1), g.reshape(-1)
@@ -37,7 +43,7 @@ def _chunkwise_fast(theta, cfg, p, g, state, step, lr, chunk, runner=None):
     for lo in range(0, p.numel(), chunk):
         sl = slice(lo, lo + chunk)
         piece = {"m": m[:, sl], "v": v[sl]}
-        tensor_step_(theta, cfg, flat_p[sl], flat_g[sl], piece, step, lr, chunk)
+        _chunked(theta, cfg, flat_p[sl], flat_g[sl], piece, step, lr, chunk)
     return True
 
 
@@ -85,40 +91,13 @@ def _compare_paths(fast_fn, width, shape, dtype, chunk, noncontig, steps=3):
 @pytest.mark.parametrize("width", [8, 32])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fast_path_equals_differentiable_path(case, width):
-    worst = _compare_paths(tensor_step_, width, *CASES[case])
+    worst = _compare_paths(_chunked, width, *CASES[case])
     assert worst < 1e-5, f"fast and pure updates differ by {worst:.2e} of the update"
 
 
 def test_path_comparison_catches_per_chunk_normalisation():
     worst = _compare_paths(_chunkwise_fast, 8, *CASES["fp32-multichunk"])
     assert worst > 1e-3
-
-
-def test_feature_sum_squares_matches_the_features():
-    gen = torch.Generator().manual_seed(0)
-    p, g = torch.randn(300, generator=gen), torch.randn(300, generator=gen)
-    g[:5] *= 20  # some clipped entries
-    s = _warm_state(p)
-    cfg = perturbed_net().config
-    x = element_features(p, g, s["m"], s["v"], rms(g), cfg)
-    expected = (x * x).sum(dim=1)
-    torch.testing.assert_close(
-        feature_sum_squares(p, g, s["m"], s["v"], rms(g), cfg), expected, rtol=1e-5, atol=0
-    )
-
-
-def test_learned_update_paths_agree():
-    net = perturbed_net()
-    theta, cfg = _theta(net), net.config
-    params = [torch.randn(6, 4), torch.randn(9)]
-    grads = [torch.randn_like(p) for p in params]
-    states = [_warm_state(p) for p in params]
-    new_params, _ = learned_update(theta, cfg, params, grads, states, 5, 0.5)
-    fast_params = [p.clone() for p in params]
-    fast_states = [{k: v.clone() for k, v in s.items()} for s in states]
-    learned_update(theta, cfg, fast_params, grads, fast_states, 5, 0.5, differentiable=False)
-    for a, b in zip(fast_params, new_params):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_gradcheck_wrt_theta_and_inputs():

@@ -12,17 +12,19 @@ import pytest
 import torch
 from optim_table import perturbed_net
 
-from learned_opt import LearnedOptimizer, init_state, tensor_step
-from learned_opt.flat import FlatLayout, flat_step, init_flat_state
+from learned_opt import LearnedOptimizer
+from learned_opt.features import init_state
+from learned_opt.flat import flat_step, init_flat_state, tensor_step
+from learned_opt.segments import FlatLayout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 #: One tensor on the chunked path (several ``CHUNK``s on the CPU; CUDA uses its own,
 #: larger chunk), the rest at most ``small_tensor_size`` elements (stepped together
-#: through ``flat_step_``).
+#: through ``packed_step_``).
 SHAPES = [(300, 400), (400,), (17, 3), ()]
 CHUNK = 1 << 15
-#: More elements than one accelerator chunk (``learned_opt.chunked.ACCELERATOR_CHUNK``).
+#: More elements than one accelerator chunk (``learned_opt._chunked.ACCELERATOR_CHUNK``).
 MULTICHUNK = (1 << 22) + 4096
 STEPS = 5
 #: Worst CPU/CUDA difference allowed, relative to the largest update (or state entry),

@@ -1,4 +1,6 @@
-"""A NaN or Inf in a gradient never reaches a parameter or the optimizer state."""
+"""A NaN or Inf in a gradient never reaches a parameter or the optimizer state, and one in
+a parameter never spreads over its tensor: on every layout, the tensor is skipped and
+counted (``nonfinite_skips``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,10 @@ import pytest
 import torch
 from optim_table import fixed_grads, make_params, perturbed_net
 
-from learned_opt import LearnedOptimizer, init_state, tensor_step
+from learned_opt import LearnedOptimizer
+from learned_opt.features import init_state
+from learned_opt.flat import flat_step, init_flat_state, tensor_step
+from learned_opt.segments import FlatLayout
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -59,3 +64,84 @@ def test_pure_path_keeps_everything_on_bad_gradient():
     g[2, 1] = float("inf")
     new_p, new_m, new_v = tensor_step(theta, net.config, p, g, s["m"], s["v"], 2, 1.0)
     assert torch.equal(new_p, p) and torch.equal(new_m, s["m"]) and torch.equal(new_v, s["v"])
+
+
+def _same(a, b) -> bool:
+    """Bitwise-equal values, NaN where the other is NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+#: Each in-place layout of ``LearnedOptimizer``, chosen by its settings.
+LAYOUTS = {
+    "chunked": dict(small_tensor_size=0, stack_same_shape=False, chunk_size=8),
+    "packed": dict(small_tensor_size=10_000),
+    "stacked": dict(small_tensor_size=0, stack_same_shape=True),
+}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bad_parameter_skips_only_that_tensor(layout, bad):
+    """A NaN or Inf in a parameter (finite gradient) does not spread over its tensor: the
+    tensor is skipped and counted, the others step as if it were not there."""
+    params, clean = make_params(), make_params()
+    params.append(torch.nn.Parameter(params[0].detach().clone()))  # a twin shape to stack
+    clean.append(torch.nn.Parameter(clean[0].detach().clone()))
+    opt = LearnedOptimizer(params, net=perturbed_net(), **LAYOUTS[layout])
+    ref = LearnedOptimizer(clean[1:], net=perturbed_net(), **LAYOUTS[layout])
+    with torch.no_grad():
+        params[0][1, 2] = bad
+    before = params[0].detach().clone()
+    fixed_grads(params, 0)
+    fixed_grads(clean, 0)
+    opt.step()
+    ref.step()
+    assert _same(params[0], before)
+    assert not opt.state[params[0]]["m"].any() and not opt.state[params[0]]["v"].any()
+    assert [opt.state[p]["nonfinite_skips"] for p in params] == [1, 0, 0, 0]
+    for p, q in zip(params[1:], clean[1:]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -float("inf")])
+def test_pure_path_keeps_everything_on_bad_parameter(bad):
+    net = perturbed_net()
+    p = torch.randn(4, 3)
+    p[0, 1] = bad
+    s = init_state(p)
+    s["m"].normal_()
+    s["v"].uniform_()
+    new_p, new_m, new_v = tensor_step(
+        net.theta(), net.config, p, torch.randn(4, 3), s["m"], s["v"], 2
+    )
+    assert _same(new_p, p)
+    assert torch.equal(new_m, s["m"]) and torch.equal(new_v, s["v"])
+
+
+def test_flat_step_confines_a_bad_parameter_to_its_segment_and_theta_grad_stays_finite():
+    """In meta-training a NaN parameter of one worker's tensor leaves that segment as it
+    was, steps every other segment and worker, and its NaN never reaches theta's gradient."""
+    net = perturbed_net()
+    shapes = ((4, 3), (5,), (2, 2))
+    layout = FlatLayout(tuple("abc"), shapes)
+    gen = torch.Generator().manual_seed(0)
+    p = 0.1 * torch.randn(2, layout.size, generator=gen)
+    g = 0.01 * torch.randn(2, layout.size, generator=gen)
+    state = init_flat_state(p)
+    theta = {k: v.detach().clone().requires_grad_(True) for k, v in net.theta().items()}
+    clean = flat_step(theta, net.config, layout, p, g, state["m"], state["v"], 1)[0]
+    bad = p.clone()
+    bad[1, 13] = float("nan")  # worker 1, segment "b"
+    new_p, new_m, new_v, ok = flat_step(
+        theta, net.config, layout, bad, g, state["m"], state["v"], 1, return_finite=True
+    )
+    assert ok.tolist() == [[True, True, True], [True, False, True]]
+    seg_b = slice(12, 17)
+    assert _same(new_p[1, seg_b], bad[1, seg_b])
+    assert not new_m[1, :, seg_b].any() and not new_v[1, seg_b].any()
+    keep = torch.ones_like(p, dtype=torch.bool)
+    keep[1, seg_b] = False
+    torch.testing.assert_close(new_p[keep], clean[keep])
+    loss = torch.where(keep, new_p, 0.0).square().sum()
+    grads = torch.autograd.grad(loss, list(theta.values()), allow_unused=True)
+    assert all(t is None or torch.isfinite(t).all() for t in grads)

@@ -1,4 +1,4 @@
-"""Small tensors stepped together (``flat_step_``) equal one chunked call per tensor."""
+"""Small tensors stepped together (``packed_step_``) equal one chunked call per tensor."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from optim_table import perturbed_net
 from torch import nn
 
 from learned_opt import LearnedOptimizer
-from learned_opt.flat import FlatLayout, segment_sum
+from learned_opt.segments import FlatLayout, segment_sum
 
 
 def _params(seed: int = 0) -> list[nn.Parameter]:

@@ -6,9 +6,11 @@ import pytest
 import torch
 from optim_table import perturbed_net
 
-from learned_opt import LearnedOptimizer, init_state, tensor_step
-from learned_opt.flat import stacked_step_
-from learned_opt.optimizer import _stacks
+from learned_opt import LearnedOptimizer
+from learned_opt._stacked import stacked_step_
+from learned_opt.features import init_state
+from learned_opt.flat import tensor_step
+from learned_opt.functional import stacks
 
 
 def _shapes():
@@ -84,9 +86,9 @@ def test_optimizer_stacked_path_matches_chunked_path(dtype):
 
 def test_stacks_group_by_shape_under_the_cap():
     items = [(torch.empty(s), None, None) for s in [(4, 5), (4, 5), (4, 5), (5, 4), (30,), (0,)]]
-    stacks, rest = _stacks(items, cap=40)
-    shapes = sorted([tuple(it[0].shape) for it in s] for s in stacks)
+    groups, rest = stacks(items, cap=40)
+    shapes = sorted([tuple(it[0].shape) for it in s] for s in groups)
     assert shapes == [[(4, 5)], [(4, 5), (4, 5)], [(5, 4)], [(30,)]]
     assert [tuple(it[0].shape) for it in rest] == [(0,)]
-    stacks, rest = _stacks(items, cap=25)
+    groups, rest = stacks(items, cap=25)
     assert [tuple(it[0].shape) for it in rest] == [(30,), (0,)]

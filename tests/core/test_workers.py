@@ -9,8 +9,10 @@ import pytest
 import torch
 from optim_table import perturbed_net
 
-from learned_opt import LearnedOptimizer, tensor_step, tensor_steps_
-from learned_opt.core import init_state
+from learned_opt import LearnedOptimizer
+from learned_opt._chunked import chunked_step_
+from learned_opt.features import init_state
+from learned_opt.flat import tensor_step
 from learned_opt.workers import ChunkRunner
 
 
@@ -113,7 +115,7 @@ def test_multi_tensor_step_skips_only_the_nonfinite_tensor():
         for p, g, s in zip(params, grads, states)
     ]
     before = [p.clone() for p in params]
-    oks = tensor_steps_(theta, cfg, params, grads, states, 1, 1.0, chunk=50, runner=ChunkRunner(2))
+    oks = chunked_step_(theta, cfg, params, grads, states, 1, 1.0, chunk=50, runner=ChunkRunner(2))
     assert oks == [True, True, False, True, True]
     assert torch.equal(params[2], before[2])
     assert not states[2]["m"].any() and not states[2]["v"].any()

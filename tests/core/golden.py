@@ -1,0 +1,56 @@
+"""Reference updates of the shipped checkpoints, recorded once from the pure step.
+
+``data/golden_updates.pt`` holds, for every shipped checkpoint, the new parameters and
+state that the pure step gave on the inputs built by :func:`golden_inputs` when it was
+recorded (commit a511179, before the step math was written once). ``test_golden.py``
+checks every path of today's code against it, so a refactor cannot change what the
+shipped optimizers do. Regenerate only on purpose: ``python tests/core/golden.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+GOLDEN = Path(__file__).parent / "data" / "golden_updates.pt"
+#: name -> shape; two tensors of one shape (stacked path), small ones (packed path), a
+#: large one (several chunks) and a scalar.
+SHAPES = {"w1": (13, 17), "w2": (13, 17), "b": (5,), "s": (), "emb": (50, 40)}
+STEP, LR = 5, 0.7
+
+
+def golden_inputs(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """Per tensor: parameter, gradient and a warm state (``m`` ``(3, *shape)``, ``v``)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in SHAPES.items():
+        p = 0.05 * torch.randn(shape, generator=gen)
+        g = 1e-2 * torch.randn(shape, generator=gen)
+        m = 1e-2 * torch.randn((3, *shape), generator=gen)
+        v = 1e-4 * torch.rand(shape, generator=gen)
+        out[name] = {"p": p, "g": g, "m": m, "v": v}
+    return out
+
+
+def _record() -> None:
+    from learned_opt import list_pretrained, load_checkpoint
+    from learned_opt.flat import tensor_step
+
+    result = {}
+    for ckpt in list_pretrained():
+        net, _ = load_checkpoint(ckpt)
+        theta = {k: v.detach() for k, v in net.named_parameters()}
+        per = {}
+        for name, t in golden_inputs().items():
+            new_p, new_m, new_v = tensor_step(
+                theta, net.config, t["p"], t["g"], t["m"], t["v"], STEP, LR
+            )
+            per[name] = {"p": new_p, "m": new_m, "v": new_v}
+        result[ckpt] = per
+    GOLDEN.parent.mkdir(exist_ok=True)
+    torch.save(result, GOLDEN)
+
+
+if __name__ == "__main__":
+    _record()
