@@ -86,12 +86,15 @@ def render_quality_heldout(r: dict) -> str:
         partial = (
             f"**Partial run: {len(r['single'])} of {exp['single']} single-worker and "
             f"{len(r['decentralized'])} of {exp['decentralized']} decentralized rows measured; "
-            "the rest were still running.** "
+            "the run was stopped before the rest were measured.** "
         )
     t = r["targets"]
     load = ""
     if "load_average" in r:
-        load = f" Mean load average while measuring: {r['load_average']:g} (on its cores)."
+        load = (
+            f" Mean load average while measuring: {r['load_average']:g} (shared machine: the "
+            "step times behind the wall-clock speedups are noisy)."
+        )
     summaries = "\n".join(f"- {_summary_line(side, s)}" for side, s in r["summaries"].items())
     return (
         "Single worker, against AdamW tuned per task and horizon:\n\n"
