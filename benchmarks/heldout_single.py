@@ -173,11 +173,15 @@ def best_adamw(runs: dict[str, list[float]], horizon: int) -> dict | None:
             "grid": finals}  # fmt: skip
 
 
-def edge_extension(best: dict, lrs: list[float]) -> float | None:
-    """The next learning rate to try when the best one sits at an edge of ``lrs``."""
+def edge_extension(best: dict, lrs: list[float], ladder=ADAMW_GRID) -> float | None:
+    """The next learning rate to try when the best one sits at an edge of ``lrs``: the next
+    rate of ``ladder`` (the full grid) beyond it, else a factor sqrt(10) beyond, so --quick's
+    grid extends onto the full suite's rates and shares its cached runs."""
     lrs = sorted(lrs)
-    if best["lr"] == lrs[0]:
-        return float(f"{lrs[0] / math.sqrt(10):.3g}")
     if best["lr"] == lrs[-1]:
-        return float(f"{lrs[-1] * math.sqrt(10):.3g}")
+        beyond = [x for x in ladder if x > lrs[-1]]
+        return min(beyond) if beyond else float(f"{lrs[-1] * math.sqrt(10):.3g}")
+    if best["lr"] == lrs[0]:
+        beyond = [x for x in ladder if x < lrs[0]]
+        return max(beyond) if beyond else float(f"{lrs[0] / math.sqrt(10):.3g}")
     return None

@@ -65,15 +65,14 @@ def single_rows(suite) -> tuple[list[dict], dict]:
             best = single.best_adamw(runs, h)
             if best is None or not suite.grid_complete(task, h):
                 continue  # a row only once its baseline is fully tuned
-            if h == max(suite.horizons(task)):
-                panels[f"{task} @{h}"] = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
+            panel = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
             for side in suite.sides:
                 curves = {m: suite.learned_curve(side, task, m, h) for m in single.LR_MULTS}
                 if curves[1.0] is None:
                     continue
                 rows.append(_single_row(suite, side, task, h, best, curves))
-                if f"{task} @{h}" in panels:
-                    panels[f"{task} @{h}"][side] = curves[1.0]
+                panel[side] = curves[1.0]
+            panels[f"{task} @{h}"] = panel
     return rows, panels
 
 

@@ -35,9 +35,14 @@ def test_best_adamw_cuts_constant_runs_and_keeps_cosine_at_its_horizon():
 
 def test_edge_extension():
     lrs = [1e-3, 1e-2, 1e-1]
-    assert single.edge_extension({"lr": 1e-2}, lrs) is None
-    assert single.edge_extension({"lr": 1e-1}, lrs) == pytest.approx(0.316)
-    assert single.edge_extension({"lr": 1e-3}, lrs) == pytest.approx(3.16e-4)
+    ladder = (1e-4, 1e-3, 3e-3, 1e-2, 1e-1)
+    assert single.edge_extension({"lr": 1e-2}, lrs, ladder) is None
+    assert single.edge_extension({"lr": 1e-1}, lrs, ladder) == pytest.approx(0.316)
+    assert single.edge_extension({"lr": 1e-3}, lrs, ladder) == 1e-4  # onto the ladder
+    assert single.edge_extension({"lr": 1e-4}, [1e-4, 1e-3], ladder) == pytest.approx(3.16e-5)
+    quick = sorted(single.QUICK_GRID)  # --quick extends onto the full grid's rates
+    assert single.edge_extension({"lr": quick[-1]}, quick) in single.ADAMW_GRID
+    assert single.edge_extension({"lr": quick[0]}, quick) in single.ADAMW_GRID
 
 
 def test_diverged():
