@@ -41,13 +41,27 @@ def is_factory(side: str) -> bool:
     return ":" in side and not Path(side).exists()
 
 
+def code_hash() -> str:
+    """A hash of the learned optimizer's code: the core package and the mixing code in
+    ``learned_opt.distributed`` (its sources, file by file)."""
+    import learned_opt
+    import learned_opt.distributed
+
+    h = hashlib.sha256()
+    for package in (learned_opt, learned_opt.distributed):
+        for path in sorted(Path(package.__file__).parent.glob("*.py")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def side_id(side: str) -> str | None:
-    """A learned side's cache identity: a checkpoint's name and content hash (a file that
-    changes is re-evaluated); ``None`` for a factory, whose code cannot be hashed."""
+    """A learned side's cache identity: a checkpoint's name, its content hash and the
+    :func:`code_hash` (a changed file or changed code is evaluated afresh); ``None`` for a
+    factory, whose code cannot be pinned down."""
     if is_factory(side):
         return None
     digest = hashlib.sha256(resolve_checkpoint(side).read_bytes()).hexdigest()[:12]
-    return f"{side}@{digest}"
+    return f"{side}@{digest}+code-{code_hash()}"
 
 
 def _checkpoint_factory(checkpoint: str, params, lr_mult: float) -> torch.optim.Optimizer:

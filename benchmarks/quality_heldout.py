@@ -50,8 +50,9 @@ COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 
 #: Bumped whenever what a cached baseline run measures changes.
 CACHE_VERSION = 1
 CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json"
-#: Learned-side runs of checkpoints, keyed by the checkpoint's content hash, so a rerun of
-#: the same command (say, after a change to the report) only assembles.
+#: Learned-side runs of checkpoints, keyed by the checkpoint's content and the code's hash,
+#: so a rerun of the same command (say, after a change to the report) only assembles. Not
+#: committed: it is valid only for the code that wrote it.
 LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json"
 
 

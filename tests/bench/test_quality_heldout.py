@@ -83,6 +83,7 @@ def test_side_id_tracks_the_checkpoint_content(tmp_path):
     path.write_bytes((ROOT / "checkpoints" / "default.pt").read_bytes())
     assert single.side_id(str(path)) != a
     assert single.side_id("torch.optim:SGD") is None
+    assert single.side_id(str(path)).endswith(single.code_hash())  # code changes count too
 
 
 @pytest.mark.parametrize(
