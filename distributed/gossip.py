@@ -173,11 +173,13 @@ class GossipOptimizer:
                 sum(float(w.mean()) for w in weights) / len(weights)
             )
         m["gossip/self_weight_mean"] = 1.0 - sum(edge_sums) / max(len(edge_sums), 1)
+        # logged only on the steps it is measured, never repeated stale in between
+        logged = {k: v for k, v in m.items() if k != "gossip/consensus_distance"}
         if self.metrics_every and self.step_count % self.metrics_every == 0:
             dist = self.communicator.consensus_distance(ys, self.step_count)
-            m["gossip/consensus_distance"] = float(dist)
+            m["gossip/consensus_distance"] = logged["gossip/consensus_distance"] = float(dist)
         if self._writer is not None:
-            for tag, value in m.items():
+            for tag, value in logged.items():
                 self._writer.add_scalar(tag, value, self.step_count)
 
     def state_dict(self) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -27,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from learned_opt import LearnedOptimizer, load_checkpoint
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.tasks import get_task
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
+from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_tasks
 
 from .averaging import all_reduce_mean_
 from .gossip import GossipOptimizer
@@ -38,9 +39,47 @@ from .topology import get_topology, list_topologies
 DEFAULT_LR = {"learned": 1.0, "adam": 1e-3, "sgd": 0.1}
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same arguments: only rank 0 prints the error
+    (one line after the usage); every rank exits with code 2."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage()
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every mistake an argument can hold, found before any training or communication."""
+    if args.task not in list_tasks():
+        p.error(f"--task: unknown task {args.task!r}; valid: {list_tasks()}")
+    if args.partition not in PARTITION_SCHEMES:
+        p.error(f"--partition: must be one of {list(PARTITION_SCHEMES)}, got {args.partition!r}")
+    for name, value in (("steps", args.steps), ("metrics-every", args.metrics_every)):
+        if value < 1:
+            p.error(f"--{name} must be >= 1, got {value}")
+    for name, value in (("alpha", args.alpha), ("timeout", args.timeout)):
+        if not value > 0:
+            p.error(f"--{name} must be > 0, got {value}")
+    if args.lr is not None and not (0 <= args.lr < float("inf")):
+        p.error(f"--lr must be finite and >= 0, got {args.lr}")
+    if "WORLD_SIZE" in os.environ:
+        try:
+            get_topology(args.topology, int(os.environ["WORLD_SIZE"]))
+        except ValueError as exc:
+            p.error(f"--topology: {exc}")
+    if "learned" in (args.optimizer, args.mixing):
+        try:
+            load_checkpoint(args.checkpoint)
+        except CheckpointError as exc:
+            p.error(f"--checkpoint: {exc}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(
+    """Command-line options (see ``--help``), all checked: a mistake prints one line and
+    exits with code 2."""
+    p = _ArgumentParser(
         prog="python -m learned_opt.distributed.train", description=__doc__.split("\n")[0]
     )
     p.add_argument(
@@ -74,8 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.mixing is None:
         args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    _check_args(p, args)
     return args
 
 

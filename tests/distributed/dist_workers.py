@@ -24,6 +24,32 @@ from learned_opt.distributed import (
 STEPS = 20
 KINDS = {"sgd": "ring", "adam": "one_peer_exponential", "learned": "ring"}
 
+# ----------------------------------------------------------------------------- time limits
+# CI shares its machine: at a load of 6-8 on 2 cores, starting 4 interpreters that import
+# torch takes tens of seconds and a neighbour can lag by seconds. Every limit of these
+# tests derives from two numbers; none is tight. A dead neighbour is still noticed at once
+# (gloo sees the closed connection), so a generous timeout costs nothing when all is well.
+
+#: Seconds any one wait of a collective may take.
+COLLECTIVE_TIMEOUT = 30.0
+#: Seconds for spawning the workers, importing torch and joining the process group.
+STARTUP = 120.0
+
+
+def launch_timeout(waits: int = 2) -> float:
+    """Deadline of one ``launch_local``: start-up, plus ``waits`` collective timeouts that
+    may expire one after another (a failure noticed by one rank, then by its neighbours),
+    plus the work itself."""
+    return STARTUP + waits * COLLECTIVE_TIMEOUT + 60.0
+
+
+def test_timeout(waits: int = 2) -> float:
+    """pytest-timeout of a test that launches once: the launch deadline plus clean-up."""
+    return launch_timeout(waits) + 30.0
+
+
+test_timeout.__test__ = False  # a helper, not a test
+
 
 # ----------------------------------------------------------------------------- shared model
 
@@ -87,7 +113,7 @@ def exchange_suite(rank: int, n: int) -> dict:
     out: dict = {}
     for name in ("ring", "one_peer_exponential"):
         topo = get_topology(name, n)
-        comm = ProcessGroupCommunicator(topo, timeout=5)
+        comm = ProcessGroupCommunicator(topo, timeout=COLLECTIVE_TIMEOUT)
         checks = []
         for step in range(topo.period + 1):
             peers, tensors, losses, finite = comm.exchange(
@@ -103,7 +129,7 @@ def exchange_suite(rank: int, n: int) -> dict:
         ProcessGroupCommunicator(get_topology("ring", n + 1))
     except ValueError as exc:
         out["world_size_error"] = str(exc)
-    comm = ProcessGroupCommunicator(get_topology("ring", n), timeout=5)
+    comm = ProcessGroupCommunicator(get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT)
     layout = [torch.zeros(3), torch.zeros(4 if rank == 2 else 5)]
     try:
         comm.check_layout(layout)
@@ -120,7 +146,12 @@ def exchange_suite(rank: int, n: int) -> dict:
     params = [torch.randn(6, 3, generator=gen), torch.randn(4, generator=gen)]
     writer = _Recorder()
     opt = GossipOptimizer(
-        torch.optim.SGD(params, lr=0.0), "ring", "metropolis", metrics_every=1, writer=writer
+        torch.optim.SGD(params, lr=0.0),
+        "ring",
+        "metropolis",
+        metrics_every=1,
+        writer=writer,
+        timeout=COLLECTIVE_TIMEOUT,
     )
     before = opt.communicator.consensus_distance(params)
     total = torch.cat([p.reshape(-1) for p in params]).clone()
@@ -158,7 +189,9 @@ def equivalence_run(rank: int, n: int, seed: int) -> dict:
     for kind, topo in KINDS.items():
         params = init_params(rank, seed)
         mixing = "learned" if kind == "learned" else "metropolis"
-        opt = GossipOptimizer(make_local(kind, params, seed), topo, mixing, timeout=10)
+        opt = GossipOptimizer(
+            make_local(kind, params, seed), topo, mixing, timeout=COLLECTIVE_TIMEOUT
+        )
         for step in range(STEPS):
             opt.zero_grad()
             loss = loss_fn(params, batch(rank, step, seed))
@@ -171,7 +204,9 @@ def equivalence_run(rank: int, n: int, seed: int) -> dict:
 def killed_rank(rank: int, n: int) -> str:
     """Rank 3 dies at step 5; the others must fail fast with a clear error."""
     params = [torch.full((1000,), float(rank), requires_grad=True)]
-    opt = GossipOptimizer(torch.optim.SGD(params, lr=0.0), "ring", "metropolis", timeout=3)
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0), "ring", "metropolis", timeout=COLLECTIVE_TIMEOUT
+    )
     for step in range(20):
         if rank == 3 and step == 5:
             os._exit(1)

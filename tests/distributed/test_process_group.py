@@ -1,6 +1,7 @@
-"""Multi-process gloo tests: a few spawns of 4 local workers, several checks each."""
+"""Multi-process gloo tests: a few spawns of 4 local workers, several checks each.
 
-import time
+Every time limit derives from ``dist_workers.COLLECTIVE_TIMEOUT`` and ``STARTUP`` (see
+there): generous, so that the tests pass on a loaded machine."""
 
 import dist_workers as w  # noqa: E402  (tests/distributed is on sys.path under pytest)
 import pytest
@@ -19,10 +20,10 @@ N = 4
 
 @pytest.fixture(scope="module")
 def exchange_results():
-    return launch_local(w.exchange_suite, N, timeout=60)
+    return launch_local(w.exchange_suite, N, timeout=w.launch_timeout(), pg_timeout=w.STARTUP)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 @pytest.mark.parametrize("name", ["ring", "one_peer_exponential"])
 def test_exact_neighbour_exchange(exchange_results, name):
     topo = get_topology(name, N)
@@ -110,10 +111,12 @@ def _simulate(kind, seed):
     return params
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 def test_real_run_equals_simulator():
     seed = 3
-    real = launch_local(w.equivalence_run, N, seed, timeout=60)
+    real = launch_local(
+        w.equivalence_run, N, seed, timeout=w.launch_timeout(), pg_timeout=w.STARTUP
+    )
     for kind in w.KINDS:
         sim = _simulate(kind, seed)
         init = [w.init_params(i, seed) for i in range(N)]
@@ -123,12 +126,17 @@ def test_real_run_equals_simulator():
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(w.test_timeout())
 def test_killed_rank_gives_clear_error_and_no_hang():
-    start = time.monotonic()
-    res = launch_local(w.killed_rank, N, timeout=25, raise_on_error=False)
-    assert time.monotonic() - start < 25
+    res = launch_local(
+        w.killed_rank,
+        N,
+        timeout=w.launch_timeout(),
+        pg_timeout=w.STARTUP,
+        raise_on_error=False,
+    )
     assert all(isinstance(r, RankFailure) for r in res)
+    assert not any("still running" in r.message for r in res), "a survivor hung"
     assert "exited with code 1" in res[3].message
     for rank in (0, 2):
         msg = res[rank].message
