@@ -28,6 +28,7 @@ from ._chunked import DEFAULT_CHUNK, chunked_step_
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
+from .stages import needs_whole_tensors
 from .workers import SERIAL, ChunkRunner
 
 #: Default ``small_tensor_size``: up to this size, one call per tensor costs more than the
@@ -105,8 +106,11 @@ def learned_step(
             _record(ok, index, items, flags)
             continue
         cpu = device.type == "cpu"
-        stack = stack_same_shape if stack_same_shape is not None else not cpu
+        whole = needs_whole_tensors(cfg)  # the output stage reduces over whole tensors
+        stack = whole or (stack_same_shape if stack_same_shape is not None else not cpu)
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
+        if whole:  # tensors too large to stack: one at a time
+            shape_stacks, items = shape_stacks + [[it] for it in items], []
         if shape_stacks:  # one device sync for all stacks
             flags = [stacked_step_(theta_d, cfg, *zip(*s), step, lr) for s in shape_stacks]
             _record(ok, index, [it for s in shape_stacks for it in s], torch.cat(flags).tolist())
