@@ -71,11 +71,12 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(finite) if len(finite) == len(xs) else math.inf
 
 
-def write_json(name: str, payload: dict) -> Path:
+def write_json(name: str, payload: dict, quiet: bool = False) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=float))
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path
 
 

@@ -90,6 +90,7 @@ def _load_sections() -> None:
     import importlib
 
     importlib.import_module("benchmarks.report_sections")
+    importlib.import_module("benchmarks.report_heldout")
     # run as a script, this module is __main__ and benchmarks.report is a second copy
     RENDERERS.update(importlib.import_module("benchmarks.report").RENDERERS)
 

@@ -2,7 +2,9 @@
 
 Order and rough duration on 2 CPU cores (measured 2026-11-29):
 step_overhead (~2 min), gossip_throughput (~2 min), meta_train_throughput (~2 min),
-quality_single (~25 min), quality_decentralized (~15 min), then report.py.
+quality_single (~25 min), quality_decentralized (~15 min), quality_heldout (the held-out
+suite, the README's headline table; about 1 hour of CPU with a cold baseline cache, much
+less with the committed cache), then report.py.
 ``compare_estimators.py`` (about 15 minutes) is not part of it: run it on its own.
 """
 
@@ -21,6 +23,7 @@ STEPS = [
     ["-m", "benchmarks.meta_train_throughput"],
     ["-m", "benchmarks.quality_single"],
     ["-m", "benchmarks.quality_decentralized"],
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "default", "adam_init"],
     ["benchmarks/report.py"],
 ]
 

@@ -11,6 +11,9 @@ It holds theta, never per-parameter optimizer state. Every way a file can be wro
 from __future__ import annotations
 
 import os
+import pickle
+import re
+import warnings
 from importlib import resources
 from pathlib import Path
 
@@ -26,6 +29,46 @@ _PACKAGE = "learned_opt.checkpoints"
 
 class CheckpointError(ValueError):
     """A learned-optimizer checkpoint is missing, unreadable or inconsistent."""
+
+
+def _load_problem(exc: BaseException) -> str:
+    """What went wrong reading a torch file, in words; never torch's advice to load the
+    file unsafely."""
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError):
+        unsafe = re.search(r"GLOBAL ([\w.]+)", text)
+        if unsafe:
+            return (
+                f"refused: it asks to build the Python object {unsafe.group(1)}, and loading "
+                "it could run code; only tensors and plain data (dicts, lists, numbers, "
+                "strings) are read"
+            )
+        return "not a torch file of tensors and plain data (random bytes, a raw pickle, or corrupt)"
+    if isinstance(exc, EOFError):
+        return "empty or truncated"
+    first = text.split(". ")[0].strip() or type(exc).__name__
+    if "weights_only" in first:
+        first = type(exc).__name__
+    return f"truncated, corrupt or not a torch file ({first})"
+
+
+def read_torch_file(path: str | os.PathLike, what: str = "a checkpoint"):
+    """``torch.load(path, weights_only=True)`` onto the CPU, so reading can never run code.
+
+    Any failure raises :class:`CheckpointError` naming the file and, in plain words, the
+    problem (``what`` names what the file should have been).
+    """
+    try:
+        with warnings.catch_warnings():  # the reader's own note on an unusual pickle protocol
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, random bytes, pickled code, a folder, ...
+        if isinstance(exc, OSError):
+            problem = f"cannot be opened ({type(exc).__name__}: {exc.strerror or exc})"
+        else:
+            problem = _load_problem(exc)
+        # Not chained: torch's message advises loading the file unsafely.
+        raise CheckpointError(f"{path}: cannot be read as {what}: {problem}") from None
 
 
 def _shipped_dir() -> Path:
@@ -75,13 +118,7 @@ def save_checkpoint(
 def load_checkpoint(name_or_path: str | os.PathLike) -> tuple[LearnedOptimizerNet, dict]:
     """Load ``(net, card)`` from a shipped name or a file path; raises :class:`CheckpointError`."""
     path = resolve_checkpoint(name_or_path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # truncated zip, random bytes, pickled code, ...
-        raise CheckpointError(
-            f"{path}: cannot be read as a checkpoint (truncated, corrupt or not a "
-            f"weights-only torch file): {type(exc).__name__}: {exc}"
-        ) from exc
+    payload = read_torch_file(path, "a learned-opt checkpoint")
     if not isinstance(payload, dict) or not {"format", "config", "theta"} <= set(payload):
         keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(
@@ -92,6 +129,11 @@ def load_checkpoint(name_or_path: str | os.PathLike) -> tuple[LearnedOptimizerNe
         raise CheckpointError(
             f"{path}: format version {payload['format']!r} is not supported "
             f"(this version of learned-opt reads {FORMAT_VERSION!r})"
+        )
+    if not isinstance(payload["config"], dict):
+        raise CheckpointError(
+            f"{path}: invalid network config: expected a dict, found "
+            f"{type(payload['config']).__name__}"
         )
     try:
         config = NetConfig.from_dict(payload["config"])
@@ -118,4 +160,6 @@ def load_checkpoint(name_or_path: str | os.PathLike) -> tuple[LearnedOptimizerNe
             raise CheckpointError(f"{path}: theta[{key!r}] holds NaN or Inf")
     net.load_state_dict(theta)
     card = payload.get("card") or {}
+    if not isinstance(card, dict):
+        raise CheckpointError(f"{path}: the card must be a dict, found {type(card).__name__}")
     return net, dict(card)

@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from learned_opt.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from learned_opt.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    read_torch_file,
+    save_checkpoint,
+)
 from learned_opt.config import NetConfig
 from learned_opt.network import LearnedOptimizerNet
 
@@ -18,33 +21,39 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 def meta_cli_main(args: list[str] | None = None):
-    """``learned-opt-meta fit --config meta_train/configs/default.yaml`` (a LightningCLI)."""
-    from lightning.pytorch.cli import LightningCLI
+    """``learned-opt-meta fit --config meta_train/configs/default.yaml`` (a LightningCLI).
 
+    A config mistake or an unreadable or unsafe checkpoint is printed as one line on
+    stderr and exits with code 2 (``SystemExit``)."""
     from .data import TaskSeedDataModule
+    from .meta_cli import MetaCLI, UsageError
     from .module import MetaTrainModule
 
     command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
     MetaTrainModule.launch_command = command
-    LightningCLI(
-        MetaTrainModule,
-        TaskSeedDataModule,
-        args=args,
-        seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
-        trainer_defaults={"default_root_dir": "runs/meta"},
-    )
+    try:
+        MetaCLI(
+            MetaTrainModule,
+            TaskSeedDataModule,
+            args=args,
+            seed_everything_default=0,
+            save_config_kwargs={"overwrite": True},
+            trainer_defaults={"default_root_dir": "runs/meta"},
+        )
+    except (UsageError, CheckpointError) as exc:
+        print(f"learned-opt-meta: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _read_lightning_checkpoint(path: str) -> dict:
-    if not Path(path).exists():
+    """A meta-training run's Lightning checkpoint, read as tensors and plain data only.
+
+    The project's checkpoints need no allow-listed classes: hyper-parameters, loop and
+    callback state, optimizer state and the persistent trajectories are all plain data.
+    """
+    if not Path(path).is_file():
         raise CheckpointError(f"{path}: no such Lightning checkpoint")
-    try:
-        # A Lightning checkpoint of the user's own run holds hyper-parameters as plain
-        # Python objects; read it as Lightning itself does.
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:
-        raise CheckpointError(f"{path}: cannot be read as a Lightning checkpoint: {exc}") from exc
+    ckpt = read_torch_file(path, "a Lightning checkpoint")
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt:
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no state_dict)")
     return ckpt

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from learned_opt.distributed.topology import get_topology, list_topologies
-from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_families
+from learned_opt.tasks import PARTITION_SCHEMES, check_not_held_out, get_task, list_families
 
 from .estimators import ESTIMATORS
 
@@ -67,6 +67,11 @@ def validate_settings(hp: dict) -> SimpleNamespace:
             get_task(t)
         except ValueError as exc:
             _fail("val_tasks", str(exc))
+    for field, names in (("family", [s.family]), ("val_tasks", s.val_tasks)):
+        try:  # held-out tasks and families are for evaluation only
+            check_not_held_out(names)
+        except ValueError as exc:
+            _fail(field, str(exc))
     try:
         get_topology(s.val_topology, s.val_workers)
     except ValueError as exc:

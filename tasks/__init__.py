@@ -15,11 +15,26 @@ Example::
     losses = torch.func.vmap(task.loss)(stacked, wb.get(step=0))  # [8]
 """
 
-from .base import MODEL_KINDS, Task, TaskSpec, WorkerBatches, from_description, stack_params
+from .base import (
+    MODEL_KINDS,
+    Task,
+    TaskSpec,
+    WorkerBatches,
+    Workload,
+    from_description,
+    stack_params,
+)
 from .datasets import Dataset, list_datasets, load_dataset
 from .families import TaskFamily, get_family, list_families
+from .module_task import ModuleTask
 from .partition import PARTITION_SCHEMES, label_skew, partition_indices
-from .registry import get_task, list_tasks
+from .registry import (
+    check_not_held_out,
+    get_task,
+    is_held_out,
+    list_heldout_tasks,
+    list_tasks,
+)
 
 __all__ = [
     "MODEL_KINDS",
@@ -28,13 +43,18 @@ __all__ = [
     "Task",
     "TaskFamily",
     "TaskSpec",
+    "ModuleTask",
     "WorkerBatches",
+    "Workload",
+    "check_not_held_out",
     "from_description",
     "get_family",
     "get_task",
+    "is_held_out",
     "label_skew",
     "list_datasets",
     "list_families",
+    "list_heldout_tasks",
     "list_tasks",
     "load_dataset",
     "partition_indices",

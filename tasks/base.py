@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,27 @@ from .datasets import DATASET_KINDS, Dataset, load_dataset
 from .models import ACTIVATIONS, CNN, GRU, MLP, Model, Transformer
 from .partition import partition_indices
 
-__all__ = ["MODEL_KINDS", "TaskSpec", "Task", "WorkerBatches", "from_description", "stack_params"]
+__all__ = [
+    "MODEL_KINDS",
+    "TaskSpec",
+    "Task",
+    "Workload",
+    "WorkerBatches",
+    "from_description",
+    "stack_params",
+]
 
 Params = dict[str, torch.Tensor]
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Workload(NamedTuple):
+    """A task as a user writes a training job: a model, a loss of a batch, and batches."""
+
+    model: nn.Module  # parameters initialised from the task's seed
+    loss_fn: Callable[[Batch], torch.Tensor]  # loss_fn(batch) -> scalar loss of ``model``
+    batches: Iterator[Batch]  # endless iterator of (inputs, targets)
+
 
 MODEL_KINDS = ("linear", "mlp", "cnn", "transformer", "gru")
 
@@ -162,6 +180,7 @@ class Task:
         self.name = spec.name or f"{spec.model}_{spec.dataset}"
         self.kind = self.data.kind
         self.batch_size = spec.batch_size
+        self.init_scale = spec.init_scale
         self.num_params = self.model.num_params
 
     def __repr__(self) -> str:
@@ -174,7 +193,7 @@ class Task:
     # ------------------------------------------------------------------ functional face
     def init(self, generator: torch.Generator | None = None, device=None) -> Params:
         """Fresh parameters as ``dict[str, Tensor]``, drawn from ``generator``."""
-        params = self.model.init(generator, self.spec.init_scale)
+        params = self.model.init(generator, self.init_scale)
         return {k: v.to(device) for k, v in params.items()} if device is not None else params
 
     def apply(self, params: Params, inputs: torch.Tensor) -> torch.Tensor:
@@ -222,6 +241,17 @@ class Task:
         """The same loss as :meth:`loss`, computed through the module."""
         inputs, targets = batch
         return self.criterion(module(inputs), targets)
+
+    def workload(self, seed: int = 0) -> Workload:
+        """The task as a plain ``(model, loss_fn, batches)``, for any ``torch.optim`` optimizer.
+
+        ``model`` is initialised from ``seed``; ``batches`` is one worker's endless batch
+        iterator for the same seed (so two workloads of one seed see the same data).
+        """
+        model = self.module(torch.Generator().manual_seed(int(seed)))
+        return Workload(
+            model, lambda batch: self.module_loss(model, batch), self.batches(seed=int(seed))
+        )
 
     # ------------------------------------------------------------------ data
     def worker_batches(

@@ -107,10 +107,20 @@ def _train(rng: random.Random, name: str) -> TaskSpec:
 
 
 class TaskFamily:
-    """A named, seeded distribution over tasks."""
+    """A named, seeded distribution over tasks.
 
-    def __init__(self, name: str, sampler: Callable[[random.Random, str], TaskSpec], doc: str):
-        self.name, self._sampler, self.doc = name, sampler, doc
+    ``held_out`` marks a family kept for evaluation: meta-training refuses to sample it
+    (see :func:`learned_opt.tasks.check_not_held_out`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        sampler: Callable[[random.Random, str], TaskSpec],
+        doc: str,
+        held_out: bool = False,
+    ):
+        self.name, self._sampler, self.doc, self.held_out = name, sampler, doc, held_out
 
     def __repr__(self) -> str:
         return f"TaskFamily({self.name!r})"

@@ -1,12 +1,27 @@
-"""The fixed tasks, by name. ``digits_mlp`` is the reference task other packages use."""
+"""The fixed tasks, by name. ``digits_mlp`` is the reference task other packages use.
+
+Two kinds of fixed task live here: the held-in tasks (``TASK_SPECS``, used for
+validation and the benchmarks) and the held-out tasks (:mod:`learned_opt.tasks.heldout`),
+marked so that meta-training can never sample or validate on them:
+:func:`check_not_held_out` is called on every meta-training config.
+"""
 
 from __future__ import annotations
 
 import functools
 
 from .base import Task, TaskSpec, from_description
+from .families import get_family
+from .heldout import HELDOUT_BUILDERS
 
-__all__ = ["TASK_SPECS", "get_task", "list_tasks"]
+__all__ = [
+    "TASK_SPECS",
+    "check_not_held_out",
+    "get_task",
+    "is_held_out",
+    "list_heldout_tasks",
+    "list_tasks",
+]
 
 TASK_SPECS: dict[str, TaskSpec] = {
     s.name: s
@@ -36,22 +51,57 @@ TASK_SPECS: dict[str, TaskSpec] = {
 
 
 def list_tasks() -> list[str]:
-    """Names of the fixed tasks, in registry order."""
+    """Names of the fixed held-in tasks, in registry order (held-out ones excluded)."""
     return list(TASK_SPECS)
+
+
+def list_heldout_tasks() -> list[str]:
+    """Names of the held-out evaluation tasks, which meta-training never sees."""
+    return list(HELDOUT_BUILDERS)
+
+
+def is_held_out(name: str) -> bool:
+    """Whether ``name`` is a held-out task or the name of a held-out family."""
+    if name in HELDOUT_BUILDERS:
+        return True
+    try:
+        return get_family(name).held_out
+    except ValueError:
+        return False
+
+
+def check_not_held_out(names) -> None:
+    """Raise ``ValueError`` if any of ``names`` (task or family names) is held out.
+
+    Meta-training calls this on every config field that names tasks or families it
+    samples or validates on.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    bad = [n for n in names if is_held_out(n)]
+    if bad:
+        raise ValueError(
+            f"{bad} held out for evaluation: meta-training may never sample or validate on "
+            f"held-out tasks or families (held-out tasks: {list_heldout_tasks()})"
+        )
 
 
 @functools.cache
 def _cached(name: str) -> Task:
+    if name in HELDOUT_BUILDERS:
+        return HELDOUT_BUILDERS[name]()
     return Task(TASK_SPECS[name])
 
 
 def get_task(name: str) -> Task:
-    """A fixed task by name, or any task from a ``describe()`` line (contains "=").
+    """A fixed task (held-in or held-out) by name, or any task from a ``describe()`` line
+    (contains "=").
 
     Raises ``ValueError`` naming the valid choices for an unknown name.
     """
     if "=" in name:
         return from_description(name)
-    if name not in TASK_SPECS:
-        raise ValueError(f"unknown task {name!r}; valid choices: {list_tasks()}")
+    if name not in TASK_SPECS and name not in HELDOUT_BUILDERS:
+        raise ValueError(
+            f"unknown task {name!r}; valid choices: {list_tasks() + list_heldout_tasks()}"
+        )
     return _cached(name)

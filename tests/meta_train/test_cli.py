@@ -73,13 +73,13 @@ def test_smoke_writes_expected_tensorboard_tags(smoke_run):
 
 def test_resume_continues_the_run(smoke_run, tmp_path):
     ckpt = _run_dir(smoke_run) / "checkpoints" / "last.ckpt"
-    saved = torch.load(ckpt, weights_only=False)
+    saved = torch.load(ckpt, weights_only=True)
     assert saved["global_step"] == 4 and saved["meta_slots"], "slots are saved"
     meta_cli_main(
         smoke_args(tmp_path, "--trainer.max_steps=6", f"--ckpt_path={ckpt}",
                    "--trainer.val_check_interval=100")
     )  # fmt: skip
-    resumed = torch.load(_run_dir(tmp_path) / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(_run_dir(tmp_path) / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["global_step"] == 6
     old = saved["state_dict"]["net.elem_out.weight"]
     assert not torch.equal(old, resumed["state_dict"]["net.elem_out.weight"])

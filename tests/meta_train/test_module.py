@@ -119,3 +119,13 @@ def test_decentralized_runs_are_scored_on_another_workers_batch():
     scored, _ = inner_step(traj, make_inner_optimizer("adam", lr=1e-3))
     assert torch.allclose(scored, rolled) and not torch.allclose(scored, own)
     assert abs(traj.history[-1] - float(rolled.mean())) < 1e-6
+
+
+def test_config_that_samples_held_out_work_fails(monkeypatch):
+    with pytest.raises(ValueError, match="val_tasks.*held out"):
+        MetaTrainModule(**{**SMALL, "val_tasks": ["iris_mlp", "heldout_autoencoder"]})
+    from learned_opt.tasks import get_family
+
+    monkeypatch.setattr(get_family("mlp_family"), "held_out", True)
+    with pytest.raises(ValueError, match="family.*held out"):
+        MetaTrainModule(**{**SMALL, "family": "mlp_family"})

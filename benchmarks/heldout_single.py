@@ -1,0 +1,183 @@
+"""Single-worker runs of the held-out suite: any ``torch.optim`` optimizer on a task's
+plain ``(model, loss_fn, batches)``, the AdamW tuning grid, and side-by-side step timing.
+
+Everything here runs one job in the calling process; :mod:`benchmarks.quality_heldout`
+schedules the jobs and caches the tuned baselines.
+
+A *learned side* is a string: a checkpoint (a shipped name or a file path), or an
+optimizer factory ``module:function``, a callable ``(params, lr_mult) -> Optimizer``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.checkpoint import resolve_checkpoint
+from learned_opt.meta_train.evaluation import final_loss
+from learned_opt.tasks import get_task
+
+Factory = Callable[..., torch.optim.Optimizer]  # (params, lr_mult) -> optimizer
+SCHEDULES = ("constant", "cosine")
+#: AdamW's learning-rate grid (6 points, half-decades); extended at an edge when the best
+#: rate sits there. ``QUICK_GRID`` is the --quick subset.
+ADAMW_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+QUICK_GRID = (1e-3, 3e-3, 1e-2)
+#: Learning-rate multipliers of the learned side: the default and the robustness pair.
+LR_MULTS = (1.0, 0.3, 3.0)
+
+
+def is_factory(side: str) -> bool:
+    """Whether a learned side names a ``module:function`` factory rather than a checkpoint."""
+    return ":" in side and not Path(side).exists()
+
+
+def side_id(side: str) -> str | None:
+    """A learned side's cache identity: a checkpoint's name and content hash (a file that
+    changes is re-evaluated); ``None`` for a factory, whose code cannot be hashed."""
+    if is_factory(side):
+        return None
+    digest = hashlib.sha256(resolve_checkpoint(side).read_bytes()).hexdigest()[:12]
+    return f"{side}@{digest}"
+
+
+def _checkpoint_factory(checkpoint: str, params, lr_mult: float) -> torch.optim.Optimizer:
+    return LearnedOptimizer(params, checkpoint=checkpoint, lr=lr_mult)
+
+
+def resolve_side(side: str) -> Factory:
+    """The optimizer factory ``(params, lr_mult) -> Optimizer`` of a learned side.
+
+    Raises ``ValueError`` for a factory that cannot be imported or is not callable, and
+    :class:`learned_opt.CheckpointError` for a checkpoint that cannot be loaded.
+    """
+    if not is_factory(side):
+        load_checkpoint(side)  # fail early, naming the file and the problem
+        return functools.partial(_checkpoint_factory, side)
+    module_name, _, attr = side.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"optimizer factory {side!r} cannot be imported: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"optimizer factory {side!r} is not callable")
+    return fn
+
+
+def adamw(lr: float) -> Factory:
+    """AdamW at ``lr`` (torch's defaults otherwise) as a factory ignoring the multiplier."""
+    return lambda params, lr_mult=1.0: torch.optim.AdamW(params, lr=lr * lr_mult)
+
+
+def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
+        schedule: str = "constant", seed: int = 0) -> list[float]:  # fmt: skip
+    """Train the task's workload for ``steps`` steps; the per-step training loss curve.
+
+    The loss of step ``t`` is the batch loss before the ``t``-th update. ``schedule``
+    "cosine" anneals the learning rate to 0 over ``steps``. A non-finite loss ends the
+    run, and the rest of the curve is ``inf``.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid choices: {SCHEDULES}")
+    torch.manual_seed(seed)
+    model, loss_fn, batches = get_task(task_name).workload(seed)
+    opt = factory(model.parameters(), lr_mult)
+    sched = None
+    if schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    curve: list[float] = []
+    for _, batch in zip(range(steps), batches):
+        loss = loss_fn(batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            curve += [math.inf] * (steps - len(curve))
+            break
+        curve.append(float(f"{value:.6g}"))  # 6 digits: compact caches, same speedups
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return curve
+
+
+def diverged(curve: list[float]) -> bool:
+    """A run diverged if its loss went non-finite or ended (smoothed) above its first loss."""
+    return not curve or not math.isfinite(final_loss(curve)) or final_loss(curve) > curve[0]
+
+
+def run_job(task_name: str, side: str | None, steps: int, *, lr: float = 1.0,
+            schedule: str = "constant", seed: int = 0) -> dict:  # fmt: skip
+    """One run in a fresh job: AdamW at ``lr`` (``side`` None) or a learned side at the
+    multiplier ``lr``."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    factory = adamw(lr) if side is None else resolve_side(side)
+    mult = 1.0 if side is None else lr
+    curve = run(task_name, factory, steps, lr_mult=mult, schedule=schedule, seed=seed)
+    return {"curve": curve, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def timing_job(task_name: str, side: str, steps: int = 20, seed: int = 0) -> dict:
+    """Step time of a learned side side by side with AdamW's (:func:`time_side_by_side`)."""
+    torch.set_num_threads(1)
+    factories = {"adamw": adamw(1e-3), "learned": resolve_side(side)}
+    return {"ms_per_step": time_side_by_side(task_name, factories, steps, seed)}
+
+
+def time_side_by_side(task_name: str, factories: dict[str, Factory], steps: int = 20,
+                      seed: int = 0, warmup: int = 3) -> dict[str, float]:  # fmt: skip
+    """Median wall-clock ms of one full training step (forward, backward, optimizer step)
+    per optimizer, the optimizers taking turns step by step on their own copies of the
+    model with the same batches, so machine load falls on all of them alike."""
+    jobs = {}
+    for name, factory in factories.items():
+        model, loss_fn, batches = get_task(task_name).workload(seed)
+        jobs[name] = (loss_fn, batches, factory(model.parameters(), 1.0), [])
+    for i in range(warmup + steps):
+        for loss_fn, batches, opt, times in jobs.values():
+            batch = next(batches)
+            t0 = time.perf_counter()
+            loss = loss_fn(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+    return {name: 1000 * statistics.median(job[3]) for name, job in jobs.items()}
+
+
+def best_adamw(runs: dict[str, list[float]], horizon: int) -> dict | None:
+    """The best AdamW run at ``horizon`` by final smoothed loss, from runs keyed
+    ``"<schedule>|<lr>|<steps>"``: constant runs of at least ``horizon`` steps are cut
+    to it, cosine runs count only at exactly ``horizon`` steps."""
+    candidates = {}
+    for key, curve in runs.items():
+        schedule, lr, steps = key.split("|")
+        if (schedule == "constant" and int(steps) >= horizon) or int(steps) == horizon:
+            candidates[(schedule, float(lr))] = curve[:horizon]
+    if not candidates:
+        return None
+    (schedule, lr), curve = min(candidates.items(), key=lambda kv: final_loss(kv[1]))
+    finals = {f"{s}|{r:g}": final_loss(c) for (s, r), c in sorted(candidates.items())}
+    return {"lr": lr, "schedule": schedule, "curve": curve, "final": final_loss(curve),
+            "grid": finals}  # fmt: skip
+
+
+def edge_extension(best: dict, lrs: list[float]) -> float | None:
+    """The next learning rate to try when the best one sits at an edge of ``lrs``."""
+    lrs = sorted(lrs)
+    if best["lr"] == lrs[0]:
+        return float(f"{lrs[0] / math.sqrt(10):.3g}")
+    if best["lr"] == lrs[-1]:
+        return float(f"{lrs[-1] * math.sqrt(10):.3g}")
+    return None

@@ -1,0 +1,158 @@
+"""Rows and summary of the held-out suite, from the runs :mod:`quality_heldout` collected.
+
+Speedup (the README's definition, :func:`learned_opt.meta_train.evaluation.speedup`):
+steps the tuned baseline needs to reach a loss level / steps the learned side needs, at
+the worse of the two best smoothed levels; below 1 means slower. Wall-clock speedup: the
+step-count speedup times (baseline ms per step / learned ms per step), the step times
+measured side by side. A learned run *diverged* if its loss went non-finite or ended
+above where it started.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from benchmarks import heldout_decentralized as dec
+from benchmarks import heldout_single as single
+from learned_opt.meta_train.evaluation import final_loss, speedup
+from learned_opt.tasks import get_task
+
+#: The issue's targets, recorded beside the measured summary.
+TARGETS = {
+    "median_speedup_single": ">= 1.3",
+    "median_speedup_decentralized": ">= 1.3",
+    "min_speedup": ">= 0.8",
+    "divergences": "0",
+    "lr_mult_within_2x": "all",
+}
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None else round(float(x), digits)
+
+
+def _single_row(suite, side: str, task: str, h: int, best: dict, curves: dict) -> dict:
+    lc = curves[1.0]
+    sp = speedup(lc, best["curve"])
+    ms = suite.timing.get((side, task))
+    row = {
+        "task": task, "side": side, "horizon": h, "num_params": get_task(task).num_params,
+        "adamw": {"lr": best["lr"], "schedule": best["schedule"], "final": best["final"],
+                  "grid": best["grid"]},
+        "learned_final": final_loss(lc), "speedup": _r(sp), "diverged": single.diverged(lc),
+        "wall_speedup": _r(sp * ms["adamw"] / ms["learned"]) if ms else None,
+        "ms_per_step": ms, "lr_mult": {},
+    }  # fmt: skip
+    for mult in single.LR_MULTS[1:]:
+        c = curves.get(mult)
+        if c is None:
+            continue
+        sm = speedup(c, best["curve"])
+        bad = single.diverged(c)
+        row["lr_mult"][f"{mult:g}"] = {
+            "speedup": _r(sm), "final": final_loss(c), "diverged": bad,
+            "ratio_to_default": _r(sm / sp) if sp > 0 else None,
+            "within_2x": (not bad) and sm >= 0.5 * sp,
+        }  # fmt: skip
+    return row
+
+
+def single_rows(suite) -> tuple[list[dict], dict]:
+    rows, panels = [], {}
+    for task in suite.tasks:
+        runs = suite.adamw_runs(task)
+        for h in suite.horizons(task):
+            best = single.best_adamw(runs, h)
+            if best is None or not suite.grid_complete(task, h):
+                continue  # a row only once its baseline is fully tuned
+            if h == max(suite.horizons(task)):
+                panels[f"{task} @{h}"] = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
+            for side in suite.sides:
+                curves = {m: suite.learned_curve(side, task, m, h) for m in single.LR_MULTS}
+                if curves[1.0] is None:
+                    continue
+                rows.append(_single_row(suite, side, task, h, best, curves))
+                if f"{task} @{h}" in panels:
+                    panels[f"{task} @{h}"][side] = curves[1.0]
+    return rows, panels
+
+
+def decentralized_rows(suite) -> tuple[list[dict], dict]:
+    rows, panels = [], {}
+    for s in suite.settings:
+        key = dec.setting_key(s)
+        base = suite.cache.data.get(key)
+        if base is None:
+            continue
+        title = f"{s['task']} {s['workers']}w {s['topology']} a={s['alpha']} @{s['horizon']}"
+        for side in suite.checkpoints:
+            learned = suite.dec_learned.get((side, key))
+            if learned is None:
+                continue
+            scored = dec.score(learned, base)
+            row = {**{k: s[k] for k in ("task", "workers", "topology", "alpha", "horizon")},
+                   "side": side, **scored, "speedup": _r(scored["speedup"]),
+                   "wall_speedup": _r(scored["wall_speedup"]),
+                   "diverged": single.diverged(learned["curve"])}  # fmt: skip
+            rows.append(row)
+            best = scored["best_baseline"]
+            panels.setdefault(title, {f"{best} {base[best]['lr']:g}": base[best]["curve"]})
+            panels[title][side] = learned["curve"]
+    return rows, panels
+
+
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return _r(statistics.median(xs)) if xs else None
+
+
+def summarise(side: str, singles: list[dict], decs: list[dict]) -> dict:
+    """The issue's criteria for one learned side."""
+    s = [r for r in singles if r["side"] == side]
+    d = [r for r in decs if r["side"] == side]
+    mults = [m for r in s for m in r["lr_mult"].values()]
+    speeds = [r["speedup"] for r in s + d]
+    return {
+        "median_speedup_single": _median([r["speedup"] for r in s]),
+        "median_speedup_decentralized": _median([r["speedup"] for r in d]),
+        "min_speedup": min(speeds) if speeds else None,
+        "divergences": sum(r["diverged"] for r in s + d) + sum(m["diverged"] for m in mults),
+        "median_wall_speedup_single": _median([r["wall_speedup"] for r in s]),
+        "median_wall_speedup_decentralized": _median([r["wall_speedup"] for r in d]),
+        "rows_below_0.8": [
+            f"{r['task']}@{r['horizon']}" + (f" {r['workers']}w" if "workers" in r else "")
+            for r in s + d
+            if r["speedup"] < 0.8
+        ],  # fmt: skip
+        "lr_mult_within_2x": f"{sum(m['within_2x'] for m in mults)}/{len(mults)}",
+        "single_rows": len(s),
+        "decentralized_rows": len(d),
+    }
+
+
+def assemble(suite, seconds: float) -> tuple[dict, dict]:
+    """The JSON payload (``summary`` of the first learned side at the top) and the plot
+    panels."""
+    singles, p1 = single_rows(suite)
+    decs, p2 = decentralized_rows(suite)
+    summaries = {side: summarise(side, singles, decs) for side in suite.sides}
+    expected_single = len(suite.sides) * sum(len(suite.horizons(t)) for t in suite.tasks)
+    expected_dec = len(suite.checkpoints) * len(suite.settings)
+    complete = not suite.pending and len(singles) == expected_single and len(decs) == expected_dec
+    payload = {
+        "benchmark": "quality_heldout",
+        "complete": complete,
+        "quick": suite.args.quick,
+        "sides": suite.sides,
+        "summary": {"side": suite.sides[0], **summaries[suite.sides[0]]},
+        "summaries": summaries,
+        "targets": TARGETS,
+        "single": singles,
+        "decentralized": decs,
+        "expected_rows": {"single": expected_single, "decentralized": expected_dec},
+        "seed": 0,
+        "adamw_grid": list(suite.grid),
+        "lr_mults": list(single.LR_MULTS),
+        "wall_seconds": round(seconds, 1),
+    }
+    return payload, {**p1, **p2}

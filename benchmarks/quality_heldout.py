@@ -1,0 +1,340 @@
+"""Held-out suite: the learned optimizer, untuned, on tasks meta-training never sees.
+
+Single worker: every held-out task (``learned_opt.tasks.list_heldout_tasks()``) at two
+horizons (200 steps, and 1500-2000), against AdamW tuned per task and horizon over 6
+learning rates (extended at an edge), constant and cosine. Decentralized: simulated
+workers on label-skewed data, learned optimizer + learned mixing against tuned D-SGD,
+D-Adam and DSGT, scored on the averaged model's loss on the whole training set. Speedups
+by step count (the README's definition) and by wall clock (the step-count speedup times
+the ratio of step times measured side by side), the learned side at lr multipliers 0.3
+and 3, and divergences. One seed (0).
+
+Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json``,
+so evaluating a new checkpoint only runs the learned side. Writes
+``benchmarks/results/quality_heldout.json`` (``--quick``: ``quality_heldout_quick.json``)
+and a PNG of loss curves beside it.
+
+    python -m benchmarks.quality_heldout                          # full suite, default
+    python -m benchmarks.quality_heldout --checkpoint default adam_init
+    python -m benchmarks.quality_heldout --quick --factory mypkg.rules:make_opt
+    python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
+
+A factory ``module:function`` is a callable ``(params, lr_mult) -> torch.optim.Optimizer``;
+it is evaluated single-worker only (decentralized runs need a checkpoint's mixing head).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+from benchmarks import heldout_decentralized as dec
+from benchmarks import heldout_single as single
+from benchmarks.common import RESULTS, curves_png, machine, write_json
+from benchmarks.heldout_summary import assemble
+from learned_opt.meta_train.evaluation import BaselineCache, final_loss
+from learned_opt.tasks import list_heldout_tasks
+
+SHORT = 200
+LONG = {"heldout_char_lm": 1500, "heldout_wide_mlp": 1500}  # the costliest at 1500 steps
+DEFAULT_LONG = 2000
+MAX_EXTENSIONS = 2
+#: Relative cost, for the submission order.
+COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 2,
+        "heldout_wide_mlp": 3, "heldout_char_lm": 4}  # fmt: skip
+#: Bumped whenever what a cached baseline run measures changes.
+CACHE_VERSION = 1
+CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json"
+#: Learned-side runs of checkpoints, keyed by the checkpoint's content hash, so a rerun of
+#: the same command (say, after a change to the report) only assembles.
+LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json"
+
+
+def _setting(task, workers, topology, alpha, horizon, every=1) -> dict:
+    return dict(task=task, workers=workers, topology=topology, alpha=alpha,
+                horizon=horizon, every=every, seed=0)  # fmt: skip
+
+
+DEC_FULL = [
+    _setting("heldout_autoencoder", 16, "ring", 0.1, 200),
+    _setting("heldout_autoencoder", 8, "torus", 1.0, 200),
+    _setting("heldout_logreg_l2", 8, "exponential", 0.3, 200),
+    _setting("heldout_logreg_l2", 16, "torus", 0.1, 200),
+    _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
+]
+DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve it
+
+
+class _NoPool:
+    """Stands in for the process pool with --cached-only: jobs are recorded, never run."""
+
+    def submit(self, fn, *args, **kwargs):
+        return object()
+
+
+class Suite:
+    """The jobs of one invocation, their results, and the baseline cache."""
+
+    def __init__(self, args):
+        self.args = args
+        self.cache = BaselineCache(CACHE)
+        self.tasks = args.tasks or list_heldout_tasks()
+        self.sides = list(args.checkpoint) + list(args.factory)
+        self.checkpoints = list(args.checkpoint)
+        self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
+        self.lrs = {t: set(self.grid) for t in self.tasks}
+        self.extensions = {t: 0 for t in self.tasks}
+        plan = DEC_QUICK if args.quick else DEC_FULL
+        self.settings = [s for s in plan if s["task"] in self.tasks]
+        self.learned_cache = BaselineCache(LEARNED_CACHE)
+        self.side_ids = {side: single.side_id(side) for side in self.sides}
+        self.learned: dict = {}  # (side, task, mult) -> curve
+        self.timing: dict = {}  # (side, task) -> ms per step
+        self.dec_learned: dict = {}  # (side, setting key) -> result
+        self.pending: dict = {}  # future -> (kind, key, task)
+        self.done = 0
+
+    def horizons(self, task: str) -> list[int]:
+        return [SHORT] if self.args.quick else [SHORT, LONG.get(task, DEFAULT_LONG)]
+
+    # ------------------------------------------------------------------ AdamW grid
+    def adamw_key(self, task, schedule, lr, steps) -> str:
+        return f"single|{task}|{schedule}|{lr!r}|{steps}|0"
+
+    def adamw_runs(self, task: str) -> dict[str, list[float]]:
+        """Cached AdamW curves of ``task`` on its current grid, keyed for best_adamw (a
+        constant run of the full suite's long horizon serves --quick's short one too)."""
+        out = {}
+        lengths = {SHORT, LONG.get(task, DEFAULT_LONG)}
+        for lr in self.lrs[task]:
+            for schedule in single.SCHEDULES:
+                for steps in lengths:
+                    key = self.adamw_key(task, schedule, lr, steps)
+                    if key in self.cache.data:
+                        out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
+        return out
+
+    def submit_adamw(self, pool, task: str, lr: float, horizons: list[int]) -> None:
+        """AdamW at ``lr``: a cosine run at each horizon and a constant run as long as the
+        longest (its prefixes serve the shorter ones), unless cached."""
+        for schedule, steps in [("cosine", h) for h in horizons] + [("constant", max(horizons))]:
+            key = self.adamw_key(task, schedule, lr, steps)
+            if key not in self.cache.data:
+                f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule)
+                self.pending[f] = ("adamw", key, task)
+
+    def maybe_extend(self, pool, task: str) -> None:
+        """Per horizon, once its grid runs are in, add a rate beyond an edge that holds the
+        best (at most ``2 * MAX_EXTENSIONS`` in all); repeats while the added runs are cached."""
+        added = True
+        while added and self.extensions[task] < 2 * MAX_EXTENSIONS:
+            added = False
+            busy = {int(k.split("|")[4]) for kind, k, t in self.pending.values()
+                    if kind == "adamw" and t == task}  # fmt: skip
+            runs = self.adamw_runs(task)
+            for h in self.horizons(task):
+                if h in busy:
+                    continue
+                best = single.best_adamw({k: c for k, c in runs.items()
+                                          if int(k.split("|")[2]) == h}, h)  # fmt: skip
+                new = best and single.edge_extension(best, sorted(self.lrs[task]))
+                if new and new not in self.lrs[task]:
+                    self.lrs[task].add(new)
+                    self.extensions[task] += 1
+                    added = True
+                    print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
+                          f"steps; adding {new:g}", flush=True)  # fmt: skip
+                    self.submit_adamw(pool, task, new, self.horizons(task))
+
+    def grid_complete(self, task: str, h: int) -> bool:
+        """Whether every AdamW run of ``task``'s grid at horizon ``h`` is in (and no edge
+        extension for it is under way)."""
+        if any(kind == "adamw" and t == task and int(k.split("|")[4]) == h
+               for kind, k, t in self.pending.values()):  # fmt: skip
+            return False
+        runs = self.adamw_runs(task)
+        return all(
+            f"cosine|{lr!r}|{h}" in runs
+            and any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= h for k in runs)
+            for lr in self.lrs[task]
+        )
+
+    # ------------------------------------------------------------------ scheduling
+    def _learned_key(self, kind: str, key: tuple) -> str | None:
+        sid = self.side_ids[key[0]]
+        return None if sid is None else "|".join([kind, sid, *map(str, key[1:])])
+
+    def _store(self, kind: str) -> dict:
+        return {"learned": self.learned, "timing": self.timing, "dec_learned": self.dec_learned}[
+            kind
+        ]
+
+    def submit_learned(self, pool, kind: str, key: tuple, task: str, fn, *args, **kwargs):
+        """Submit a learned-side job unless the learned cache holds its result."""
+        cache_key = self._learned_key(kind, key)
+        if cache_key is not None and cache_key in self.learned_cache.data:
+            self._store(kind)[key] = self.learned_cache.data[cache_key]
+            return
+        self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
+
+    def submit_all(self, pool) -> None:
+        """Submit every job in the order that makes a run stopped early most useful: the
+        short horizon of every task (cheapest first; this is also all that --quick runs),
+        then the decentralized settings, the long horizon, and its lr-multiplier runs."""
+        order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
+        for task in order:
+            self.submit_task(pool, task, SHORT, single.LR_MULTS, timing=True)
+        self.submit_decentralized(pool)
+        if not self.args.quick:
+            for task in order:
+                long = LONG.get(task, DEFAULT_LONG)
+                self.submit_task(pool, task, long, single.LR_MULTS[:1])
+            for task in order:
+                long = LONG.get(task, DEFAULT_LONG)
+                self.submit_task(pool, task, long, single.LR_MULTS[1:], grid=False)
+        for task in order:
+            self.maybe_extend(pool, task)  # when whole grids were cached
+
+    def submit_decentralized(self, pool) -> None:
+        for s in self.settings:
+            key = dec.setting_key(s)
+            if key not in self.cache.data:
+                f = pool.submit(dec.baseline_job, s["task"], s)
+                self.pending[f] = ("dec_base", key, s["task"])
+            for side in self.checkpoints:
+                self.submit_learned(pool, "dec_learned", (side, key), s["task"],
+                                    dec.learned_job, s["task"], s, side)  # fmt: skip
+
+    def submit_task(self, pool, task: str, steps: int, mults: tuple, grid: bool = True,
+                    timing: bool = False) -> None:  # fmt: skip
+        """A task's learned-side runs of ``steps`` steps at ``mults`` (and its step timing),
+        and with ``grid`` the AdamW grid at that horizon."""
+        for side in self.sides:
+            if timing:
+                self.submit_learned(pool, "timing", (side, task), task,
+                                    single.timing_job, task, side)  # fmt: skip
+            for mult in mults:
+                self.submit_learned(pool, "learned", (side, task, mult, steps), task,
+                                    single.run_job, task, side, steps, lr=mult)  # fmt: skip
+        if grid:
+            for lr in sorted(self.lrs[task]):
+                self.submit_adamw(pool, task, lr, [steps])
+
+    def learned_curve(self, side: str, task: str, mult: float, h: int) -> list[float] | None:
+        """The learned side's curve at horizon ``h``: its run of ``h`` steps, else the first
+        ``h`` steps of its longest run."""
+        for steps in (h, max(self.horizons(task))):
+            curve = self.learned.get((side, task, mult, steps))
+            if curve is not None and len(curve) >= h:
+                return curve[:h]
+        return None
+
+    def record(self, pool, future) -> None:
+        kind, key, task = self.pending.pop(future)
+        out = future.result()
+        self.done += 1
+        total = self.done + len(self.pending)
+        if kind == "adamw":
+            self.cache.get(key, lambda: out["curve"])
+            what = f"AdamW {key.split('|', 2)[2]}: final {final_loss(out['curve']):.4g}"
+            self.maybe_extend(pool, task)
+        elif kind == "learned":
+            self._keep(kind, key, out["curve"])
+            what = f"{key[0]} x{key[2]:g}: final {final_loss(out['curve']):.4g}"
+        elif kind == "timing":
+            self._keep(kind, key, out["ms_per_step"])
+            what = f"{key[0]} timing: " + ", ".join(
+                f"{k} {v:.1f} ms" for k, v in out["ms_per_step"].items()
+            )
+        elif kind == "dec_base":
+            self.cache.get(key, lambda: out)
+            what = "decentralized baselines tuned: " + ", ".join(
+                f"{k} lr {out[k]['lr']:g} final {out[k]['final']:.4g}" for k in dec.BASELINES
+            )
+        else:
+            self._keep(kind, key, out)
+            what = f"{key[0]} decentralized: final {final_loss(out['curve']):.4g}"
+        secs = f" ({out['seconds']} s)" if "seconds" in out else ""
+        print(f"[{self.done}/{total}] {task} {what}{secs}", flush=True)
+
+    def _keep(self, kind: str, key: tuple, value) -> None:
+        self._store(kind)[key] = value
+        cache_key = self._learned_key(kind, key)
+        if cache_key is not None:
+            self.learned_cache.get(cache_key, lambda: value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", nargs="*", default=["default"],
+                        help="checkpoints (shipped names or paths) to evaluate")  # fmt: skip
+    parser.add_argument("--factory", nargs="*", default=[],
+                        help="optimizer factories module:function, (params, lr_mult) -> opt")  # fmt: skip
+    parser.add_argument("--tasks", nargs="*", default=None, help="default: every held-out task")
+    parser.add_argument("--quick", action="store_true",
+                        help="200 steps, 3 AdamW rates, 2 of the decentralized settings")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="run nothing: assemble the result from the caches (what is "
+                        "missing is left out and the result marked partial)")  # fmt: skip
+    args = parser.parse_args(argv)
+    sides = list(args.checkpoint) + list(args.factory)
+    if not sides:
+        parser.error("give at least one --checkpoint or --factory")
+    unknown = sorted(set(args.tasks or []) - set(list_heldout_tasks()))
+    if unknown:
+        parser.error(f"unknown held-out tasks {unknown}; valid choices: {list_heldout_tasks()}")
+    for side in args.factory:
+        if not single.is_factory(side):
+            parser.error(f"--factory takes module:function, got {side!r}")
+    for side in sides:  # fail before any work: bad checkpoint file, unimportable factory
+        single.resolve_side(side)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    name = args.out or ("quality_heldout_quick" if args.quick else "quality_heldout")
+    previous = RESULTS / f"{name}.json"
+    measured = {}  # --cached-only keeps the record of the run that measured
+    if args.cached_only and previous.exists():
+        old = json.loads(previous.read_text())
+        measured = {k: old[k] for k in ("command", "wall_seconds", "load_average", "date")
+                    if k in old}  # fmt: skip
+    suite = Suite(args)
+    start = time.perf_counter()
+    command = "python -m benchmarks.quality_heldout " + " ".join(argv or sys.argv[1:])
+    loads: list[float] = []  # the machine's load while measuring, for the record
+
+    def snapshot(quiet: bool):
+        loads.append(os.getloadavg()[0])
+        payload, panels = assemble(suite, time.perf_counter() - start)
+        payload.update(load_average=round(sum(loads) / len(loads), 1), command=command.strip())
+        payload = {**payload, **machine(), **measured}
+        write_json(name, payload, quiet=quiet)
+        return payload, panels
+
+    if args.cached_only:
+        suite.submit_all(_NoPool())
+        print(f"--cached-only: {len(suite.pending)} jobs not run", flush=True)
+    else:
+        with ProcessPoolExecutor(args.jobs) as pool:
+            suite.submit_all(pool)
+            print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
+            while suite.pending:
+                finished, _ = wait(list(suite.pending), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    suite.record(pool, future)
+                snapshot(quiet=True)
+    payload, panels = snapshot(quiet=False)
+    curves_png(name, panels, ncols=5)
+    s = payload["summary"]
+    print(f"{sides[0]}: median speedup single {s['median_speedup_single']}, decentralized "
+          f"{s['median_speedup_decentralized']}, min {s['min_speedup']}, divergences "
+          f"{s['divergences']}; {(time.perf_counter() - start) / 60:.1f} min")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Renderer of the README's headline section: the held-out suite (see ``report.py``)."""
+
+from __future__ import annotations
+
+from benchmarks.report import markdown_table, section
+from benchmarks.report_sections import _f, _measured, _x
+
+
+def _pair(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    wall = row.get("wall_speedup")
+    flag = " (diverged)" if row.get("diverged") else ""
+    return f"{_x(row['speedup'])} / {_x(wall) if wall is not None else '-'}{flag}"
+
+
+def _mult(row: dict, m: str) -> str:
+    r = row["lr_mult"].get(m)
+    if r is None:
+        return "-"
+    return "diverged" if r["diverged"] else _x(r["speedup"])
+
+
+def _single_table(r: dict) -> str:
+    sides = r["sides"]
+    by = {(x["task"], x["horizon"], x["side"]): x for x in r["single"]}
+    keys = sorted({(x["task"], x["horizon"]) for x in r["single"]}, key=lambda k: (k[0], k[1]))
+    header = ["task", "params", "steps", "tuned AdamW (lr, schedule)", "final loss ours / AdamW"]
+    header += [f"`{s}` speedup steps / wall" for s in sides]
+    header += [f"`{sides[0]}` at lr x0.3", "at lr x3"]
+    rows = []
+    for task, h in keys:
+        first = by.get((task, h, sides[0])) or next(by[(task, h, s)] for s in sides
+                                                    if (task, h, s) in by)  # fmt: skip
+        a = first["adamw"]
+        rows.append(
+            [task.removeprefix("heldout_"), f"{first['num_params']:,}", h,
+             f"{a['lr']:g}, {a['schedule']}", f"{_f(first['learned_final'])} / {_f(a['final'])}"]
+            + [_pair(by.get((task, h, s))) for s in sides]
+            + [_mult(first, "0.3"), _mult(first, "3")]
+        )  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def _decentralized_table(r: dict) -> str:
+    sides = [s for s in r["sides"] if any(x["side"] == s for x in r["decentralized"])]
+    groups: dict = {}
+    for x in r["decentralized"]:
+        key = (x["task"], x["workers"], x["topology"], x["alpha"], x["horizon"])
+        groups.setdefault(key, {})[x["side"]] = x
+    header = ["task", "workers", "topology", "Dirichlet alpha", "steps", "best tuned (lr)",
+              "avg-model loss ours / best"] + [f"`{s}` speedup steps / wall" for s in sides]  # fmt: skip
+    rows = []
+    for (task, w, topo, alpha, h), per in groups.items():
+        first = per.get(sides[0]) or next(iter(per.values()))
+        best = first["best_baseline"]
+        b = first["baselines"][best]
+        rows.append(
+            [task.removeprefix("heldout_"), w, topo, alpha, h, f"{best} ({b['lr']:g})",
+             f"{_f(first['learned_final'])} / {_f(b['final'])}"]
+            + [_pair(per.get(s)) for s in sides]
+        )  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def _summary_line(side: str, s: dict) -> str:
+    def num(v):
+        return "-" if v is None else _x(v)
+
+    below = ", ".join(s["rows_below_0.8"]) or "none"
+    return (
+        f"`{side}`: median speedup **{num(s['median_speedup_single'])}** single-worker "
+        f"(wall clock {num(s['median_wall_speedup_single'])}), "
+        f"**{num(s['median_speedup_decentralized'])}** decentralized (wall clock "
+        f"{num(s['median_wall_speedup_decentralized'])}); minimum {num(s['min_speedup'])} "
+        f"(rows below 0.8x: {below}); divergences {s['divergences']}; lr multipliers 0.3 and "
+        f"3 within 2x of the default's speedup: {s['lr_mult_within_2x']}."
+    )
+
+
+@section("quality_heldout")
+def render_quality_heldout(r: dict) -> str:
+    partial = ""
+    if not r["complete"]:
+        exp = r["expected_rows"]
+        partial = (
+            f"**Partial run: {len(r['single'])} of {exp['single']} single-worker and "
+            f"{len(r['decentralized'])} of {exp['decentralized']} decentralized rows measured; "
+            "the rest were still running.** "
+        )
+    t = r["targets"]
+    load = ""
+    if "load_average" in r:
+        load = f" Mean load average while measuring: {r['load_average']:g} (on its cores)."
+    summaries = "\n".join(f"- {_summary_line(side, s)}" for side, s in r["summaries"].items())
+    return (
+        "Single worker, against AdamW tuned per task and horizon:\n\n"
+        + _single_table(r)
+        + "\n\nDecentralized (simulated workers, label-skewed data), learned optimizer with "
+        "learned mixing against the best of D-SGD, D-Adam and DSGT, each Metropolis-mixed and "
+        "tuned per setting; scored on the averaged model's loss on the whole training set:\n\n"
+        + _decentralized_table(r)
+        + f"\n\n{summaries}\n\n{partial}Targets: median {t['median_speedup_single']} single "
+        f"and {t['median_speedup_decentralized']} decentralized, minimum "
+        f"{t['min_speedup']}, {t['divergences']} divergences. Speedup = steps the tuned "
+        "baseline needs to reach a loss level / steps ours needs, at the worse of the two "
+        "best smoothed levels (below 1: slower); wall = that times the ratio of step times "
+        "(forward, backward and optimizer; for the decentralized rows one simulated step of "
+        "all workers in one process, learned mixing included), measured side by side. AdamW "
+        f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
+        "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
+        "step speedups at those multipliers). A run diverged if its loss went non-finite or "
+        f"ended above its start. Seed {r['seed']}. {_measured(r)}{load} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
+        f"`{r['command']}`. Plot: "
+        "`benchmarks/results/quality_heldout.png`."
+    )

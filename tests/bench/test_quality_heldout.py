@@ -1,0 +1,131 @@
+"""The held-out suite's benchmark: tuning, scoring, caching, the learned side and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common, quality_heldout  # noqa: E402
+from benchmarks import heldout_single as single  # noqa: E402
+from benchmarks.report_heldout import render_quality_heldout  # noqa: E402
+from learned_opt import CheckpointError  # noqa: E402
+
+
+def test_best_adamw_cuts_constant_runs_and_keeps_cosine_at_its_horizon():
+    runs = {
+        "constant|0.001|100": [1.0] * 50 + [0.5] * 50,  # at 20 steps: 1.0
+        "cosine|0.01|20": [0.9] * 20,
+        "cosine|0.1|100": [0.1] * 100,  # another horizon: not a candidate at 20
+    }
+    best = single.best_adamw(runs, 20)
+    assert (best["lr"], best["schedule"]) == (0.01, "cosine")
+    assert set(best["grid"]) == {"constant|0.001", "cosine|0.01"}
+    best = single.best_adamw(runs, 100)
+    assert (best["lr"], best["schedule"], len(best["curve"])) == (0.1, "cosine", 100)
+    assert single.best_adamw(runs, 200) is None
+
+
+def test_edge_extension():
+    lrs = [1e-3, 1e-2, 1e-1]
+    assert single.edge_extension({"lr": 1e-2}, lrs) is None
+    assert single.edge_extension({"lr": 1e-1}, lrs) == pytest.approx(0.316)
+    assert single.edge_extension({"lr": 1e-3}, lrs) == pytest.approx(3.16e-4)
+
+
+def test_diverged():
+    assert single.diverged([1.0, 0.5, math.inf])
+    assert single.diverged([1.0] + [2.0] * 20)
+    assert not single.diverged([1.0] + [0.5] * 20)
+    assert single.diverged([])
+
+
+def test_any_torch_optimizer_runs_on_a_task_through_a_factory():
+    factory = single.resolve_side("torch.optim:SGD")  # SGD(params, lr) is a factory
+    curve = single.run("heldout_logreg_l2", factory, 30, lr_mult=0.5)
+    assert len(curve) == 30 and curve[-1] < curve[0]
+    cos = single.run("heldout_logreg_l2", factory, 30, lr_mult=0.5, schedule="cosine")
+    assert cos != curve
+    with pytest.raises(ValueError, match="schedule"):
+        single.run("heldout_logreg_l2", factory, 3, schedule="linear")
+
+
+@pytest.mark.parametrize(
+    "side, error, match",
+    [
+        ("no_such_module_xyz:make", ValueError, "cannot be imported"),
+        ("torch.optim:no_such_fn", ValueError, "cannot be imported"),
+        ("math:pi", ValueError, "not callable"),
+        ("no_such_checkpoint", CheckpointError, "no_such_checkpoint"),
+    ],
+)
+def test_bad_learned_side(side, error, match):
+    with pytest.raises(error, match=match):
+        single.resolve_side(side)
+
+
+def test_side_id_tracks_the_checkpoint_content(tmp_path):
+    path = tmp_path / "copy.pt"
+    path.write_bytes((ROOT / "checkpoints" / "adam_init.pt").read_bytes())
+    a = single.side_id(str(path))
+    path.write_bytes((ROOT / "checkpoints" / "default.pt").read_bytes())
+    assert single.side_id(str(path)) != a
+    assert single.side_id("torch.optim:SGD") is None
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--tasks", "digits_mlp"], "unknown held-out tasks"),
+        (["--factory", "not_a_factory"], "module:function"),
+        (["--checkpoint"], "at least one"),
+    ],
+)
+def test_bad_command_line(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        quality_heldout.main(argv)
+    assert match in capsys.readouterr().err
+
+
+@pytest.fixture
+def tiny_suite(monkeypatch, tmp_path):
+    """The suite on one small task, 30 steps, with its caches and results under tmp_path."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(quality_heldout, "CACHE", tmp_path / "baselines.json")
+    monkeypatch.setattr(quality_heldout, "LEARNED_CACHE", tmp_path / "learned.json")
+    monkeypatch.setattr(quality_heldout, "SHORT", 30)
+    setting = quality_heldout._setting("heldout_logreg_l2", 4, "ring", 0.3, 30)
+    monkeypatch.setattr(quality_heldout, "DEC_QUICK", [setting])
+    return tmp_path
+
+
+def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
+    argv = ["--quick", "--tasks", "heldout_logreg_l2", "--checkpoint", "adam_init",
+            "--factory", "torch.optim:SGD", "--jobs", "1"]  # fmt: skip
+    assert quality_heldout.main(argv) == 0
+    result = json.loads((tiny_suite / "quality_heldout_quick.json").read_text())
+    assert result["complete"] and result["sides"] == ["adam_init", "torch.optim:SGD"]
+    summary = result["summary"]
+    for key in ("median_speedup_single", "median_speedup_decentralized", "min_speedup"):
+        assert summary[key] > 0
+    assert summary["divergences"] >= 0
+    assert {r["side"] for r in result["single"]} == {"adam_init", "torch.optim:SGD"}
+    assert {r["side"] for r in result["decentralized"]} == {"adam_init"}  # checkpoints only
+    row = result["single"][0]
+    assert set(row["lr_mult"]) == {"0.3", "3"} and row["wall_speedup"] > 0
+    assert (tiny_suite / "quality_heldout_quick.png").exists()
+    text = render_quality_heldout(result)
+    assert "logreg_l2" in text and "Partial" not in text and "`adam_init`" in text
+    assert "Partial run" in render_quality_heldout({**result, "complete": False})
+
+    capsys.readouterr()
+    assert quality_heldout.main(argv) == 0  # baselines and the checkpoint's runs cached:
+    out = capsys.readouterr().out  # only the factory runs again (3 multipliers, timing)
+    assert "\n4 jobs on 1 processes" in "\n" + out
