@@ -39,6 +39,10 @@ class NetConfig:
     output: str = "adam"
     ortho_step_mult: float = 2e-3  # RMS of a matrix's step at zero heads ("ortho" only)
     ortho_min_dim: int = 2  # smallest dimension of a matrix that is orthogonalised
+    # Largest "smaller dimension" of a matrix that is orthogonalised: Newton-Schulz costs
+    # about 10 * r^2 * c FLOPs per iteration for r <= c (a 1024 x 1024 matrix: 50 GFLOP a
+    # step), so larger matrices take the Adam form unless this is raised (on a GPU, say).
+    ortho_max_dim: int = 256
     ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
 
@@ -61,7 +65,7 @@ class NetConfig:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
-        for name in ("ortho_min_dim", "ns_steps"):
+        for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"NetConfig.{name} must be a positive integer")
         if len(self.time_taus) == 0 or any(float(t) <= 0 for t in self.time_taus):

@@ -11,8 +11,9 @@ before the orthogonalisation (the network shapes the direction; the scale stays 
 
 where ``scale = -lr * step_mult * exp(log_scale)`` is the per-tensor step scale. With zero
 heads a matrix moves by exactly ``lr * ortho_step_mult`` (RMS) per step, along the
-orthogonalised 0.9 momentum. A matrix is a 2-D tensor whose dimensions are both at least
-``cfg.ortho_min_dim``; convolution kernels (4-D) and vectors take the Adam form.
+orthogonalised 0.9 momentum. A matrix is a 2-D tensor whose smaller dimension lies in
+``[cfg.ortho_min_dim, cfg.ortho_max_dim]`` (the upper bound caps the cost of Newton-Schulz);
+other matrices, convolution kernels (4-D) and vectors take the Adam form.
 
 Everything here works on the layout-neutral view of :mod:`learned_opt.segments`
 (``[..., P]`` with leading rows), is differentiable, and runs under ``torch.func.vmap``.
@@ -55,7 +56,9 @@ def unit_rms(x: Tensor, dim=-1) -> Tensor:
 
 def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
     """Whether a tensor of ``shape`` takes the orthogonalised step under ``cfg``."""
-    return cfg.output == "ortho" and len(shape) == 2 and min(shape) >= cfg.ortho_min_dim
+    if cfg.output != "ortho" or len(shape) != 2:
+        return False
+    return cfg.ortho_min_dim <= min(shape) <= cfg.ortho_max_dim
 
 
 def shape_direction(cfg: NetConfig, shapes, direction: Tensor, m1: Tensor, d: Tensor) -> Tensor:

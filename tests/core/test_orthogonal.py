@@ -28,6 +28,8 @@ def test_which_tensors_are_matrices():
     assert is_matrix((64, 32), ORTHO) and not is_matrix((64, 32), NetConfig())
     assert not is_matrix((64,), ORTHO) and not is_matrix((8, 1, 3, 3), ORTHO)
     assert not is_matrix((1, 30), ORTHO)  # a row vector takes the Adam form
+    assert not is_matrix((300, 1000), ORTHO)  # too costly to orthogonalise by default
+    assert is_matrix((300, 1000), NetConfig(output="ortho", ortho_max_dim=300))
     with pytest.raises(ValueError, match="output must be one of"):
         NetConfig(output="sgd")
 
