@@ -32,10 +32,10 @@ PRESETS: dict[str, tuple[dict, str]] = {
     "ortho_init": (
         {"output": "ortho", "ortho_min_dim": 16, "max_log_scale": 3.0},
         _NOT_TRAINED
-        + "The output heads are zero, so 2-D weight matrices whose dimensions are both at "
-        "least 16 move along the Newton-Schulz orthogonalised 0.9 momentum by an RMS of "
+        + "The output heads are zero, so 2-D weight matrices whose smaller dimension is "
+        "16 to 256 move along the Newton-Schulz orthogonalised 0.9 momentum by an RMS of "
         "2e-3 per step (a Muon-style rule), and every other tensor (vectors, convolution "
-        "kernels, small heads) takes exactly Adam(lr=1e-3). "
+        "kernels, small heads, larger matrices) takes exactly Adam(lr=1e-3). "
         + _MIXING
         + "The starting point of the ortho meta-training chain.",
     ),
