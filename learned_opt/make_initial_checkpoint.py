@@ -23,8 +23,7 @@ _MIXING = "The mixing weights are exactly Metropolis-Hastings 1/(1+max degree). 
 PRESETS: dict[str, tuple[dict, str]] = {
     "adam_init": (
         {},
-        _NOT_TRAINED
-        + "The output heads are zero, so the local update is exactly Adam(lr=1e-3, "
+        _NOT_TRAINED + "The output heads are zero, so the local update is exactly Adam(lr=1e-3, "
         "betas=(0.9, 0.999), eps=1e-8). "
         + _MIXING
         + "It is a correct starting point for meta-training, not an improvement over Adam.",

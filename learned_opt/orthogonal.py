@@ -61,6 +61,12 @@ def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
     return cfg.ortho_min_dim <= min(shape) <= cfg.ortho_max_dim
 
 
+def needs_whole_tensor(cfg: NetConfig, shape) -> bool:
+    """Whether the output stage of a tensor of ``shape`` reduces over the whole tensor, so
+    that a layout which sees it in chunks cannot step it."""
+    return cfg.normalize or is_matrix(tuple(shape), cfg)
+
+
 def shape_direction(cfg: NetConfig, shapes, direction: Tensor, m1: Tensor, d: Tensor) -> Tensor:
     """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``.
 

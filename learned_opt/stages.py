@@ -21,11 +21,6 @@ from .network import Theta, tensor_head
 from .orthogonal import shape_direction
 
 
-def needs_whole_tensors(cfg: NetConfig) -> bool:
-    """Whether the output stage reduces over whole tensors (so chunks cannot apply it)."""
-    return cfg.output != "adam" or cfg.normalize
-
-
 def tensor_context(
     theta: Theta, cfg: NetConfig, ms: Tensor, v_mean: Tensor, shapes, step, lr
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -67,10 +62,10 @@ def apply_update(
     With ``scratch`` (shaped like ``v``), the no-grad fast path: everything is computed in
     place, ``d`` and ``log_mag`` are overwritten and ``p`` is updated and returned.
 
-    Under ``cfg.output == "ortho"`` (or ``cfg.normalize``) the direction of each tensor is
-    then shaped by :func:`~learned_opt.orthogonal.shape_direction`, which needs the whole
-    tensors: ``shapes`` gives the segments of the last dim, and the in-place path (which
-    sees chunks) is refused.
+    With ``shapes`` (the segments of the last dim: whole tensors), the direction of each
+    tensor is then shaped by :func:`~learned_opt.orthogonal.shape_direction` (the "ortho"
+    matrices, ``cfg.normalize``). Without, the elements are a chunk of one tensor that
+    needs no shaping (:func:`~learned_opt.orthogonal.needs_whole_tensor` is False for it).
 
     A per-tensor reduction here (for example a unit-RMS normalisation of the direction)
     needs the whole tensor's ``d``: every caller but the chunked path holds it; the chunked
@@ -84,12 +79,7 @@ def apply_update(
     adam = adam_direction(m1, v, step, cfg.eps, out=scratch)
     direction = torch.add(d, adam, out=into(d))
     direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction, out=into(d))
-    if needs_whole_tensors(cfg):
-        if inplace or shapes is None:
-            raise ValueError(
-                f"output {cfg.output!r} (normalize={cfg.normalize}) needs whole tensors "
-                "and their shapes; the chunked in-place path cannot apply it"
-            )
+    if shapes is not None:
         direction = shape_direction(cfg, shapes, direction, m1, d)
     magnitude = torch.exp(log_mag, out=into(log_mag))
     magnitude = torch.mul(magnitude, scale, out=into(log_mag))

@@ -5,12 +5,12 @@ import torch
 from torch.func import grad, vmap
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, save_checkpoint
+from learned_opt._chunked import chunked_step_
 from learned_opt.features import init_state
 from learned_opt.flat import flat_step, init_flat_state
 from learned_opt.functional import learned_step
 from learned_opt.orthogonal import is_matrix, newton_schulz, unit_rms
 from learned_opt.segments import FlatLayout
-from learned_opt.stages import apply_update
 
 ORTHO = NetConfig(output="ortho")
 
@@ -92,9 +92,16 @@ def test_layouts_agree(normalize):
 
 
 def test_chunked_path_refuses_whole_tensor_outputs():
-    z = torch.zeros(4)
-    with pytest.raises(ValueError, match="needs whole tensors"):
-        apply_update(ORTHO, z.clone(), z.clone(), z.clone(), z, z, 1, -1.0, scratch=z.clone())
+    """Orthogonalised matrices and normalised tensors never take the chunked layout; tensors
+    of the Adam form under "ortho" still do (the dispatcher sends them there)."""
+    theta = _net(ORTHO).theta()
+    for cfg, shape in ((ORTHO, (32, 32)), (NetConfig(normalize=True), (4096,))):
+        p = torch.zeros(shape)
+        with pytest.raises(ValueError, match="chunks cannot step them"):
+            chunked_step_(theta, cfg, [p], [torch.ones(shape)], [init_state(p)], 1)
+    p = torch.zeros(4096)
+    assert chunked_step_(theta, ORTHO, [p], [torch.ones(4096)], [init_state(p)], 1) == [True]
+    assert p.abs().max() > 0
 
 
 def test_meta_gradient_flows_through_the_orthogonalisation_under_vmap():
