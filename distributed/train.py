@@ -30,6 +30,7 @@ from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.tasks import get_task
 
+from .averaging import all_reduce_mean_
 from .gossip import GossipOptimizer
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -87,16 +88,6 @@ def _local_optimizer(args, params):
     return torch.optim.SGD(params, lr=lr)
 
 
-def _average_gradients(params, comm: ProcessGroupCommunicator, step: int) -> None:
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, step, "gradient all_reduce").div_(comm.world_size)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def local_device() -> torch.device:
     """This rank's device: ``cuda:(LOCAL_RANK mod GPUs)`` where CUDA is available, else CPU."""
     if not torch.cuda.is_available():
@@ -152,14 +143,13 @@ def train(args: argparse.Namespace) -> dict:
             writer=writer,
         )
     start, losses, sent = time.perf_counter(), [], 0
-    nbytes = sum(p.numel() * p.element_size() for p in params)
     for step in range(args.steps):
         opt.zero_grad()
         loss = task.module_loss(module, next(data))
         loss.backward()
         if args.mixing == "allreduce":
-            _average_gradients(params, comm, step)
-            sent += 2 * (world - 1) * nbytes // world  # a ring all_reduce, per worker
+            grads = [p.grad for p in params if p.grad is not None]
+            sent += all_reduce_mean_(grads, comm, step, "gradient all_reduce")
         if isinstance(opt, (GossipOptimizer, LearnedOptimizer)):
             opt.step(loss=loss.detach())
         else:
@@ -177,12 +167,8 @@ def train(args: argparse.Namespace) -> dict:
             [sum(losses[-10:]) / len(losses[-10:])], dtype=torch.float64, device=device
         )
         comm.all_reduce(tail, args.steps, "final loss all_reduce")
-        flat = torch.cat([y.reshape(-1) for y in ys]).clone()
-        comm.all_reduce(flat, args.steps, "model averaging all_reduce").div_(world)
-        averaged, offset = {}, 0
-        for name, p in module.named_parameters():
-            averaged[name] = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        averaged = {name: p.detach().clone() for name, p in module.named_parameters()}
+        all_reduce_mean_(averaged.values(), comm, args.steps, "model averaging all_reduce")
     metrics = task.evaluate(averaged)
     averaged_train_loss = task.evaluate(averaged, split="train")["loss"]
     summary = {

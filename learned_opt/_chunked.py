@@ -6,8 +6,8 @@
 in four phases:
 
 1. the sums of squares of each gradient and parameter: the masking rule and rms(g);
-2. per chunk: the moment update in place, and the features (into a scratch buffer) with
-   the sums of squares of their rows, which add up over the chunks of a tensor;
+2. per chunk: the moment update in place, and the feature rows (the computed ones into a
+   scratch buffer) with their sums of squares, which add up over the chunks of a tensor;
 3. the per-tensor stage, once for all tensors;
 4. per chunk: the features again, the per-element MLP (the feature normalisation folded
    into its first layer) and the output stage, in place.
@@ -29,6 +29,7 @@ from .config import NUM_ELEMENT_FEATURES, NetConfig
 from .features import (
     compute_dtype,
     element_features,
+    feature_rows,
     safe_sqrt,
     stepped,
     sum_squares,
@@ -97,13 +98,12 @@ def _moments_and_sums(task, workspace: dict, cfg: NetConfig) -> Tensor:
     g, m, v = t.flat_g[lo:hi], t.flat_m[:, lo:hi], t.flat_v[lo:hi]
     update_moments(g, m, v, inplace=True)
     (x,) = _buffers(workspace, (NUM_ELEMENT_FEATURES,), hi - lo, t.flat_p)
-    x = element_features(t.flat_p[lo:hi], g, m, v, g_rms, cfg, out=x)
-    squares = torch.bmm(x.unsqueeze(-2), x.unsqueeze(-1)).reshape(-1)
-    return torch.cat([squares, v.sum().reshape(1)])
+    rows = feature_rows(t.flat_p[lo:hi], g, m, v, g_rms, cfg, out=x)
+    return torch.stack([torch.dot(row, row) for row in rows] + [v.sum()])
 
 
-def _buffers(workspace: dict, rows: tuple[int, int], k: int, like: Tensor) -> list[Tensor]:
-    """Two ``(rows[i], k)`` scratch blocks cut from one flat buffer kept in ``workspace``
+def _buffers(workspace: dict, rows: tuple[int, ...], k: int, like: Tensor) -> list[Tensor]:
+    """``(rows[i], k)`` scratch blocks cut from one flat buffer kept in ``workspace``
     (per dtype and device, grown when too small; the cut views are cached with it)."""
     key, need = (like.dtype, str(like.device)), sum(rows) * k
     buf, views = workspace.get(key, (None, {}))

@@ -81,6 +81,33 @@ def sum_squares(x: Tensor) -> Tensor:
     return torch.dot(flat, flat)
 
 
+def feature_rows(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    g_rms: Tensor | float,
+    cfg: NetConfig,
+    out: Tensor | None = None,
+) -> list[Tensor]:
+    """The 11 unnormalised per-element features, as rows ``[..., n]``.
+
+    Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps),
+    rsqrt(v + eps). ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms``
+    (broadcastable to ``g``) is the rms over the whole tensor, so the features of a chunk
+    equal those of the full tensor. The rows that are inputs (g, p, m) are returned as
+    they are; the computed rows are written into the matching rows of ``out``
+    (``[..., 11, n]``) when it is given.
+    """
+    rows: list = [None] * NUM_ELEMENT_FEATURES if out is None else list(out.unbind(-2))
+    r = torch.rsqrt(torch.add(v, cfg.eps, out=rows[10]), out=rows[10])
+    clip_g = torch.div(g, g_rms + TINY, out=rows[1])
+    clip_g = torch.clamp(clip_g, -cfg.clip_value, cfg.clip_value, out=rows[1])
+    m_r = torch.mul(m, r.unsqueeze(-2), out=None if out is None else out[..., 6:9, :])
+    g_r = torch.mul(g, r, out=rows[9])
+    return [g, clip_g, p, *m.unbind(-2), *m_r.unbind(-2), g_r, r]
+
+
 def element_features(
     p: Tensor,
     g: Tensor,
@@ -90,25 +117,14 @@ def element_features(
     cfg: NetConfig,
     out: Tensor | None = None,
 ) -> Tensor:
-    """Unnormalised per-element features ``[..., 11, n]``.
-
-    Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps),
-    rsqrt(v + eps). ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms``
-    (broadcastable to ``g``) is the rms over the whole tensor, so the features of a chunk
-    equal those of the full tensor. ``out`` (contiguous, ``[11, n]``) receives the rows.
-    """
-    rows: list = [None] * NUM_ELEMENT_FEATURES if out is None else list(out.unbind(-2))
-    r = torch.rsqrt(torch.add(v, cfg.eps, out=rows[10]), out=rows[10])
-    clip_g = torch.div(g, g_rms + TINY, out=rows[1])
-    clip_g = torch.clamp(clip_g, -cfg.clip_value, cfg.clip_value, out=rows[1])
-    m_r = torch.mul(m, r.unsqueeze(-2), out=None if out is None else out[..., 6:9, :])
-    g_r = torch.mul(g, r, out=rows[9])
+    """The :func:`feature_rows` as one tensor ``[..., 11, n]``, built in ``out`` (contiguous)
+    on the no-grad fast path."""
+    rows = feature_rows(p, g, m, v, g_rms, cfg, out)
     if out is None:
-        one_row = [t.unsqueeze(-2) for t in (g, clip_g, p, g_r, r)]
-        return torch.cat([*one_row[:3], m, m_r, *one_row[3:]], dim=-2)
-    rows[0].copy_(g)
-    rows[2].copy_(p)
-    out[..., 3:6, :].copy_(m)
+        return torch.stack(rows, dim=-2)
+    for dst, row in zip(out.unbind(-2), rows):
+        if dst.data_ptr() != row.data_ptr():  # an input row, not computed in place
+            dst.copy_(row)
     return out
 
 

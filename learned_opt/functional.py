@@ -92,6 +92,11 @@ def learned_step(
         stack_same_shape: stack large same-shape tensors; ``None``: on accelerators only.
         runner: worker threads for the chunked layout on CPU.
     """
+    if not len(params) == len(grads) == len(states):
+        raise ValueError(
+            f"learned_step needs one gradient and one state per parameter, got "
+            f"{len(params)} params, {len(grads)} grads and {len(states)} states"
+        )
     theta_for = theta if callable(theta) else _cast(theta)
     index = {id(s): i for i, s in enumerate(states)}
     ok = [True] * len(params)

@@ -4,11 +4,9 @@ The meta-parameters ``theta`` live only here, as an ``nn.Module``. Every forward
 also a pure function of a ``theta`` dict (``dict(net.named_parameters())``), so the same
 code runs under ``torch.func.functional_call``, ``grad`` and ``vmap`` in meta-training.
 
-Output parameterisation (Adam is built in; zero-initialised heads give exactly Adam)::
-
-    update = -lr * step_mult * exp(log_scale) * clamp(adam_dir + d) * exp(exp_mult * a)
-
-(``adam_dir`` is Adam's bias-corrected ``m_hat / (sqrt(v_hat) + eps)``.)
+The per-element MLP outputs a direction ``d`` and a log magnitude; the output stage that
+turns them into the update is :func:`learned_opt.stages.apply_update` (Adam is built in;
+zero-initialised heads give exactly Adam).
 
 Mixing weights lie in ``[0, 1 / max_degree]`` and start at Metropolis-Hastings
 ``1 / (1 + max_degree)``.

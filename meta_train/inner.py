@@ -16,9 +16,10 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
-from learned_opt.config import NetConfig
+from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
+from learned_opt.features import adam_direction
 from learned_opt.flat import flat_step, init_flat_state
 from learned_opt.segments import FlatLayout, segment_mean
 
@@ -62,10 +63,10 @@ class InnerOptimizer:
             )
             return p, {"m": m, "v": v}
         if self.kind in ("adam", "adamw"):
-            b1, b2, eps = 0.9, 0.999, 1e-8
+            b1, b2 = MOMENTUM_DECAYS[0], SECOND_MOMENT_DECAY  # Adam's (0.9, 0.999)
             m = b1 * state["m"] + (1 - b1) * g
             v = b2 * state["v"] + (1 - b2) * g * g
-            upd = (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps)
+            upd = adam_direction(m, v, step, eps=1e-8)
             if self.kind == "adamw":  # decoupled weight decay, torch's default 1e-2
                 upd = upd + self.weight_decay * p
             return p - self.lr * upd, {"m": m, "v": v}

@@ -109,7 +109,7 @@ def stack_params(params: list[Params]) -> Params:
     return {k: torch.stack([p[k] for p in params]) for k in params[0]}
 
 
-def _mix(*values) -> int:
+def _seed_hash(*values) -> int:
     """A 63-bit seed from a tuple of ints/strings, stable across processes."""
     digest = hashlib.blake2b(repr(values).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
@@ -327,7 +327,7 @@ class WorkerBatches:
     ):
         self.task, self.seed, self.num_workers = task, int(seed), num_workers
         self.batch_size = task.batch_size
-        gen = torch.Generator().manual_seed(_mix(self.seed, "partition"))
+        gen = torch.Generator().manual_seed(_seed_hash(self.seed, "partition"))
         self.shards = partition_indices(
             task.data.partition_labels, num_workers, partition, alpha, gen
         )
@@ -345,7 +345,7 @@ class WorkerBatches:
 
     def indices(self, step: int) -> torch.Tensor:
         """Training-set indices of every worker's batch at ``step``: LongTensor [N, B]."""
-        gen = torch.Generator().manual_seed(_mix(self.seed, "step", int(step)))
+        gen = torch.Generator().manual_seed(_seed_hash(self.seed, "step", int(step)))
         u = torch.rand(self.num_workers, self.batch_size, generator=gen, dtype=torch.float64)
         local = (u * self.sizes[:, None]).long().clamp_max(self.sizes[:, None] - 1)
         return self._flat[self._offsets[:, None] + local]
