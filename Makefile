@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv test demo bench lint clean
+.PHONY: venv test demo bench lint clean wheel-check
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(VPY) -m pytest $(if $(SLOW),,-m "not slow")
 
+# the built wheel, installed with core dependencies only, runs the README quick start (CI)
+wheel-check: $(STAMP)
+	.ci/check_wheel.sh
+
 demo: $(STAMP)
 	$(VPY) -m learned_opt.demo
 
@@ -37,4 +41,4 @@ bench: $(STAMP)
 	$(VPY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs lightning_logs
+	rm -rf $(VENV) build dist *.egg-info runs lightning_logs

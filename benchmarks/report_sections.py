@@ -164,3 +164,34 @@ def render_cuda_check(r: dict) -> str:
         "`python3 benchmarks/cuda_check.py --out DIR` on the GPU machine, then the JSON copied "
         "to `benchmarks/results/`."
     )
+
+
+@section("gossip_step")
+def render_gossip_step(r: dict) -> str:
+    peer = r.get("vs_decent_dp", {})
+    rows = [
+        [name, f"{ms:.1f}", _x(r["vs_allreduce"][name]), _x(peer[name]) if name in peer else "-"]
+        for name, ms in r["step_ms"].items()
+    ]
+    header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
+    return (
+        markdown_table(header, rows)
+        + f"\n\n{r['setup']}. Measured {r['date'][:10]}, {r['machine']}, torch {r['torch']}. "
+        f"Command: `{r['command']}`."
+    )
+
+
+@section("gossip_compression")
+def render_gossip_compression(r: dict) -> str:
+    rows, notes = [], []
+    for partition, run in r.items():
+        for name, m in run["runs"].items():
+            rows.append([
+                partition, name, f"{m['averaged_model_train_loss']:.4g}", _x(m["loss_vs_exact"]),
+                f"{m['bytes_per_step']:,.0f}", _x(m["bytes_reduction_x"]),
+            ])  # fmt: skip
+        notes.append(f"{partition}: {run['setup']}, measured {run['date'][:10]}, {run['machine']}")
+    header = ["partition", "exchange", "averaged-model train loss", "vs exact", "bytes/step",
+              "fewer bytes"]  # fmt: skip
+    goal = next(iter(r.values()))["goal"]
+    return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."

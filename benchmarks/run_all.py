@@ -1,7 +1,8 @@
 """``make bench``: run every benchmark, then regenerate the README's result sections.
 
 Order and rough duration on 2 CPU cores (measured 2026-11-29):
-step_overhead (~2 min), gossip_throughput (~2 min), meta_train_throughput (~2 min),
+step_overhead (~2 min), gossip_throughput (~2 min), gossip_step (~1 min),
+gossip_compression (~8 min per partition, loaded machine), meta_train_throughput (~2 min),
 quality_single (~25 min), quality_decentralized (~15 min), quality_heldout (the held-out
 suite, the README's headline table; about 1 hour of CPU with a cold baseline cache, much
 less with the committed cache), then report.py.
@@ -20,6 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
     ["benchmarks/step_overhead.py"],
     ["benchmarks/gossip_throughput.py"],
+    ["benchmarks/gossip_step.py"],
+    ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
+    [
+        "benchmarks/gossip_compression.py",
+        "--partition",
+        "iid",
+        "--consensus-step",
+        "0.1",
+        "--specs",
+        "topk:0.01",
+        "topk:0.05",
+    ],  # fmt: skip
     ["-m", "benchmarks.meta_train_throughput"],
     ["-m", "benchmarks.quality_single"],
     ["-m", "benchmarks.quality_decentralized"],

@@ -7,6 +7,7 @@ one mixing function shared by the single-process simulator and real
 
 from .gossip import GossipOptimizer, dadam, dsgd
 from .launch import LaunchError, RankFailure, launch_local
+from .membership import Failure
 from .mixing import learned_edge_weight, metropolis_weight, mix
 from .process_group import GossipError, ProcessGroupCommunicator
 from .simulated import RULES, SimulatedCommunicator
@@ -15,6 +16,7 @@ from .tracking import GradientTracking
 
 __all__ = [
     "RULES",
+    "Failure",
     "GossipError",
     "GossipOptimizer",
     "GradientTracking",

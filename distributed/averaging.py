@@ -31,10 +31,12 @@ def all_reduce_mean_(tensors: Iterable[Tensor], communicator, step: int, what: s
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
-    world, sent = communicator.world_size, 0
+    sent = 0
     for members in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in members])
-        communicator.all_reduce(flat, step, what).div_(world)
+        communicator.all_reduce(flat, step, what)
+        world = communicator.world_size  # after the sum: a failure may have re-formed the group
+        flat.div_(world)
         offset = 0
         for t in members:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -25,32 +25,48 @@ from torch.optim import Optimizer
 
 from learned_opt.network import LearnedOptimizerNet
 
+from .membership import ON_FAILURE
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES
 from .topology import Topology, get_topology
 
 
 def default_communicator(
-    topology: Topology | str, timeout: float | timedelta = 30.0
+    topology: Topology | str, timeout: float | timedelta = 30.0, **options
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
-    by name is built for the group's world size."""
+    by name is built for the group's world size. ``options`` (``on_failure``,
+    ``compression``, ``consensus_step``) go to the communicator."""
     import torch.distributed as dist
 
     if isinstance(topology, str):
         if not dist.is_initialized():
             raise RuntimeError("init_process_group() first, or pass a communicator")
         topology = get_topology(topology, dist.get_world_size())
-    return ProcessGroupCommunicator(topology, timeout=timeout)
+    return ProcessGroupCommunicator(topology, timeout=timeout, **options)
 
 
-def resolve_communicator(communicator, topology, timeout, owner: str):
-    """``communicator`` if given, else :func:`default_communicator` for ``topology``."""
+def resolve_communicator(communicator, topology, timeout, owner: str, **options):
+    """``communicator`` if given, else :func:`default_communicator` for ``topology``.
+
+    ``options`` left at ``None`` take the communicator's defaults; one set to a value that a
+    given ``communicator`` does not have is an error (it would be silently ignored)."""
+    on_failure = options.get("on_failure")
+    if on_failure is not None and on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
+        for key in ("on_failure", "compression"):
+            if options.get(key) is not None and options[key] != getattr(communicator, key, None):
+                raise ValueError(
+                    f"{owner}: {key}={options[key]!r} applies to the default communicator; "
+                    f"the given one has {key}={getattr(communicator, key, None)!r} (pass it to "
+                    "ProcessGroupCommunicator instead)"
+                )
         return communicator
+    options = {k: v for k, v in options.items() if v is not None}
     if topology is None:
         raise ValueError(f"{owner} needs a topology or a communicator")
-    return default_communicator(topology, timeout)
+    return default_communicator(topology, timeout, **options)
 
 
 class GossipOptimizer:
@@ -66,6 +82,20 @@ class GossipOptimizer:
         net: the network whose edge head gives learned weights; defaults to
             ``local_optimizer.net`` (a ``LearnedOptimizer``).
         timeout: seconds any collective may wait (default communicator only).
+        on_failure: ``"exclude"`` (the default): a neighbour that dies or times out is dropped,
+            reported (log warning, ``failures``, ``gossip/excluded_ranks``) and the survivors
+            train on; ``"raise"``: every rank raises ``GossipError`` naming the rank that
+            failed (default communicator only; see :mod:`.membership`).
+        overlap: start the exchange at the end of ``step()`` and finish it at the start of
+            the next one, so the bytes move while the forward and backward pass run. This
+            is the combine-then-adapt variant ``x_{t+1} = W x_t + u(g(x_t))`` (the gradient is
+            taken before the mix, as Decent-DP does), not adapt-then-combine; it matches the
+            simulator run in that order. Call :meth:`flush` after the last step.
+        compression: ``None`` (exact), ``"topk:R"``, ``"sign"`` or ``"int8"``: exchange
+            compressed differences with error feedback; the network average stays exact
+            (default communicator only; see :mod:`.compression`).
+        consensus_step: the compressed mix's step ``gamma`` in (0, 1]; smaller is steadier
+            under strong compression.
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -73,7 +103,9 @@ class GossipOptimizer:
             imported only then).
 
     ``metrics`` holds the latest ``gossip/*`` values: ``bytes_sent``, ``edge_weight_mean``,
-    ``self_weight_mean``, ``nonfinite_excluded`` and (every k steps) ``consensus_distance``.
+    ``self_weight_mean``, ``nonfinite_excluded``, ``excluded_ranks``, ``world_size`` and
+    (every k steps) ``consensus_distance``. A rank whose own parameters turn NaN/Inf raises
+    ``GossipError`` (its neighbours never mix them in).
     """
 
     def __init__(
@@ -85,6 +117,10 @@ class GossipOptimizer:
         *,
         net: LearnedOptimizerNet | None = None,
         timeout: float | timedelta = 30.0,
+        on_failure: str | None = None,
+        overlap: bool = False,
+        compression: str | None = None,
+        consensus_step: float = 1.0,
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -96,7 +132,15 @@ class GossipOptimizer:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
-        communicator = resolve_communicator(communicator, topology, timeout, "GossipOptimizer")
+        communicator = resolve_communicator(
+            communicator,
+            topology,
+            timeout,
+            "GossipOptimizer",
+            on_failure=on_failure,
+            compression=compression,
+            consensus_step=consensus_step,
+        )
         self.local = local_optimizer
         self.mixing = mixing
         self.communicator = communicator
@@ -106,6 +150,10 @@ class GossipOptimizer:
             raise ValueError(
                 "mixing='learned' needs a LearnedOptimizer as the local optimizer, or net="
             )
+        if overlap and not hasattr(communicator, "begin"):
+            raise ValueError("overlap=True needs a communicator with begin() and finish_mix()")
+        self.overlap = overlap
+        self._inflight = None
         self.metrics_every = metrics_every
         self.step_count = 0
         self.metrics: dict[str, float] = {}
@@ -131,6 +179,11 @@ class GossipOptimizer:
         """Every parameter of the wrapped optimizer, in param-group order."""
         return [p for group in self.local.param_groups for p in group["params"]]
 
+    @property
+    def failures(self) -> list:
+        """Ranks dropped after a failure (``Failure(rank, step, cause)``), oldest first."""
+        return list(getattr(self.communicator, "failures", []))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.local.zero_grad(set_to_none=set_to_none)
 
@@ -146,14 +199,12 @@ class GossipOptimizer:
         """Local step, exchange, mix. ``loss`` (this rank's batch loss) feeds the learned
         mixing's loss features; without it (and without a closure) they are marked absent.
         Returns what the local optimizer's ``step`` returned."""
-        if self._takes_loss:
-            ret = self.local.step(closure, loss=loss)
-        else:
-            ret = self.local.step(closure)
+        if self.overlap:
+            return self._overlapped_step(closure, loss)
+        ret = self._local_step(closure, loss)
         batch_loss = loss if loss is not None else ret
-        params = self.params
         with torch.no_grad():
-            ys = [p.detach() for p in params]
+            ys = [p.detach() for p in self.params]
             cfg = self.net.config if self.mixing == "learned" else None
             _, info = self.communicator.mix(
                 ys, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss, out=ys
@@ -162,22 +213,65 @@ class GossipOptimizer:
         self.step_count += 1
         return ret
 
+    def _local_step(self, closure, loss):
+        if self._takes_loss:
+            return self.local.step(closure, loss=loss)
+        return self.local.step(closure)
+
+    def _finish(self, ys: list[Tensor]) -> dict:
+        """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
+        if self._inflight is None:
+            self._inflight = self.communicator.begin(ys, self.step_count, None)
+        cfg = self.net.config if self.mixing == "learned" else None
+        job, self._inflight = self._inflight, None
+        theta = self._theta(ys[0])
+        return self.communicator.finish_mix(job, ys, self.mixing, theta, cfg, out=ys)[1]
+
+    def _overlapped_step(self, closure, loss):
+        """``x <- W x_t`` with the exchange started last step, then the local step with the
+        gradient taken at ``x_t``, then start exchanging the result."""
+        ret = None
+        if closure is not None:  # the gradient at x_t, before the mix
+            with torch.enable_grad():
+                ret = closure()
+        batch_loss = loss if loss is not None else ret
+        with torch.no_grad():
+            ys = [p.detach() for p in self.params]
+            info = self._finish(ys)
+        self._local_step(None, batch_loss)
+        self._record(info, ys)
+        with torch.no_grad():
+            self._inflight = self.communicator.begin(ys, self.step_count + 1, batch_loss)
+        self.step_count += 1
+        return ret
+
+    def flush(self) -> None:
+        """With ``overlap``: finish the exchange in flight and mix it in, so every rank ends
+        on mixed parameters and nothing is left in flight. A no-op otherwise."""
+        if self._inflight is not None:
+            with torch.no_grad():
+                self._finish([p.detach() for p in self.params])
+
     def _record(self, info: dict, ys: list[Tensor]) -> None:
         weights = info["weights"]
         edge_sums = [float(w.sum()) for w in weights]
         m = self.metrics
         m["gossip/bytes_sent"] = float(info.get("bytes_sent", 0))
         m["gossip/nonfinite_excluded"] = float(getattr(self.communicator, "nonfinite_excluded", 0))
+        m["gossip/excluded_ranks"] = float(len(self.failures))
+        m["gossip/world_size"] = float(getattr(self.communicator, "world_size", 1))
         if weights and weights[0].numel():
             m["gossip/edge_weight_mean"] = float(
                 sum(float(w.mean()) for w in weights) / len(weights)
             )
         m["gossip/self_weight_mean"] = 1.0 - sum(edge_sums) / max(len(edge_sums), 1)
+        # logged only on the steps it is measured, never repeated stale in between
+        logged = {k: v for k, v in m.items() if k != "gossip/consensus_distance"}
         if self.metrics_every and self.step_count % self.metrics_every == 0:
             dist = self.communicator.consensus_distance(ys, self.step_count)
-            m["gossip/consensus_distance"] = float(dist)
+            m["gossip/consensus_distance"] = logged["gossip/consensus_distance"] = float(dist)
         if self._writer is not None:
-            for tag, value in m.items():
+            for tag, value in logged.items():
                 self._writer.add_scalar(tag, value, self.step_count)
 
     def state_dict(self) -> dict:
@@ -189,7 +283,8 @@ class GossipOptimizer:
         self.step_count = int(state_dict["step_count"])
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer, if any."""
+        """:meth:`flush`, then flush and close the TensorBoard writer, if any."""
+        self.flush()
         if self._writer is not None and hasattr(self._writer, "close"):
             self._writer.close()
 

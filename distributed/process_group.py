@@ -1,12 +1,14 @@
 """``ProcessGroupCommunicator``: real neighbour exchange over ``torch.distributed``.
 
-Each rank packs its tensors into one flat byte buffer: a float64 header (the batch loss
-and a finite flag) followed by one section per dtype, each tensor at a fixed offset. The
-buffer goes to every neighbour whole, byte for byte, so the neighbour's tensors arrive
-exactly. Exchanges run in rounds that are matchings of the graph
-(:meth:`Topology.rounds`): in a round each rank swaps buffers with at most one peer, both
-directions at once, which cannot deadlock on gloo or NCCL. Every wait has a timeout; a
-neighbour that dies or stalls raises :class:`GossipError` naming the rank and the step.
+Each rank packs its tensors into one flat byte buffer (:mod:`.packing`) and sends it to
+every neighbour whole, so the neighbour's tensors arrive exactly. Exchanges run in rounds
+that are matchings of the graph (:meth:`Topology.rounds`): in a round each rank swaps
+buffers with at most one peer, both directions at once, which cannot deadlock on gloo or
+NCCL. Every wait has a timeout.
+
+When a neighbour dies or times out, the survivors drop it and go on
+(``on_failure="exclude"``, the default; see :mod:`.membership`), or every rank raises
+:class:`GossipError` naming the rank that failed (``on_failure="raise"``).
 
 The mixing math is :func:`~learned_opt.distributed.mixing.mix`, the same function the
 simulator calls, over the same neighbour order (sorted by rank).
@@ -14,8 +16,7 @@ simulator calls, over the same neighbour order (sorted by rank).
 
 from __future__ import annotations
 
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -25,86 +26,71 @@ from torch import Tensor
 from learned_opt.config import NetConfig
 from learned_opt.network import Theta
 
+from .collectives import GroupCollectives, _PeerFailure
+from .compression import ErrorFeedback
+from .membership import GossipError
 from .mixing import learned_edge_weight, mix
+from .packing import Layout
 from .simulated import check_rule
 from .topology import Topology
 
-_ALIGN = 16
-_HEADER = 2  # float64 slots: loss (NaN when absent), finite flag (1.0 / 0.0)
-
-
-class GossipError(RuntimeError):
-    """A neighbour died, timed out or disagreed; the message names the rank and the step."""
-
-
-def _seconds(timeout: float | timedelta) -> timedelta:
-    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+_DATA_TAG = 0
 
 
 @dataclass(frozen=True)
-class _Layout:
-    """Where each tensor lives inside the flat byte buffer."""
+class _Exchanged:
+    """One exchange's neighbours and what came back, with the graph it ran on."""
 
-    shapes: tuple[torch.Size, ...]
-    dtypes: tuple[torch.dtype, ...]
-    sections: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, byte offset, numel)
-    offsets: tuple[tuple[int, int], ...]  # per tensor: (section index, element offset)
-    nbytes: int
-
-    @classmethod
-    def of(cls, ys: list[Tensor]) -> _Layout:
-        dtypes = tuple(dict.fromkeys(y.dtype for y in ys))
-        sections, offsets, pos = [], [None] * len(ys), 8 * _HEADER
-        for s, dt in enumerate(dtypes):
-            numel = 0
-            for k, y in enumerate(ys):
-                if y.dtype == dt:
-                    offsets[k] = (s, numel)
-                    numel += y.numel()
-            pos = -(-pos // _ALIGN) * _ALIGN
-            sections.append((dt, pos, numel))
-            pos += numel * dt.itemsize
-        return cls(
-            tuple(y.shape for y in ys),
-            tuple(y.dtype for y in ys),
-            tuple(sections),
-            tuple(offsets),
-            pos,
-        )
-
-    def describe(self) -> str:
-        return f"{len(self.shapes)} tensors, {sum(n for _, _, n in self.sections)} elements"
-
-    def fingerprint(self) -> int:
-        text = repr([(str(d), tuple(s)) for d, s in zip(self.dtypes, self.shapes)])
-        return zlib.crc32(text.encode())
-
-    def header(self, buf: Tensor) -> Tensor:
-        return buf[: 8 * _HEADER].view(torch.float64)
-
-    def section(self, buf: Tensor, s: int) -> Tensor:
-        dt, off, numel = self.sections[s]
-        return buf[off : off + numel * dt.itemsize].view(dt)
-
-    def unpack(self, buf: Tensor) -> list[Tensor]:
-        """Views of every tensor inside ``buf`` (no copies)."""
-        secs = [self.section(buf, s) for s in range(len(self.sections))]
-        return [
-            secs[s][o : o + shape.numel()].view(shape)
-            for (s, o), shape in zip(self.offsets, self.shapes)
-        ]
+    peers: list[int]
+    tensors: list[list[Tensor]]
+    losses: list[float]
+    finite: list[bool]
+    own_finite: bool
+    graph: Topology  # over the indices of ``members``
+    members: list[int]
 
 
-class ProcessGroupCommunicator:
+@dataclass
+class Inflight:
+    """An exchange that :meth:`ProcessGroupCommunicator.begin` started; hand it to
+    :meth:`~ProcessGroupCommunicator.finish_mix`."""
+
+    step: int
+    epoch: int  # the group it was posted on
+    loss: float | None
+    layout: Layout
+    own_finite: bool
+    graph: Topology
+    members: list[int]
+    peers: list[int]  # neighbours at this step, sorted
+    recvs: list[Tensor]
+    pending: list = field(default_factory=list)  # (slot, works, device buffer or None)
+    done: set = field(default_factory=set)  # slots received
+    failure: _PeerFailure | None = None
+    full: bool = True  # compression: the tensors went whole (the copies start)
+
+
+class ProcessGroupCommunicator(GroupCollectives):
     """Neighbour exchange and mixing for this rank over a process group.
 
     Args:
         topology: the graph; its ``world_size`` must equal the group's size.
         group: the process group (default: the global one).
-        timeout: seconds (or a ``timedelta``) any single wait may take.
+        timeout: seconds (or a ``timedelta``) any single wait may take; after a failure,
+            also how long the survivors wait for each other to rejoin.
+        on_failure: ``"exclude"`` (default): drop a neighbour that died or timed out, and
+            go on with the survivors; ``"raise"``: raise :class:`GossipError` on every rank.
+        store: the rendezvous store used to agree on the survivors (default: the default
+            group's). Create communicators in the same order on every rank.
+        compression: ``None`` (exact exchange), ``"topk:R"``, ``"sign"`` or ``"int8"``: send
+            compressed differences with error feedback; the average stays exact (see
+            :mod:`.compression`).
+        consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression).
 
-    Attributes ``rank``, ``world_size``, ``nonfinite_excluded`` (neighbour tensors dropped
-    because they held NaN/Inf) and ``bytes_sent`` (bytes sent by the last :meth:`mix`).
+    Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
+    ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
+    dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf)
+    and ``bytes_sent`` (bytes sent by the last :meth:`mix`).
     """
 
     def __init__(
@@ -112,50 +98,28 @@ class ProcessGroupCommunicator:
         topology: Topology,
         group: dist.ProcessGroup | None = None,
         timeout: float | timedelta = 30.0,
+        *,
+        on_failure: str = "exclude",
+        store: dist.Store | None = None,
+        compression: str | None = None,
+        consensus_step: float = 1.0,
     ):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ProcessGroupCommunicator needs torch.distributed.init_process_group() first"
-            )
-        self.topology = topology
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-        if topology.world_size != self.world_size:
-            raise ValueError(
-                f"topology {topology.name!r} is built for {topology.world_size} workers but the "
-                f"process group has {self.world_size}; build it with get_topology(name, "
-                f"{self.world_size})"
-            )
-        self.timeout = _seconds(timeout)
-        # gloo has no point-to-point calls on device tensors: those go through host memory
-        self._host_p2p_only = dist.get_backend(group) == "gloo"
-        self.nonfinite_excluded = 0
-        self.bytes_sent = 0
-        self._layouts: dict[tuple, _Layout] = {}
-        self._buffers: dict[tuple, tuple[Tensor, list[Tensor]]] = {}
-        self._checked: set[_Layout] = set()
-        self._rounds: dict[int, list] = {}
+        super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
+        self.compression = compression
+        self._codec = ErrorFeedback(compression, consensus_step) if compression else None
 
-    # ------------------------------------------------------------------ collectives
-
-    def _wait(self, work, what: str, step: int) -> None:
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:  # gloo and NCCL raise RuntimeError subclasses
-            raise GossipError(
-                f"rank {self.rank}: {what} failed at step {step} (timeout "
-                f"{self.timeout.total_seconds():g} s): {exc}"
-            ) from exc
+    # ------------------------------------------------------------------ exchange
 
     def _peer(self, rank: int) -> int:
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
-    def _swap(self, send: Tensor, recv: Tensor, peer: int, step: int) -> None:
-        """Send ``send`` to ``peer`` and receive its buffer into ``recv``, both at once."""
-        what = f"exchange with neighbour rank {peer}"
+    def _post(self, send: Tensor, recv: Tensor, peer: int, step: int):
+        """Start sending ``send`` to ``peer`` and receiving its buffer into ``recv``.
+        Returns ``(works, device buffer to copy into after the wait, or None)``."""
+        m = self.membership
         dest = None
-        if send.is_cuda and self._host_p2p_only:  # gloo with device tensors: stage on host
+        host_only = self._host_p2p_only or m.epoch > 0  # a re-formed group is gloo
+        if send.is_cuda and host_only:  # gloo with device tensors: stage on host
             send, dest, recv = send.cpu(), recv, torch.empty(recv.shape, dtype=recv.dtype)
         try:
             if send.is_cuda:  # NCCL pairs its point-to-point calls through a batch
@@ -164,52 +128,26 @@ class ProcessGroupCommunicator:
                     dist.P2POp(dist.irecv, recv, self._peer(peer), self.group),
                 ]
                 works = dist.batch_isend_irecv(ops)
-            else:  # gloo: plain isend/irecv (batch_isend_irecv can hang on gloo)
+            else:  # gloo: plain send/recv (batch_isend_irecv can hang on gloo)
                 works = [
-                    dist.isend(send, self._peer(peer), group=self.group),
-                    dist.irecv(recv, self._peer(peer), group=self.group),
+                    m.group.send([send], m.local(peer), _DATA_TAG),
+                    m.group.recv([recv], m.local(peer), _DATA_TAG),
                 ]
         except Exception as exc:
-            raise GossipError(f"rank {self.rank}: {what} failed at step {step}: {exc}") from exc
+            raise _PeerFailure(
+                peer, f"exchange with neighbour rank {peer} failed at step {step}: {exc}"
+            ) from exc
+        return works, (dest, recv) if dest is not None else None
+
+    def _settle(self, job: Inflight, slot: int, works, staged) -> None:
+        peer = job.peers[slot]
         for work in works:
-            self._wait(work, what, step)
-        if dest is not None:
-            dest.copy_(recv)
+            self._wait(work, peer, f"exchange with neighbour rank {peer}", job.step)
+        if staged is not None:
+            staged[0].copy_(staged[1])
+        job.done.add(slot)
 
-    def all_reduce(self, t: Tensor, step: int, what: str = "all_reduce") -> Tensor:
-        """Sum ``t`` over the group in place, with the communicator's timeout."""
-        self._wait(dist.all_reduce(t, group=self.group, async_op=True), what, step)
-        return t
-
-    def check_layout(self, ys: list[Tensor], step: int = 0) -> None:
-        """Fail with a clear message unless every rank passes the same dtypes and shapes."""
-        layout = self._layout(ys)
-        mine = torch.tensor(
-            [layout.fingerprint(), len(ys), sum(y.numel() for y in ys)],
-            dtype=torch.int64,
-            device=ys[0].device if ys else "cpu",
-        )
-        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
-        self._wait(work, "parameter layout check (all_gather)", step)
-        bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-        if bad:
-            desc = ", ".join(
-                f"rank {r}: {int(g[1])} tensors, {int(g[2])} elements, layout {int(g[0]):#x}"
-                for r, g in enumerate(gathered)
-            )
-            raise ValueError(f"parameter layout differs across ranks ({desc})")
-        self._checked.add(layout)
-
-    # ------------------------------------------------------------------ mixing
-
-    def _layout(self, ys: list[Tensor]) -> _Layout:
-        key = tuple((y.dtype, tuple(y.shape)) for y in ys)
-        if key not in self._layouts:
-            self._layouts[key] = _Layout.of(ys)
-        return self._layouts[key]
-
-    def _buffers_for(self, layout: _Layout, device: torch.device, peers: int):
+    def _buffers_for(self, layout: Layout, device: torch.device, peers: int):
         key = (layout, str(device))
         send, recvs = self._buffers.get(key, (None, []))
         if send is None:
@@ -219,46 +157,100 @@ class ProcessGroupCommunicator:
         self._buffers[key] = (send, recvs)
         return send, recvs
 
-    def _pack(self, layout: _Layout, ys: list[Tensor], loss, buf: Tensor) -> None:
-        finite = True
-        for s, (dt, _, _) in enumerate(layout.sections):
-            sec = layout.section(buf, s)
-            members = [y.reshape(-1) for y, d in zip(ys, layout.dtypes) if d == dt]
-            torch.cat(members, out=sec)
-            if sec.is_floating_point() or sec.is_complex():
-                acc = torch.float64 if dt == torch.float64 else torch.float32
-                finite = finite and bool(torch.isfinite(sec.sum(dtype=acc)))
-        loss = float("nan") if loss is None else float(loss)
-        head = torch.tensor([loss, 1.0 if finite else 0.0], dtype=torch.float64)
-        layout.header(buf).copy_(head)
+    def _schedule(self, graph: Topology, me: int, step: int) -> list[int]:
+        """This rank's peers (indices into the members) in round order."""
+        key = step % graph.period
+        if key not in self._rounds:
+            self._rounds[key] = graph.rounds(key)
+        return [
+            j if me == i else i
+            for matching in self._rounds[key]
+            for i, j in matching
+            if me in (i, j)
+        ]
+
+    def begin(self, ys: list[Tensor], step: int, loss=None, *, overlap: bool = True) -> Inflight:
+        """Pack ``ys`` (and ``loss``) and start the exchange of ``step``.
+
+        With ``overlap`` every neighbour's send and receive is posted at once (gloo moves
+        the bytes in its own threads) and nothing is waited for: the caller computes, then
+        calls :meth:`finish_mix`. Without it the swaps run round by round, each waited for.
+        ``ys`` are copied into the send buffer, so they may change afterwards; only one
+        exchange may be in flight per communicator.
+        """
+        layout = self._layout(ys)
+        if layout not in self._checked:
+            self.check_layout(ys, step)
+        m = self.membership
+        graph, members = m.graph, list(m.members)
+        me = members.index(self.rank)
+        peers = [members[k] for k in graph.neighbors(me, step)]
+        loss = None if loss is None else float(torch.as_tensor(loss).detach())
+        full = True
+        if self._codec is not None and step >= m.resume_at:
+            full = self._codec.full(step, m.epoch, graph.period)
+            ys = self._codec.encode(ys, full)
+            layout = self._layout(ys)
+            if layout not in self._checked:
+                self.check_layout(ys, step)
+        send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
+        own_finite = layout.pack(ys, loss, send)
+        job = Inflight(step, m.epoch, loss, layout, own_finite, graph, members, peers, recvs)
+        job.full = full
+        if step < m.resume_at:  # catching up after a failure: local steps only
+            return job
+        try:
+            for k in self._schedule(graph, me, step):
+                slot = peers.index(members[k])
+                works, staged = self._post(send, recvs[slot], members[k], step)
+                if overlap:
+                    job.pending.append((slot, works, staged))
+                else:
+                    self._settle(job, slot, works, staged)
+        except _PeerFailure as failure:
+            job.failure = failure
+        return job
+
+    def _complete(self, job: Inflight) -> _Exchanged:
+        """Wait for what ``job`` still has in flight; after a failure, re-form (keeping what
+        arrived) or raise."""
+        try:
+            while job.pending and job.failure is None:
+                self._settle(job, *job.pending.pop(0))
+        except _PeerFailure as failure:
+            job.failure = failure
+        if job.epoch != self.membership.epoch:  # posted on a group re-formed since
+            job.done.clear()
+        elif job.failure is not None:
+            self._failed(job.step, job.failure)
+        got = sorted(job.done)
+        self.bytes_sent = job.layout.nbytes * len(got)
+        heads = [job.layout.header(job.recvs[k]).tolist() for k in got]
+        return _Exchanged(
+            [job.peers[k] for k in got],
+            [job.layout.unpack(job.recvs[k]) for k in got],
+            [h[0] for h in heads],
+            [h[1] == 1.0 for h in heads],
+            job.own_finite,
+            job.graph,
+            job.members,
+        )
 
     def exchange(
         self, ys: list[Tensor], step: int, loss: Tensor | float | None = None
     ) -> tuple[list[int], list[list[Tensor]], list[float], list[bool]]:
         """Swap this rank's tensors (and loss) with its neighbours at ``step``.
 
-        Returns ``(peers, tensors, losses, finite)``, one entry per neighbour sorted by rank;
-        ``tensors[k]`` are views into a receive buffer, valid until the next call.
+        Returns ``(peers, tensors, losses, finite)``, one entry per neighbour reached,
+        sorted by rank; ``tensors[k]`` are views into a receive buffer, valid until the next
+        call.
         """
-        layout = self._layout(ys)
-        if layout not in self._checked:
-            self.check_layout(ys, step)
-        peers = self.topology.neighbors(self.rank, step)
-        send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
-        self._pack(layout, ys, loss, send)
-        slot = {p: k for k, p in enumerate(peers)}
-        key = step % self.topology.period
-        if key not in self._rounds:
-            self._rounds[key] = self.topology.rounds(key)
-        for matching in self._rounds[key]:
-            for i, j in matching:
-                if self.rank in (i, j):
-                    peer = j if self.rank == i else i
-                    self._swap(send, recvs[slot[peer]], peer, step)
-        self.bytes_sent = layout.nbytes * len(peers)
-        heads = [layout.header(recvs[k]).tolist() for k in range(len(peers))]
-        tensors = [layout.unpack(recvs[k]) for k in range(len(peers))]
-        return peers, tensors, [h[0] for h in heads], [h[1] == 1.0 for h in heads]
+        if self._codec is not None:
+            raise ValueError("exchange() sends tensors as they are; with compression use mix()")
+        ex = self._complete(self.begin(ys, step, loss, overlap=False))
+        return ex.peers, ex.tensors, ex.losses, ex.finite
+
+    # ------------------------------------------------------------------ mixing
 
     def mix(
         self,
@@ -277,58 +269,97 @@ class ProcessGroupCommunicator:
         (``None``: absent). ``out`` (e.g. the parameters themselves, which may be ``ys``)
         receives the result in place. A neighbour whose tensors hold NaN/Inf is left out
         of this step's mix (its weight stays with self) and counted in
-        ``nonfinite_excluded``. Returns the mixed tensors and ``{"neighbors", "weights"
-        (one ``[deg]`` tensor per tensor), "excluded", "bytes_sent"}``.
+        ``nonfinite_excluded``; a rank whose own tensors hold NaN/Inf sends them marked as
+        such and then raises :class:`GossipError`. Returns the mixed tensors and
+        ``{"neighbors", "weights" (one ``[deg]`` tensor per tensor), "excluded",
+        "bytes_sent"}``.
         """
         check_rule(rule, theta, cfg)
         if not ys:
             return [], {"neighbors": [], "weights": [], "excluded": [], "bytes_sent": 0}
-        own_loss = None if loss is None else float(torch.as_tensor(loss).detach())
-        peers, tensors, losses, finite = self.exchange(ys, step, own_loss)
-        keep = [k for k in range(len(peers)) if finite[k]]
-        excluded = [peers[k] for k in range(len(peers)) if not finite[k]]
+        job = self.begin(ys, step, loss, overlap=False)
+        return self.finish_mix(job, ys, rule, theta, cfg, out=out)
+
+    def finish_mix(
+        self,
+        job: Inflight,
+        ys: list[Tensor],
+        rule: str = "metropolis",
+        theta: Theta | None = None,
+        cfg: NetConfig | None = None,
+        *,
+        out: list[Tensor] | None = None,
+    ) -> tuple[list[Tensor], dict]:
+        """Complete the exchange ``job`` (from :meth:`begin`) and mix ``ys`` (the tensors
+        it sent, unchanged since) with what came back; same result as :meth:`mix`."""
+        check_rule(rule, theta, cfg)
+        ex, step = self._complete(job), job.step
+        own_loss = job.loss
+        if not ex.own_finite:
+            raise GossipError(
+                f"rank {self.rank}: its own tensors hold NaN or Inf at step {step} (after its "
+                "local step); its neighbours leave them out. Lower the learning rate, or check "
+                "this rank's data and loss"
+            )
+        keep = [k for k in range(len(ex.peers)) if ex.finite[k]]
+        excluded = [ex.peers[k] for k in range(len(ex.peers)) if not ex.finite[k]]
         self.nonfinite_excluded += len(excluded)
-        weights = [
-            self._weights(ys, t, peers, tensors, losses, own_loss, keep, step, rule, theta, cfg)
-            for t in range(len(ys))
-        ]
-        targets = out if out is not None else [None] * len(ys)
-        mixed = [
-            mix(y, [tensors[k][t] for k in keep], w, out=o)
-            for t, (y, w, o) in enumerate(zip(ys, weights, targets))
-        ]
+        if self._codec is not None:  # mix the public copies, see compression
+            mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rule, theta, cfg, out)
+        else:
+            weights = [
+                self._weights(ys, t, ex, own_loss, keep, step, rule, theta, cfg)
+                for t in range(len(ys))
+            ]
+            targets = out if out is not None else [None] * len(ys)
+            mixed = [
+                mix(y, [ex.tensors[k][t] for k in keep], w, out=o)
+                for t, (y, w, o) in enumerate(zip(ys, weights, targets))
+            ]
         info = {
-            "neighbors": [peers[k] for k in keep],
+            "neighbors": [ex.peers[k] for k in keep],
             "weights": [torch.tensor([float(x) for x in w], dtype=torch.float64) for w in weights],
             "excluded": excluded,
             "bytes_sent": self.bytes_sent,
         }
         return mixed, info
 
-    def _weights(self, ys, t, peers, tensors, losses, own_loss, keep, step, rule, theta, cfg):
-        """Weights of tensor ``t`` for the kept neighbours, ordered as ``keep``."""
-        topo, me = self.topology, self.rank
+    def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rule, theta, cfg, out):
+        """Compressed mix: ``y_i += gamma * sum_j w_ij (h_j - h_i)``, with the weights taken
+        from the public copies ``h`` (the same on both ends of an edge)."""
+        codec = self._codec
+        peers = [ex.peers[k] for k in keep]
+        copies = [codec.decode(p, ex.tensors[k], job.full) for p, k in zip(peers, keep)]
+        losses = [ex.losses[k] for k in keep]
+        on_copies = _Exchanged(
+            peers, copies, losses, [True] * len(peers), True, ex.graph, ex.members
+        )
+        order = list(range(len(peers)))
+        weights = [
+            self._weights(codec.own, t, on_copies, own_loss, order, job.step, rule, theta, cfg)
+            for t in range(len(ys))
+        ]
+        mixed = list(out) if out is not None else [y.clone() for y in ys]
+        for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
+            if target is not y:
+                target.copy_(y)
+            codec.mix_(target, codec.own[t], [c[t] for c in copies], w)
+        return mixed, weights
+
+    def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):
+        """Weights of tensor ``t`` for the kept neighbours, ordered as ``keep``, on the graph
+        the exchange ran on (both ends of an edge use the same graph, so they agree)."""
+        graph, index = ex.graph, {r: k for k, r in enumerate(ex.members)}
+        me = index[self.rank]
         if rule != "learned":
-            return [topo.weight(me, peers[k], step, rule) for k in keep]
+            return [graph.weight(me, index[ex.peers[k]], step, rule) for k in keep]
         out = []
         for k in keep:
-            j = peers[k]
-            pair = [(me, ys[t], own_loss), (j, tensors[k][t], losses[k])]
+            j = ex.peers[k]
+            pair = [(self.rank, ys[t], own_loss), (j, ex.tensors[k][t], ex.losses[k])]
             (_, y_a, l_a), (_, y_b, l_b) = sorted(pair, key=lambda e: e[0])
             if l_a is None or l_b is None or l_a != l_a or l_b != l_b:
                 l_a = l_b = None  # both ends see the same two losses, so they agree
-            deg = max(topo.degree(me, step), topo.degree(j, step))
+            deg = max(graph.degree(me, step), graph.degree(index[j], step))
             out.append(learned_edge_weight(theta, cfg, y_a, y_b, l_a, l_b, deg, step))
         return out
-
-    def consensus_distance(self, ys: list[Tensor], step: int = 0) -> Tensor:
-        """``(1/N) sum_i ||x_i - x_bar||^2`` over all tensors, with one float64 all_reduce.
-
-        Uses ``mean_i ||x_i||^2 - ||x_bar||^2``; every rank gets the same value.
-        """
-        dev = ys[0].device
-        flat = torch.cat([y.detach().reshape(-1).to(torch.float64) for y in ys])
-        buf = torch.cat([flat, flat.square().sum().reshape(1)]).to(dev)
-        self.all_reduce(buf, step, "consensus distance (all_reduce)")
-        n = self.world_size
-        return (buf[-1] / n - (buf[:-1] / n).square().sum()).clamp_min(0.0)

@@ -42,7 +42,8 @@ def _normalise_edges(world_size: int, edges: Iterable[Sequence[int]]) -> list[Ed
     return sorted(out)
 
 
-def _is_connected(world_size: int, edges: Iterable[Edge]) -> bool:
+def _components(world_size: int, edges: Iterable[Edge]) -> list[list[int]]:
+    """Connected components of the graph, each sorted, ordered by their lowest rank."""
     parent = list(range(world_size))
 
     def find(a: int) -> int:
@@ -53,7 +54,14 @@ def _is_connected(world_size: int, edges: Iterable[Edge]) -> bool:
 
     for i, j in edges:
         parent[find(i)] = find(j)
-    return len({find(i) for i in range(world_size)}) == 1
+    groups: dict[int, list[int]] = {}
+    for i in range(world_size):
+        groups.setdefault(find(i), []).append(i)
+    return sorted(groups.values())
+
+
+def _is_connected(world_size: int, edges: Iterable[Edge]) -> bool:
+    return len(_components(world_size, edges)) <= 1
 
 
 class Topology:
@@ -147,6 +155,31 @@ class Topology:
             return metropolis_weight(d, d)
         raise ValueError(f"unknown mixing rule {rule!r}; hand-designed rules are {STATIC_RULES}")
 
+    def restricted_to(self, members: Sequence[int]) -> Topology:
+        """The graph among ``members`` only (the survivors of a failure), relabelled.
+
+        Member ``members[k]`` becomes rank ``k``; edges to the other ranks are dropped,
+        per step of the period. Where that leaves the union over the period disconnected,
+        the components are chained by one edge between their lowest members, so every
+        survivor still mixes towards one common average. Deterministic: every survivor
+        computes the same graph from the same ``members``.
+        """
+        members = list(members)
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"members must be distinct ranks, got {members!r}")
+        for r in members:
+            self._check_rank(r)
+        index = {r: k for k, r in enumerate(members)}
+        edge_sets = [
+            [(index[i], index[j]) for i, j in es if i in index and j in index]
+            for es in self._edge_sets
+        ]
+        parts = _components(len(members), [e for es in edge_sets for e in es])
+        edge_sets[0] += [(a[0], b[0]) for a, b in zip(parts, parts[1:])]
+        gone = sorted(set(range(self.world_size)) - set(members))
+        name = self.name if not gone else f"{self.name} without {gone}"
+        return Topology(name, len(members), edge_sets)
+
     def mixing_matrix(self, step: int = 0, rule: str = "metropolis") -> torch.Tensor:
         """The ``[n, n]`` float64 mixing matrix at ``step``: symmetric and doubly stochastic."""
         n = self.world_size
@@ -223,6 +256,17 @@ def _one_peer_exponential(n: int) -> list[list[Edge]]:
     ]
 
 
+def _one_peer_ring(n: int) -> list[list[Edge]]:
+    if n % 2:
+        raise ValueError(
+            f"one_peer_ring needs an even world_size (it pairs each even rank with its right "
+            f"neighbour, then with its left one), got {n}"
+        )
+    if n == 2:
+        return [[(0, 1)]]
+    return [[(i, i + 1) for i in range(0, n, 2)], [(i, (i - 1) % n) for i in range(0, n, 2)]]
+
+
 def _complete(n: int) -> list[list[Edge]]:
     return [[(i, j) for i in range(n) for j in range(i + 1, n)]]
 
@@ -259,6 +303,7 @@ _REGISTRY: dict[str, Callable[..., list[list[Edge]]]] = {
     "torus": _torus,
     "exponential": _exponential,
     "one_peer_exponential": _one_peer_exponential,
+    "one_peer_ring": _one_peer_ring,
     "complete": _complete,
     "random_regular": _random_regular,
     "custom": _custom,
@@ -275,6 +320,8 @@ def get_topology(name: str, world_size: int, **kwargs) -> Topology:
 
     Names: ``ring``, ``torus`` (``rows=`` optional), ``exponential`` (static, hops 2^k),
     ``one_peer_exponential`` (time-varying, one peer per step, power-of-two sizes),
+    ``one_peer_ring`` (time-varying ring, right then left neighbour, even sizes; the ring
+    Decent-DP uses),
     ``complete``, ``random_regular`` (``degree=``, ``seed=``) and ``custom`` (``edges=``).
     Impossible sizes raise ``ValueError``.
     """

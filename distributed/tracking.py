@@ -7,7 +7,9 @@ Each rank keeps a tracker ``y`` of the network-average gradient::
 
 Both ``W x`` and ``W y`` travel in one exchange per step. With a doubly stochastic ``W``
 the mean of the trackers equals the mean of the current gradients, which removes the
-bias that label-skewed data puts on D-SGD.
+bias that label-skewed data puts on D-SGD. After a rank is dropped (see
+:mod:`.membership`) its share of the trackers is gone, so from then on the trackers track
+the survivors' gradients only approximately.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class GradientTracking:
         communicator: default: a ``ProcessGroupCommunicator`` on the default group.
         mixing: ``"metropolis"`` or ``"uniform"``.
         timeout: seconds any collective may wait (default communicator only).
+        on_failure: ``"exclude"`` or ``"raise"`` (default communicator only; see
+            :class:`~learned_opt.distributed.GossipOptimizer`).
     """
 
     def __init__(
@@ -43,6 +47,7 @@ class GradientTracking:
         *,
         mixing: str = "metropolis",
         timeout: float | timedelta = 30.0,
+        on_failure: str | None = None,
     ):
         if not lr > 0:
             raise ValueError(f"Invalid learning rate: {lr!r}")
@@ -54,7 +59,7 @@ class GradientTracking:
         if not self.params:
             raise ValueError("GradientTracking got an empty parameter list")
         self.communicator = resolve_communicator(
-            communicator, topology, timeout, "GradientTracking"
+            communicator, topology, timeout, "GradientTracking", on_failure=on_failure
         )
         self.lr = lr
         self.mixing = mixing

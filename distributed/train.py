@@ -6,7 +6,12 @@
 Each rank trains its own copy of the model on its shard of the data (``--partition``),
 then gossips with its neighbours (``--mixing``), or averages gradients with all_reduce
 (``--mixing allreduce``: plain data parallel, for comparison). At the end the ranks'
-models are averaged and evaluated; rank 0 prints a one-line summary. With CUDA, a rank
+models are averaged and evaluated; the lowest surviving rank prints a one-line summary.
+A rank that dies or freezes is dropped and the others train on (``--on-failure raise``
+stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Note that
+torchrun itself stops every worker when one exits with an error; the survivors train on
+under launchers that leave them running (``launch_local``) and through frozen ranks.
+``--overlap`` moves the exchange behind the next forward and backward pass. With CUDA, a rank
 uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every local rank has a GPU of its own,
 else gloo (which passes device tensors through host memory); without CUDA, gloo on CPU.
 ``--backend`` overrides the choice. Per-rank TensorBoard logs go to ``--logdir``. Without
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from datetime import timedelta
 
@@ -27,10 +33,11 @@ import torch
 import torch.distributed as dist
 
 from learned_opt import LearnedOptimizer, load_checkpoint
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.tasks import get_task
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
+from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_tasks
 
 from .averaging import all_reduce_mean_
+from .compression import get_compressor
 from .gossip import GossipOptimizer
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -38,9 +45,56 @@ from .topology import get_topology, list_topologies
 DEFAULT_LR = {"learned": 1.0, "adam": 1e-3, "sgd": 0.1}
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """Under torchrun every rank parses the same arguments: only rank 0 prints the error
+    (one line after the usage); every rank exits with code 2."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            self.print_usage()
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every mistake an argument can hold, found before any training or communication."""
+    if args.task not in list_tasks():
+        p.error(f"--task: unknown task {args.task!r}; valid: {list_tasks()}")
+    if args.partition not in PARTITION_SCHEMES:
+        p.error(f"--partition: must be one of {list(PARTITION_SCHEMES)}, got {args.partition!r}")
+    for name, value in (("steps", args.steps), ("metrics-every", args.metrics_every)):
+        if value < 1:
+            p.error(f"--{name} must be >= 1, got {value}")
+    for name, value in (("alpha", args.alpha), ("timeout", args.timeout)):
+        if not value > 0:
+            p.error(f"--{name} must be > 0, got {value}")
+    if args.lr is not None and not (0 <= args.lr < float("inf")):
+        p.error(f"--lr must be finite and >= 0, got {args.lr}")
+    if "WORLD_SIZE" in os.environ:
+        try:
+            get_topology(args.topology, int(os.environ["WORLD_SIZE"]))
+        except ValueError as exc:
+            p.error(f"--topology: {exc}")
+    if "learned" in (args.optimizer, args.mixing):
+        try:
+            load_checkpoint(args.checkpoint)
+        except CheckpointError as exc:
+            p.error(f"--checkpoint: {exc}")
+    if args.compression is not None:
+        try:
+            get_compressor(args.compression)
+        except ValueError as exc:
+            p.error(f"--compression: {exc}")
+    if not 0 < args.consensus_step <= 1:
+        p.error(f"--consensus-step must be in (0, 1], got {args.consensus_step}")
+    if (args.kill_rank is None) != (args.kill_step is None):
+        p.error("--kill-rank and --kill-step go together")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (see ``--help``)."""
-    p = argparse.ArgumentParser(
+    """Command-line options (see ``--help``), all checked: a mistake prints one line and
+    exits with code 2."""
+    p = _ArgumentParser(
         prog="python -m learned_opt.distributed.train", description=__doc__.split("\n")[0]
     )
     p.add_argument(
@@ -67,15 +121,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds any collective may wait")
     p.add_argument(
+        "--on-failure",
+        choices=["exclude", "raise"],
+        default="exclude",
+        help="a dead or frozen rank: drop it and train on (exclude), or stop every rank (raise)",
+    )
+    p.add_argument(
+        "--kill-rank",
+        type=int,
+        default=None,
+        help="fault injection: this rank exits at --kill-step",
+    )
+    p.add_argument("--kill-step", type=int, default=None, help="step at which --kill-rank exits")
+    p.add_argument(
         "--backend", choices=["auto", "nccl", "gloo"], default="auto", help="see default_backend()"
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="exchange while the next forward/backward runs (combine-then-adapt variant)",
+    )
+    p.add_argument(
+        "--compression", default=None, help="topk:R, sign or int8 (error feedback; exact average)"
+    )
+    p.add_argument("--consensus-step", type=float, default=1.0, help="gamma of the compressed mix")
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
     if args.mixing is None:
         args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    _check_args(p, args)
     return args
 
 
@@ -120,7 +195,13 @@ def train(args: argparse.Namespace) -> dict:
         device=device,
     )
     topology = get_topology(args.topology, world)
-    comm = ProcessGroupCommunicator(topology, timeout=args.timeout)
+    comm = ProcessGroupCommunicator(
+        topology,
+        timeout=args.timeout,
+        on_failure=args.on_failure,
+        compression=None if args.mixing == "allreduce" else args.compression,
+        consensus_step=args.consensus_step,
+    )
     local = _local_optimizer(args, params)
     writer = None
     if args.logdir:
@@ -141,9 +222,12 @@ def train(args: argparse.Namespace) -> dict:
             net=net,
             metrics_every=args.metrics_every,
             writer=writer,
+            overlap=args.overlap,
         )
     start, losses, sent = time.perf_counter(), [], 0
     for step in range(args.steps):
+        if rank == args.kill_rank and step == args.kill_step:
+            os._exit(1)  # fault injection: die without a word, as a crashed worker does
         opt.zero_grad()
         loss = task.module_loss(module, next(data))
         loss.backward()
@@ -159,6 +243,8 @@ def train(args: argparse.Namespace) -> dict:
         losses.append(float(loss.detach()))
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
+    if isinstance(opt, GossipOptimizer):
+        opt.flush()  # with --overlap, mix in the last exchange
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         ys = [p.detach() for p in params]
@@ -176,9 +262,12 @@ def train(args: argparse.Namespace) -> dict:
         "optimizer": args.optimizer,
         "mixing": args.mixing,
         "topology": args.topology,
+        "compression": args.compression,
         "workers": world,
         "steps": args.steps,
-        "train_loss": float(tail) / world,
+        "survivors": comm.members,
+        "failures": [f.as_dict() for f in comm.failures],
+        "train_loss": float(tail) / comm.world_size,
         "averaged_model_train_loss": averaged_train_loss,
         **{f"test_{k}": v for k, v in metrics.items()},
         "consensus_distance": consensus,
@@ -200,6 +289,7 @@ def format_summary(s: dict) -> str:
         f"topology={s['topology']} workers={s['workers']} steps={s['steps']} "
         f"train_loss={s['train_loss']:.4f} test_loss={s['test_loss']:.4f}{acc} "
         f"consensus={s['consensus_distance']:.3g} time={s['seconds']:.1f}s"
+        + (f" lost={[f['rank'] for f in s['failures']]}" if s["failures"] else "")
     )
 
 
@@ -221,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
         created = True
     try:
         summary = train(args)
-        if dist.get_rank() == 0:
+        if dist.get_rank() == summary["survivors"][0]:
             print(format_summary(summary), flush=True)
         return summary
     finally:

@@ -84,16 +84,36 @@ def list_pretrained() -> list[str]:
     return names
 
 
+def is_explicit_path(name_or_path: str | os.PathLike) -> bool:
+    """Whether an argument names a file rather than a shipped item: a ``Path``, or a
+    string with a directory separator, a leading ``.`` or a suffix (``./default``,
+    ``runs/opt.pt``, ``opt.pt``). A bare word such as ``default`` is a name."""
+    if not isinstance(name_or_path, str):
+        return True
+    return (
+        "/" in name_or_path
+        or os.sep in name_or_path
+        or name_or_path.startswith(".")
+        or bool(Path(name_or_path).suffix)
+    )
+
+
 def resolve_checkpoint(name_or_path: str | os.PathLike) -> Path:
-    """A file path for a shipped name (``"default"``) or an existing path."""
+    """The file of a shipped name (``"default"``) or of a path.
+
+    A shipped name wins over a file or folder of the same name in the working directory;
+    write ``./default`` to mean that file. A bare word that is not shipped is read as a
+    path."""
+    if not is_explicit_path(name_or_path):
+        shipped = _shipped_dir() / f"{name_or_path}.pt"
+        if shipped.is_file():
+            return shipped
     path = Path(name_or_path)
-    if path.exists():
+    if path.is_file():
         return path
-    shipped = _shipped_dir() / f"{name_or_path}.pt"
-    if isinstance(name_or_path, str) and os.sep not in name_or_path and shipped.exists():
-        return shipped
+    problem = "is a directory, not a checkpoint file" if path.is_dir() else "no such file"
     raise CheckpointError(
-        f"{name_or_path}: no such file and not a shipped checkpoint; shipped: {list_pretrained()}"
+        f"{name_or_path}: {problem}, and not a shipped checkpoint; shipped: {list_pretrained()}"
     )
 
 

@@ -5,6 +5,7 @@ learned-opt export <lightning.ckpt> <out.pt>       deployable checkpoint from a 
 learned-opt inspect <checkpoint> [--logdir DIR]    card and response curves to TensorBoard
 learned-opt meta fit --config <yaml>               meta-train (same as learned-opt-meta)
 learned-opt train ...                              decentralized training (torchrun entry)
+learned-opt --version
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from learned_opt import __version__
+
+        print(f"learned-opt {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "list":

@@ -63,23 +63,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{i}/{len(runs)}] {label} ...", flush=True)
         start = time.perf_counter()
         summaries = launch_local(
-            launched, args.workers, [*common, *extra, "--logdir", logdir], timeout=600
-        )
+            launched, args.workers, [*common, *extra, "--logdir", logdir], timeout=600,
+            pg_timeout=120,  # starting 4 interpreters on a busy machine takes a while
+        )  # fmt: skip
         s = summaries[0]
         rows.append((label, s, time.perf_counter() - start))
         print(f"      done in {rows[-1][2]:.1f} s: train loss {s['train_loss']:.4f}, "
               f"test accuracy {s.get('test_accuracy', float('nan')):.4f}", flush=True)  # fmt: skip
     header = (
-        f"{'method':<34} {'train loss':>10} {'avg-model':>10} {'test acc':>9} {'consensus':>10} "
-        f"{'bytes/step':>11} {'wall s':>7}"
+        f"{'method':<34} {'train loss':>10} {'avg-model':>10} {'test loss':>9} {'test acc':>9} "
+        f"{'consensus':>10} {'bytes/step':>11} {'wall s':>7}"
     )
     print("\n" + header + "\n" + "-" * len(header))
     for label, s, wall in rows:
         print(f"{label:<34} {s['train_loss']:>10.4f} {s['averaged_model_train_loss']:>10.4f} "
-              f"{s.get('test_accuracy', float('nan')):>9.4f} "
+              f"{s['test_loss']:>9.4f} {s.get('test_accuracy', float('nan')):>9.4f} "
               f"{s['consensus_distance']:>10.3g} {s['bytes_per_step']:>11,.0f} {wall:>7.1f}")  # fmt: skip
     print("\ntrain loss: mean of each worker's last 10 batch losses on its own shard; avg-model: "
-          "the averaged model's loss on the whole training set; test acc: the averaged model; "
+          "the averaged model's loss on the whole training set; test loss and acc: the averaged "
+          "model on the held-out test set; "
           "bytes/step: sent per worker per step (all-reduce: ring estimate).")  # fmt: skip
     print(f"TensorBoard: tensorboard --logdir {args.logdir}")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -10,11 +11,27 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, save_checkpoint
-from .features import init_state
+from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .features import compute_dtype, init_state
 from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, learned_step
 from .network import LearnedOptimizerNet, Theta
 from .workers import ChunkRunner
+
+
+def checked_lr(lr, where: str = "lr") -> float:
+    """``lr`` as a float, or a ``ValueError`` unless it is a finite number >= 0.
+
+    A one-element ``Tensor`` is accepted, as torch's optimizers accept one."""
+    value = lr
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or lr.dtype.is_complex or lr.dtype == torch.bool:
+            raise ValueError(f"Invalid {where}: Tensor lr must be 1-element and real, got {lr!r}")
+        value = lr.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"Invalid {where}: {lr!r} (must be a number or a one-element Tensor)")
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"Invalid {where}: {lr!r} (the multiplier must be finite and >= 0)")
+    return float(value)
 
 
 class LearnedOptimizer(Optimizer):
@@ -23,9 +40,15 @@ class LearnedOptimizer(Optimizer):
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
         checkpoint: a shipped name (see :func:`learned_opt.list_pretrained`) or a file path.
+            A shipped name wins over a file of that name in the working directory (write
+            ``./default`` for the file); ``checkpoint_path`` says which file was loaded.
             Ignored when ``net`` is given.
         lr: a multiplier on the learned step (default 1.0), so every
-            ``torch.optim.lr_scheduler`` works unchanged.
+            ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
+            one-element Tensor (read with ``.item()`` once per group and step); it is
+            checked again at every step, so a scheduler or an edit
+            of ``param_groups`` that makes it negative, infinite or NaN raises a
+            ``ValueError`` instead of corrupting the parameters.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
         chunk_size: elements processed at a time on the fast path on CPU (accelerators
             use :data:`learned_opt._chunked.ACCELERATOR_CHUNK`).
@@ -46,6 +69,14 @@ class LearnedOptimizer(Optimizer):
     held NaN or Inf. Such a gradient never reaches the parameter or the state, and a
     non-finite parameter never spreads to the rest of its tensor. The step count is per param group
     (``group["step"]``). Theta lives in ``self.net``, not in ``state_dict()``.
+
+    A parameter is left alone, with no state, until its gradient is non-zero somewhere: the
+    learned step from zero state is not zero (its MLP has biases), so a tensor whose
+    gradient is all zeros on the first step would otherwise move. Elements with a zero
+    gradient inside a tensor that has a gradient do move, like with any learned update.
+
+    ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
+    torch's defaults, state and param groups, so a copy steps exactly like the original.
     """
 
     def __init__(
@@ -60,8 +91,7 @@ class LearnedOptimizer(Optimizer):
         workers: int | None = None,
         stack_same_shape: bool | None = None,
     ):
-        if not isinstance(lr, (int, float)) or not lr >= 0.0:
-            raise ValueError(f"Invalid learning-rate multiplier: {lr!r} (must be >= 0)")
+        checked_lr(lr, "learning-rate multiplier lr")
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"Invalid chunk_size: {chunk_size!r} (must be a positive int)")
         if not isinstance(small_tensor_size, int) or small_tensor_size < 0:
@@ -69,9 +99,10 @@ class LearnedOptimizer(Optimizer):
                 f"Invalid small_tensor_size: {small_tensor_size!r} (must be an int >= 0)"
             )
         if net is None:
-            net, card = load_checkpoint(checkpoint)
+            self.checkpoint_path = resolve_checkpoint(checkpoint)
+            net, card = load_checkpoint(self.checkpoint_path)
         else:
-            card = {}
+            self.checkpoint_path, card = None, {}
         self.net = net
         self.card = card
         self.chunk_size = chunk_size
@@ -82,19 +113,60 @@ class LearnedOptimizer(Optimizer):
         self.stack_same_shape = stack_same_shape
         super().__init__(params, dict(lr=lr, step=0))
 
+    #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
+    #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
+    _PICKLED = (
+        "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
+        "last_loss",
+    )  # fmt: skip
+
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
         for p in params:
+            p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # named parameters
             if isinstance(p, Tensor) and not p.is_floating_point():
                 raise ValueError(f"LearnedOptimizer needs floating-point parameters, got {p.dtype}")
+        if "lr" in param_group:
+            checked_lr(param_group["lr"], "lr of the new param group")
         super().add_param_group({**param_group, "params": params})
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._PICKLED})
+        state["workers"] = self._runner.workers
+        if isinstance(self.last_loss, Tensor):  # the closure's loss holds its autograd graph
+            state["last_loss"] = self.last_loss.detach()
+        return state
+
     def __setstate__(self, state: dict) -> None:
+        # Called by unpickling and deepcopy with the whole state, and by torch's
+        # load_state_dict with only state and param groups.
+        state = dict(state)
+        workers = state.pop("workers", None)
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("step", 0)
             group.setdefault("lr", 1.0)
+        if "net" not in self.__dict__:
+            raise ValueError(
+                "this pickled LearnedOptimizer holds no network (net): it was pickled by a "
+                "version of learned-opt that dropped theta; build a new optimizer and load "
+                "the state with load_state_dict"
+            )
+        defaults = {
+            "card": {},
+            "checkpoint_path": None,
+            "chunk_size": DEFAULT_CHUNK,
+            "small_tensor_size": SMALL_TENSOR_SIZE,
+            "stack_same_shape": None,
+            "last_loss": None,
+            "_theta_cache": {},
+        }
+        for name, default in defaults.items():
+            self.__dict__.setdefault(name, default)
+        if "_runner" not in self.__dict__:
+            self._runner = ChunkRunner(workers)
 
     @property
     def config(self):
@@ -119,7 +191,14 @@ class LearnedOptimizer(Optimizer):
         """Drop cached copies of theta after ``self.net`` was changed in place."""
         self._theta_cache.clear()
 
-    def _init_group(self, group: dict) -> list[tuple[Tensor, Tensor, dict]]:
+    def _group_items(self, group: dict) -> list[tuple[Tensor, Tensor, dict]]:
+        """``(param, grad, state)`` of the group's parameters to step; state created lazily.
+
+        A parameter whose state is still empty and whose gradient is all zeros is left
+        alone (no state, no move): from zero state the learned step is not zero, so
+        without this a parameter that has seen no signal yet would drift. (Not named
+        ``_init_group``: torch.compile treats a method of that name specially.)
+        """
         items = []
         for p in group["params"]:
             if p.grad is None:
@@ -131,6 +210,8 @@ class LearnedOptimizer(Optimizer):
                 )
             state = self.state[p]
             if len(state) == 0:
+                if p.numel() and not p.grad.any():
+                    continue
                 state.update(init_state(p))
                 state["nonfinite_skips"] = 0
             items.append((p, p.grad, state))
@@ -145,15 +226,16 @@ class LearnedOptimizer(Optimizer):
             with torch.enable_grad():
                 closure_loss = closure()
         self.last_loss = loss if loss is not None else closure_loss
-        for group in self.param_groups:
-            items = self._init_group(group)
+        for index, group in enumerate(self.param_groups):
+            lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
+            items = self._group_items(group)
             if not items:
                 continue
             group["step"] += 1
             params, grads, states = zip(*items)
             oks = learned_step(
                 self.theta, self.config, params, grads, states, group["step"],
-                float(group["lr"]), chunk_size=self.chunk_size,
+                lr, chunk_size=self.chunk_size,
                 small_tensor_size=self.small_tensor_size,
                 stack_same_shape=self.stack_same_shape, runner=self._runner,
             )  # fmt: skip
@@ -162,15 +244,19 @@ class LearnedOptimizer(Optimizer):
         return closure_loss
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load optimizer state; state tensors keep their saved dtype (float32 for bf16
-        parameters), so a resumed run continues bit-for-bit."""
+        """Load optimizer state. State tensors take the dtype a fresh state of the parameter
+        would have (float32 for float32/bf16/fp16 parameters, float64 for float64 ones,
+        whatever they were saved in) and the parameter's device; so a run resumed on the
+        same parameters continues bit-for-bit."""
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(pid, {}).items():
-                if isinstance(value, Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True)
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    self.state[p][key] = value.to(p.device, compute_dtype(p), copy=True)
+                elif isinstance(value, Tensor):
+                    self.state[p][key] = value.to(p.device, copy=True)
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""

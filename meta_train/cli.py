@@ -12,6 +12,7 @@ from learned_opt.checkpoint import (
     CheckpointError,
     load_checkpoint,
     read_torch_file,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from learned_opt.config import NetConfig
@@ -21,16 +22,20 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 
 def meta_cli_main(args: list[str] | None = None):
-    """``learned-opt-meta fit --config meta_train/configs/default.yaml`` (a LightningCLI).
+    """``learned-opt-meta fit --config default`` (a LightningCLI; see :mod:`.meta_cli`).
 
     A config mistake or an unreadable or unsafe checkpoint is printed as one line on
     stderr and exits with code 2 (``SystemExit``)."""
     from .data import TaskSeedDataModule
-    from .meta_cli import MetaCLI, UsageError
+    from .meta_cli import TRAINER_DEFAULTS, MetaCLI, UsageError, resolve_config_args
     from .module import MetaTrainModule
 
     command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
     MetaTrainModule.launch_command = command
+    if args is None:  # LightningCLI reads sys.argv itself
+        sys.argv[1:] = resolve_config_args(sys.argv[1:])
+    else:
+        args = resolve_config_args(list(args))
     try:
         MetaCLI(
             MetaTrainModule,
@@ -38,7 +43,7 @@ def meta_cli_main(args: list[str] | None = None):
             args=args,
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
-            trainer_defaults={"default_root_dir": "runs/meta"},
+            trainer_defaults=dict(TRAINER_DEFAULTS),
         )
     except (UsageError, CheckpointError) as exc:
         print(f"learned-opt-meta: error: {exc}", file=sys.stderr)
@@ -126,7 +131,10 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
 
 
 def inspect(checkpoint: str, logdir: str) -> Path:
-    """Write a checkpoint's card and response curves to TensorBoard under ``logdir``."""
+    """Write a checkpoint's card and response curves to TensorBoard under ``logdir``.
+
+    Event files already directly in ``logdir`` (an earlier ``inspect``) are replaced, so
+    running it twice does not show every curve twice."""
     import json
 
     from torch.utils.tensorboard import SummaryWriter
@@ -135,6 +143,8 @@ def inspect(checkpoint: str, logdir: str) -> Path:
 
     net, card = load_checkpoint(checkpoint)
     theta = {k: v.detach() for k, v in net.named_parameters()}
+    for old in Path(logdir).glob("events.out.tfevents.*"):
+        old.unlink()
     writer = SummaryWriter(logdir)
     writer.add_text("card/json", "```\n" + json.dumps(card, indent=2, default=str) + "\n```", 0)
     for step in (1, 100, 1000):
@@ -167,8 +177,11 @@ def export_main(argv: list[str]) -> int:
 def inspect_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="learned-opt inspect", description=inspect.__doc__)
     parser.add_argument("checkpoint", help="a file path or a shipped name such as 'default'")
-    parser.add_argument("--logdir", default="runs/inspect")
+    parser.add_argument(
+        "--logdir", default="runs/inspect", help="event files already in it are replaced"
+    )
     a = parser.parse_args(argv)
     out = inspect(a.checkpoint, a.logdir)
+    print(f"inspected {resolve_checkpoint(a.checkpoint)}")
     print(f"wrote TensorBoard events to {out}; view with: tensorboard --logdir {out}")
     return 0

@@ -39,7 +39,8 @@ class TaskSeedDataModule(L.LightningDataModule):
 
     Args:
         seed: base seed; None takes the global seed (``seed_everything``).
-        tasks_per_step: seeds per meta-step (match the model's ``tasks_per_step``).
+        tasks_per_step: seeds per meta-step; ``learned-opt-meta`` sets it from the
+            model's ``tasks_per_step`` (it is not a config field of its own).
     """
 
     def __init__(self, seed: int | None = None, tasks_per_step: int = 4):

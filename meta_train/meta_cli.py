@@ -7,6 +7,11 @@
   ``predict_step``.
 - A mistake in the config (a bad field, an unreadable checkpoint) is raised as
   :class:`UsageError`, which the entry point prints as one line (exit code 2).
+- ``--config smoke`` names a shipped config (``learned_opt/meta_train/configs/smoke.yaml``,
+  installed with the package); a path (``./my.yaml``, ``configs/x.yaml``) is read as such.
+- ``data.tasks_per_step`` is not a setting of its own: it follows ``model.tasks_per_step``.
+- The run is one epoch of an endless stream of task seeds (``max_epochs: 1``); ``max_steps``
+  or ``max_time`` ends it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,49 @@ from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 
-from learned_opt.checkpoint import CheckpointError, read_torch_file
+from learned_opt.checkpoint import (
+    CheckpointError,
+    is_explicit_path,
+    load_checkpoint,
+    read_torch_file,
+)
+
+from .cli import CONFIG_DIR
+from .settings import validate_settings
+
+#: Trainer settings of every run unless the config says otherwise.
+TRAINER_DEFAULTS = {"default_root_dir": "runs/meta", "max_epochs": 1}
 
 
 class UsageError(Exception):
     """A command-line or config mistake, reported as one line with exit code 2."""
+
+
+#: ``--ckpt_path`` values that Lightning resolves to a checkpoint of the run itself.
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc")
+
+
+def shipped_configs() -> list[str]:
+    """Names of the shipped meta-training configs (``--config <name>``)."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def resolve_config_args(args: list[str]) -> list[str]:
+    """``args`` with each ``--config <shipped name>`` replaced by the shipped file's path."""
+
+    def resolve(value: str) -> str:
+        shipped = CONFIG_DIR / f"{value}.yaml"
+        return str(shipped) if not is_explicit_path(value) and shipped.is_file() else value
+
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if i > 0 and args[i - 1] == "--config":
+            out.append(resolve(arg))
+        elif arg.startswith("--config="):
+            out.append("--config=" + resolve(arg[len("--config=") :]))
+        else:
+            out.append(arg)
+    return out
 
 
 def check_resume_checkpoint(ckpt_path: str | None, weights_only: bool | None) -> None:
@@ -29,8 +72,8 @@ def check_resume_checkpoint(ckpt_path: str | None, weights_only: bool | None) ->
             "--weights_only false is not supported: checkpoints are always read as tensors "
             "and plain data, so that loading one can never run code"
         )
-    if not ckpt_path:
-        return
+    if not ckpt_path or str(ckpt_path) in LIGHTNING_CKPT_NAMES:
+        return  # Lightning finds that file itself, and loads it with weights_only=True
     if not Path(ckpt_path).is_file():
         raise UsageError(f"--ckpt_path {ckpt_path}: no such checkpoint file")
     payload = read_torch_file(ckpt_path, "a Lightning checkpoint")
@@ -46,12 +89,23 @@ class MetaCLI(LightningCLI):
         subcommands = LightningCLI.subcommands()
         return {name: subcommands[name] for name in ("fit", "validate")}
 
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.link_arguments("model.tasks_per_step", "data.tasks_per_step")
+
     def parse_arguments(self, parser, args) -> None:
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand:
             settings = self.config[subcommand]
             check_resume_checkpoint(settings.get("ckpt_path"), settings.get("weights_only"))
+            model = settings.get("model")
+            if model is not None:  # before seeding, logging or any process starts
+                try:
+                    validate_settings(model.as_dict())
+                    if model.get("init_checkpoint"):
+                        load_checkpoint(model.init_checkpoint)
+                except (ValueError, CheckpointError) as exc:
+                    raise UsageError(str(exc)) from None
 
     def instantiate_classes(self) -> None:
         try:

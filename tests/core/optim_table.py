@@ -280,10 +280,10 @@ class _Mutant(LearnedOptimizer):
         if self.bug == "first_group_lr":
             for g in self.param_groups:
                 g["lr"] = self.param_groups[0]["lr"]
-        if self.bug == "zero_fills_grad":
+        if self.bug == "invents_grad":  # (an all-zero gradient would leave it alone)
             for p in params:
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.full_like(p, 1e-6)
         if self.bug == "densifies_sparse":
             for p in params:
                 if p.grad is not None and p.grad.is_sparse:
@@ -321,7 +321,7 @@ MUTANTS = [
     (check_scheduler_halves_update, mutant("ignores_lr")),
     (check_param_groups, mutant("first_group_lr")),
     (check_dtypes, mutant("upcasts_bf16")),
-    (check_grad_none_skipped, mutant("zero_fills_grad")),
+    (check_grad_none_skipped, mutant("invents_grad")),
     (check_sparse_rejected, mutant("densifies_sparse")),
     (check_zero_grad, mutant("keeps_grads")),
 ]

@@ -95,7 +95,7 @@ def _assert_error(path, *fragments):
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     message = str(info.value)
-    assert str(path) in message, message
+    assert os.path.normpath(path) in message, message
     for fragment in fragments:
         assert fragment in message, message
     assert "weights_only" not in message, "never advise loading a file unsafely"
@@ -180,3 +180,19 @@ def test_invalid_config(saved, tmp_path):
 def test_nan_theta(saved, tmp_path):
     bad = _edited(saved, tmp_path, lambda d: d["theta"]["elem_hidden.weight"].fill_(float("nan")))
     _assert_error(bad, "elem_hidden.weight", "NaN")
+
+
+def test_shipped_names_win_over_files_in_the_working_directory(saved, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "adam_init").write_text("junk")
+    for name in ("default", "adam_init"):
+        opt = LearnedOptimizer(make_params(), checkpoint=name)
+        assert opt.checkpoint_path.parent.name == "checkpoints"
+        assert opt.checkpoint_path.name == f"{name}.pt"
+        assert opt.card == load_checkpoint(name)[1]
+    _assert_error("./default", "is a directory")
+    _assert_error("./adam_init", "cannot be read")
+    os.replace(saved[1], tmp_path / "mine")  # a bare word that is not shipped is a path
+    assert LearnedOptimizer(make_params(), checkpoint="mine").card["name"] == "test"
+    assert LearnedOptimizer(make_params(), net=saved[0]).checkpoint_path is None

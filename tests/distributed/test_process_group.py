@@ -1,14 +1,13 @@
-"""Multi-process gloo tests: a few spawns of 4 local workers, several checks each."""
+"""Multi-process gloo tests: a few spawns of 4 local workers, several checks each.
 
-import time
+Every time limit derives from ``dist_workers.COLLECTIVE_TIMEOUT`` and ``STARTUP`` (see
+there): generous, so that the tests pass on a loaded machine."""
 
 import dist_workers as w  # noqa: E402  (tests/distributed is on sys.path under pytest)
 import pytest
 import torch
 
 from learned_opt.distributed import (
-    LaunchError,
-    RankFailure,
     SimulatedCommunicator,
     get_topology,
     launch_local,
@@ -19,10 +18,10 @@ N = 4
 
 @pytest.fixture(scope="module")
 def exchange_results():
-    return launch_local(w.exchange_suite, N, timeout=60)
+    return launch_local(w.exchange_suite, N, timeout=w.launch_timeout(), pg_timeout=w.STARTUP)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 @pytest.mark.parametrize("name", ["ring", "one_peer_exponential"])
 def test_exact_neighbour_exchange(exchange_results, name):
     topo = get_topology(name, N)
@@ -50,6 +49,8 @@ def test_nan_neighbour_is_excluded(exchange_results):
         assert mixed[1] == pytest.approx([2 * expect] * 2, rel=1e-12)
     excluded, count, _ = exchange_results[3]["nan"]
     assert excluded == [] and count == 0
+    msg = exchange_results[1]["own_nan_error"]  # the NaN rank itself raises
+    assert "rank 1: its own tensors hold NaN or Inf at step 0" in msg
 
 
 def test_consensus_shrinks_with_mixing_alone(exchange_results):
@@ -62,6 +63,16 @@ def test_consensus_shrinks_with_mixing_alone(exchange_results):
         )  # one all_reduce, same everywhere
         assert res["mean_change"] < 1e-5  # mixing keeps the network average
         assert res["bytes_sent"] > 2 * 4 * 22
+
+
+@pytest.mark.parametrize("spec", ["topk:0.25", "sign", "int8"])
+def test_compressed_gossip_keeps_the_average_and_sends_less(exchange_results, spec):
+    full = 2 * (16 + 22 * 4)  # two neighbours, header plus 22 float32 values
+    for res in exchange_results:
+        r = res[spec]
+        assert r["mean_change"] < 1e-5  # exact average, whatever the compressor drops
+        assert r["consensus"][1] < 0.5 * r["consensus"][0]
+        assert r["bytes"] < full
 
 
 def test_gradient_tracking_matches_dense_reference(exchange_results):
@@ -80,7 +91,9 @@ def test_gradient_tracking_matches_dense_reference(exchange_results):
         assert res["dsgt"] == pytest.approx([float(x[rank])] * 3, abs=1e-5)
 
 
-def _simulate(kind, seed):
+def _simulate(kind, seed, overlap):
+    """The reference: adapt-then-combine, or (``overlap``) mix x_t, then the local step
+    with the gradient taken at x_t, each exchange carrying the previous batch's loss."""
     topo = get_topology(w.KINDS[kind], N)
     sim = SimulatedCommunicator(topo)
     params = [w.init_params(i, seed) for i in range(N)]
@@ -88,51 +101,49 @@ def _simulate(kind, seed):
     rule = "learned" if kind == "learned" else "metropolis"
     net = opts[0].net if kind == "learned" else None
     theta = {k: v.detach() for k, v in net.named_parameters()} if net else None
+    previous = None
+
+    def mix_all(step, losses):
+        with torch.no_grad():
+            ys = [torch.stack([params[i][t] for i in range(N)]) for t in range(len(params[0]))]
+            mixed, _ = sim.mix(ys, step, rule, theta, net.config if net else None, losses)
+            for t, m in enumerate(mixed):
+                for i in range(N):
+                    params[i][t].copy_(m[i])
+
     for step in range(w.STEPS):
         losses = []
         for i in range(N):
             opts[i].zero_grad()
             loss = w.loss_fn(params[i], w.batch(i, step, seed))
             loss.backward()
+            losses.append(loss.detach())
+        if overlap:
+            mix_all(step, previous)
+        for i in range(N):
             if kind == "learned":
-                opts[i].step(loss=loss.detach())
+                opts[i].step(loss=losses[i])
             else:
                 opts[i].step()
-            losses.append(loss.detach())
-        with torch.no_grad():
-            ys = [torch.stack([params[i][t] for i in range(N)]) for t in range(len(params[0]))]
-            mixed, _ = sim.mix(
-                ys, step, rule, theta, net.config if net else None, torch.stack(losses)
-            )
-            for t, m in enumerate(mixed):
-                for i in range(N):
-                    params[i][t].copy_(m[i])
+        previous = torch.stack(losses)
+        if not overlap:
+            mix_all(step, previous)
     return params
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 def test_real_run_equals_simulator():
     seed = 3
-    real = launch_local(w.equivalence_run, N, seed, timeout=60)
-    for kind in w.KINDS:
-        sim = _simulate(kind, seed)
-        init = [w.init_params(i, seed) for i in range(N)]
-        for rank in range(N):
-            for a, b, p0 in zip(real[rank][kind], sim[rank], init[rank]):
-                assert not torch.allclose(a, p0)  # it moved
-                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-
-
-@pytest.mark.timeout(30)
-def test_killed_rank_gives_clear_error_and_no_hang():
-    start = time.monotonic()
-    res = launch_local(w.killed_rank, N, timeout=25, raise_on_error=False)
-    assert time.monotonic() - start < 25
-    assert all(isinstance(r, RankFailure) for r in res)
-    assert "exited with code 1" in res[3].message
-    for rank in (0, 2):
-        msg = res[rank].message
-        assert f"rank {rank}: exchange with neighbour rank 3 failed at step 5" in msg
-    assert "failed at step 5" in res[1].message
-    with pytest.raises(LaunchError, match="rank 3"):
-        raise LaunchError([r for r in res])
+    real = launch_local(
+        w.equivalence_run, N, seed, timeout=w.launch_timeout(), pg_timeout=w.STARTUP
+    )
+    for overlap in (False, True):
+        for kind in w.KINDS:
+            sim = _simulate(kind, seed, overlap)
+            init = [w.init_params(i, seed) for i in range(N)]
+            for rank in range(N):
+                for a, b, p0 in zip(real[rank][kind, overlap], sim[rank], init[rank]):
+                    assert not torch.allclose(a, p0)  # it moved
+                    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # the two orders differ: the overlapped run is a variant, not the same trajectory
+    assert not torch.allclose(real[0]["adam", True][0], real[0]["adam", False][0])

@@ -12,6 +12,7 @@ SIZES = {
     "torus": [4, 6, 9, 12],
     "exponential": [1, 2, 5, 8, 16],
     "one_peer_exponential": [1, 2, 4, 8, 16],
+    "one_peer_ring": [2, 4, 6, 8],
     "complete": [1, 2, 7],
     "random_regular": [2, 5, 8, 16],
 }
@@ -102,6 +103,7 @@ def test_custom_edges():
     "name,n,kwargs",
     [
         ("one_peer_exponential", 6, {}),
+        ("one_peer_ring", 5, {}),
         ("torus", 7, {}),
         ("torus", 8, {"rows": 3}),
         ("random_regular", 5, {"degree": 3}),
@@ -126,3 +128,23 @@ def test_registry_and_errors():
         topo.neighbors(4)
     with pytest.raises(ValueError):
         topo.mixing_matrix(rule="learned")
+
+
+def test_one_peer_ring_alternates_right_and_left():
+    topo = get_topology("one_peer_ring", 6)
+    assert topo.period == 2
+    assert topo.neighbors(2, 0) == [3] and topo.neighbors(2, 1) == [1]
+    assert topo.neighbors(0, 1) == [5] and topo.mixing_matrix(0)[0, 1] == 0.5
+
+
+def test_restricted_topology_drops_and_reconnects():
+    ring = get_topology("ring", 6)
+    sub = ring.restricted_to([0, 1, 3, 4])  # ring minus 2 and 5: two paths, chained
+    assert sub.world_size == 4 and sub.name == "ring without [2, 5]"
+    assert sub.edges() == [(0, 1), (0, 2), (2, 3)]
+    torch.testing.assert_close(sub.mixing_matrix().sum(0), torch.ones(4, dtype=torch.float64))
+    assert ring.restricted_to(range(6)).edges() == ring.edges()
+    with pytest.raises(ValueError, match="distinct"):
+        ring.restricted_to([1, 1])
+    with pytest.raises(ValueError, match="outside"):
+        ring.restricted_to([0, 9])

@@ -1,5 +1,10 @@
 """The torchrun entry point, run through the local launcher (one spawn, several configs)."""
 
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import dist_workers as w
 import pytest
 import torch
 
@@ -11,7 +16,7 @@ CONFIGS = [
     ["--optimizer", "adam", "--mixing", "metropolis", "--topology", "complete"],
     ["--optimizer", "sgd", "--mixing", "uniform", "--topology", "exponential"],
     ["--optimizer", "sgd", "--mixing", "allreduce"],
-    ["--optimizer", "adam", "--mixing", "learned"],
+    ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
 ]
 
 
@@ -19,21 +24,25 @@ def _run_all(rank, world_size, logdir):
     out = []
     for i, cfg in enumerate(CONFIGS):
         argv = ["--task", "iris_mlp", "--steps", "15", "--metrics-every", "5", *cfg]
+        argv += ["--timeout", str(w.COLLECTIVE_TIMEOUT)]
         if i == 0:
             argv += ["--logdir", logdir]
         out.append(launched(rank, world_size, argv))
     return out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(w.test_timeout())
 def test_train_entry_point_all_optimizers(tmp_path):
-    results = launch_local(_run_all, 2, str(tmp_path), timeout=60)
+    results = launch_local(
+        _run_all, 2, str(tmp_path), timeout=w.launch_timeout(), pg_timeout=w.STARTUP
+    )
     for per_config in zip(*results):
         a, b = per_config
         assert a["test_loss"] == pytest.approx(b["test_loss"])  # the averaged model, on every rank
         assert a["workers"] == 2 and a["steps"] == 15
         assert torch.isfinite(torch.tensor(a["train_loss"]))
         assert "test_loss=" in format_summary(a)
+        assert a["survivors"] == [0, 1] and a["failures"] == []
     assert results[0][3]["consensus_distance"] == pytest.approx(0.0, abs=1e-10)  # allreduce
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
@@ -44,6 +53,9 @@ def test_parse_args_defaults():
     assert parse_args([]).mixing == "learned"
     with pytest.raises(SystemExit):
         parse_args(["--topology", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--kill-rank", "1"])  # needs --kill-step
+    assert parse_args([]).on_failure == "exclude"
 
 
 def test_gossip_optimizer_validates_arguments():
@@ -54,3 +66,83 @@ def test_gossip_optimizer_validates_arguments():
         GossipOptimizer(sgd, mixing="metropolis")
     with pytest.raises(RuntimeError, match="init_process_group"):
         GossipOptimizer(sgd, "ring", mixing="metropolis")
+    with pytest.raises(ValueError, match="on_failure must be one of"):
+        GossipOptimizer(sgd, "ring", mixing="metropolis", on_failure="ignore")
+    given = SimpleNamespace(topology=None, on_failure="exclude", compression=None)
+    with pytest.raises(ValueError, match="compression='sign' applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", compression="sign")
+    with pytest.raises(ValueError, match="on_failure='raise' applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--task", "nope"], "--task: unknown task 'nope'"),
+        (["--partition", "skewed"], "--partition: must be one of"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--alpha", "-1"], "--alpha must be > 0"),
+        (["--timeout", "0"], "--timeout must be > 0"),
+        (["--lr", "nan"], "--lr must be finite and >= 0"),
+        (["--checkpoint", "./missing.pt"], "--checkpoint: ./missing.pt: no such file"),
+        (["--topology", "torus"], "--topology:"),
+        (["--compression", "topk:2"], "--compression: top-k ratio must be in (0, 1]"),
+        (["--compression", "fp4"], "--compression: unknown compression 'fp4'"),
+        (["--consensus-step", "0"], "--consensus-step must be in (0, 1]"),
+        (["--kill-rank", "1"], "--kill-rank and --kill-step go together"),
+    ],
+)
+def test_argument_mistakes_are_one_line_with_exit_code_2(argv, fragment, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as under torchrun; a 3-worker torus is invalid
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and fragment in errors[0], errors
+    monkeypatch.setenv("RANK", "1")  # the other ranks exit alike, silently
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert capsys.readouterr().err == ""
+
+
+def test_argument_mistake_in_a_real_process():
+    proc = subprocess.run(
+        [sys.executable, "-m", "learned_opt.distributed.train", "--task", "nope"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) <= 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert "unknown task 'nope'" in lines[-1]
+
+
+def test_consensus_distance_is_logged_only_when_measured():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from learned_opt.distributed import ProcessGroupCommunicator, get_topology
+
+    class Recorder:
+        def __init__(self):
+            self.steps: dict[str, list[int]] = {}
+
+        def add_scalar(self, tag, value, step):
+            self.steps.setdefault(tag, []).append(step)
+
+    store, timeout = dist.HashStore(), timedelta(seconds=w.COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    try:
+        params = [torch.zeros(3, requires_grad=True)]
+        writer = Recorder()
+        comm = ProcessGroupCommunicator(get_topology("ring", 1))
+        opt = GossipOptimizer(
+            torch.optim.SGD(params, lr=0.1), communicator=comm, metrics_every=3, writer=writer
+        )
+        for _ in range(7):
+            params[0].grad = torch.ones(3)
+            opt.step()
+    finally:
+        dist.destroy_process_group()
+    assert writer.steps["gossip/consensus_distance"] == [0, 3, 6]
+    assert writer.steps["gossip/bytes_sent"] == list(range(7))

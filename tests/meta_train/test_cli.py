@@ -122,6 +122,8 @@ def test_inspect_writes_card_and_response_curves(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     inspect("default", str(tmp_path))
+    inspect("default", str(tmp_path))  # again: replaces, never duplicates
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 1
     acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0, "tensors": 0})
     acc.Reload()
     images = set(acc.Tags()["images"])

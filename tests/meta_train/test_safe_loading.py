@@ -164,3 +164,12 @@ def test_every_torch_load_in_the_repository_is_weights_only():
             assert isinstance(flag, ast.Constant) and flag.value is True, where
             checked += 1
     assert checked >= 2, "the audit must find the project's loaders"
+
+
+def test_resume_check_passes_lightning_names_and_refuses_missing_files(tmp_path):
+    from learned_opt.meta_train.meta_cli import UsageError, check_resume_checkpoint
+
+    for name in ("last", "best", None):
+        check_resume_checkpoint(name, None)
+    with pytest.raises(UsageError, match="no such checkpoint file"):
+        check_resume_checkpoint(str(tmp_path / "missing.ckpt"), True)

@@ -1,0 +1,187 @@
+"""Full decentralized step time: forward, backward, local step, exchange and mix.
+
+Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``).
+Writes ``benchmarks/results/gossip_step.json``.
+
+4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
+(``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
+(784-1024-256-10, batch 64 of random data). Median milliseconds per step, the slowest
+rank's median, of:
+
+- ``allreduce + Adam``: data parallel, one all_reduce of the flat gradient, then Adam;
+- ``D-Adam <topology>``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
+- ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
+  forward/backward);
+- ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint;
+- ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
+  decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
+  ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
+  steps and exchanges bucket by bucket from backward hooks.
+
+The configurations take turns, a few steps each, round after round, so a change in the
+machine's load hits them all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from learned_opt import LearnedOptimizer
+from learned_opt.distributed import (
+    GossipOptimizer,
+    ProcessGroupCommunicator,
+    dadam,
+    get_topology,
+    launch_local,
+)
+
+RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
+WORLD = 4
+BATCH = 64
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(784, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+class _AllReduceAdam:
+    """Data parallel: average the gradients with one all_reduce, then Adam."""
+
+    def __init__(self, params, comm: ProcessGroupCommunicator):
+        self.params, self.comm = list(params), comm
+        self.adam = torch.optim.Adam(self.params, lr=1e-3)
+
+    def zero_grad(self):
+        self.adam.zero_grad()
+
+    def step(self, loss=None):
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        self.comm.all_reduce(flat, 0, "gradient all_reduce").div_(self.comm.world_size)
+        torch.nn.utils.vector_to_parameters(flat, [p.grad for p in self.params])
+        self.adam.step()
+
+
+class _DecentDP:
+    """Decent-DP steps inside backward (its hooks); nothing to do in zero_grad or step."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self, loss=None):
+        pass
+
+
+def _decent_dp(rank: int):
+    try:
+        from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import optim_fn_adam
+    except ImportError:
+        return None
+    from functools import partial
+
+    fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
+    return DecentralizedDataParallel(_model(rank), fn, topology="ring", _local_world_size=WORLD)
+
+
+def _configs(rank: int) -> dict:
+    out = {}
+    model = _model(rank)
+    comm = ProcessGroupCommunicator(get_topology("ring", WORLD))
+    out["allreduce + Adam"] = (model, _AllReduceAdam(model.parameters(), comm))
+    for topo in ("ring", "one_peer_ring"):
+        graph = get_topology(topo, WORLD)
+        for overlap in (False, True):
+            suffix = f" {topo}" + (" overlap" if overlap else "")
+            model = _model(rank)
+            out["D-Adam" + suffix] = (
+                model,
+                dadam(model.parameters(), 1e-3, graph, overlap=overlap, metrics_every=0),
+            )
+            model = _model(rank)
+            local = LearnedOptimizer(model.parameters())
+            out["learned + learned mixing" + suffix] = (
+                model,
+                GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
+            )
+    peer = _decent_dp(rank)
+    if peer is not None:
+        out["Decent-DP Adam one-peer ring"] = (peer, _DecentDP())
+    return out
+
+
+def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
+    configs = _configs(rank)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+    times: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, (model, opt) in configs.items():
+            dist.barrier()
+            for _ in range(steps):
+                start = time.perf_counter()
+                opt.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step(loss=loss.detach())
+                if r:
+                    times[name].append((time.perf_counter() - start) * 1e3)
+    out = {}
+    for name, ts in times.items():
+        med = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        out[name] = float(med)
+    for _, opt in configs.values():
+        if isinstance(opt, GossipOptimizer):
+            opt.flush()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
+    base = res["allreduce + Adam"]
+    results = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
+        f"worker, gloo over loopback, load average {load:.1f} at start",
+        "torch": torch.__version__,
+        "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
+        f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
+        "command": "OMP_NUM_THREADS=1 python benchmarks/gossip_step.py",
+        "step_ms": res,
+        "vs_allreduce": {k: v / base for k, v in res.items()},
+    }
+    peer = res.get("Decent-DP Adam one-peer ring")
+    if peer is not None:
+        results["vs_decent_dp"] = {k: v / peer for k, v in res.items()}
+    for name, ms in res.items():
+        print(f"{name:<32}{ms:>9.1f} ms {ms / base:>6.2f}x")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Compressed exchange with error feedback, keeping the network average exactly.
+
+Each rank keeps a public copy ``h_i`` of its parameters that its neighbours hold too, bit
+for bit, and a copy ``h_j`` of each neighbour's. Per step and tensor (CHOCO-gossip)::
+
+    q_i  = C(x_i - h_i)                       sent to every neighbour (compressed)
+    h_i += q_i;   h_j += q_j                  on both ends, identically
+    x_i += gamma * sum_j w_ij (h_j - h_i)     with w_ij = w_ji
+
+What ``C`` leaves out stays in ``x_i - h_i`` and is sent later (error feedback). Because the
+weights are symmetric and every ``h_j`` is the same on both ends of an edge, the correction
+terms cancel in pairs: the network average of ``x`` is preserved exactly, whatever ``C``
+drops. Learned weights are computed from ``h_i`` and ``h_j`` for the same reason.
+
+The copies start from one uncompressed exchange per step of the topology's period, and
+start over the same way after the group re-forms (every survivor then does the same).
+
+Compressors (``compression=``):
+
+- ``"topk:R"``: the largest ``ceil(R * n)`` entries of each tensor by magnitude, as int32
+  indices and values (8 bytes per entry kept);
+- ``"sign"``: one bit per entry and one float32 scale (the mean magnitude) per tensor;
+- ``"int8"``: one int8 per entry and one float32 scale (max magnitude / 127) per tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .mixing import mix
+
+
+class TopK:
+    """Largest entries by magnitude: payload ``[int32 indices, values]`` per tensor."""
+
+    def __init__(self, ratio: float):
+        if not 0 < ratio <= 1:
+            raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
+        self.ratio = ratio
+
+    def compress(self, d: Tensor) -> list[Tensor]:
+        flat = d.reshape(-1)
+        k = max(1, math.ceil(self.ratio * flat.numel()))
+        idx = flat.abs().topk(k, sorted=False).indices
+        return [idx.to(torch.int32), flat[idx]]
+
+    def add_(self, h: Tensor, payload: list[Tensor]) -> None:
+        idx, values = payload
+        h.view(-1).index_add_(0, idx.long(), values)
+
+
+class Sign:
+    """Scaled sign: payload ``[uint8 packed bits, float32 scale]`` per tensor."""
+
+    _bits = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+    def compress(self, d: Tensor) -> list[Tensor]:
+        flat = d.reshape(-1)
+        pad = (-flat.numel()) % 8
+        positive = torch.cat([flat >= 0, flat.new_zeros(pad, dtype=torch.bool)])
+        bits = self._bits.to(flat.device)
+        packed = (positive.view(-1, 8).to(torch.uint8) * bits).sum(1, dtype=torch.uint8)
+        scale = flat.abs().mean(dtype=torch.float32).reshape(1)
+        return [packed, scale]
+
+    def add_(self, h: Tensor, payload: list[Tensor]) -> None:
+        packed, scale = payload
+        bits = self._bits.to(packed.device)
+        positive = (packed.unsqueeze(1) & bits).ne(0).reshape(-1)[: h.numel()]
+        step = torch.where(positive, scale, -scale).to(h.dtype)
+        h.view(-1).add_(step)
+
+
+class Int8:
+    """Linear 8-bit: payload ``[int8 values, float32 scale]`` per tensor."""
+
+    def compress(self, d: Tensor) -> list[Tensor]:
+        flat = d.reshape(-1).float()
+        scale = (flat.abs().max() / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+        return [(flat / scale).round_().clamp_(-127, 127).to(torch.int8), scale.reshape(1)]
+
+    def add_(self, h: Tensor, payload: list[Tensor]) -> None:
+        values, scale = payload
+        h.view(-1).add_((values.float() * scale).to(h.dtype))
+
+
+def get_compressor(spec: str):
+    """``"topk:R"``, ``"sign"`` or ``"int8"`` (see the module doc)."""
+    if spec == "sign":
+        return Sign()
+    if spec == "int8":
+        return Int8()
+    if spec.startswith("topk:"):
+        try:
+            ratio = float(spec.split(":", 1)[1])
+        except ValueError:
+            ratio = float("nan")
+        if ratio == ratio:
+            return TopK(ratio)
+    raise ValueError(f"unknown compression {spec!r}; use 'topk:R' (0 < R <= 1), 'sign' or 'int8'")
+
+
+class ErrorFeedback:
+    """One rank's copies ``h_i`` and ``h_j`` and the compressed exchange's two halves."""
+
+    def __init__(self, spec: str, gamma: float = 1.0):
+        if not 0 < gamma <= 1:
+            raise ValueError(f"consensus step gamma must be in (0, 1], got {gamma}")
+        self.compressor = get_compressor(spec)
+        self.spec = spec
+        self.gamma = gamma
+        self.own: list[Tensor] = []
+        self.copies: dict[int, list[Tensor]] = {}
+        self._epoch = None
+        self._full_until = 0
+
+    def full(self, step: int, epoch: int, period: int) -> bool:
+        """Whether the exchange at ``step`` sends the tensors whole (to start the copies)."""
+        if epoch != self._epoch:
+            self._epoch, self._full_until = epoch, step + period
+            self.copies.clear()
+        return step < self._full_until
+
+    def encode(self, ys: list[Tensor], full: bool) -> list[Tensor]:
+        """What to send: ``ys`` whole, or ``C(y - h_i)`` per tensor (then ``h_i += q_i``)."""
+        if full:
+            self.own = [y.detach().clone() for y in ys]
+            return list(ys)
+        out = []
+        for y, h in zip(ys, self.own):
+            q = self.compressor.compress(y - h)
+            self.compressor.add_(h, q)
+            out += q
+        return out
+
+    def decode(self, peer: int, payload: list[Tensor], full: bool) -> list[Tensor]:
+        """Update and return the copy ``h_j`` of ``peer`` from what it sent."""
+        if full:
+            self.copies[peer] = [t.clone() for t in payload]
+        else:
+            parts = len(payload) // len(self.copies[peer])
+            for t, h in enumerate(self.copies[peer]):
+                self.compressor.add_(h, payload[parts * t : parts * (t + 1)])
+        return self.copies[peer]
+
+    def mix_(self, y: Tensor, own: Tensor, copies: list[Tensor], weights: list) -> None:
+        """``y += gamma * sum_j w_j (h_j - h_i)``, in place, through :func:`mix`."""
+        if copies:
+            y.add_(mix(own, copies, weights).sub_(own), alpha=self.gamma)

@@ -1,0 +1,63 @@
+"""Worker functions for the failure tests: ranks that die or freeze in the middle of a run.
+
+A frozen rank stops itself with SIGSTOP; a small shell process it starts first wakes it
+(SIGCONT) long after the survivors have excluded it, so it can report what it found.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import torch
+
+from learned_opt.distributed import GossipError, GossipOptimizer
+
+
+def freeze(seconds: float) -> None:
+    """Stop this process now; it resumes after ``seconds``."""
+    subprocess.Popen(["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def kill_then_freeze(rank: int, n: int, timeout: float, steps: int) -> dict:
+    """Ring of 4, pure mixing (SGD with lr 0): rank 3 dies at step 5, rank 1 freezes at
+    step 12. Returns the survivors' per-step values, members and failures."""
+    params = [torch.full((50,), float(rank), requires_grad=True)]
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0), "ring", "metropolis", timeout=timeout, metrics_every=4
+    )
+    values = []
+    for step in range(steps):
+        if rank == 3 and step == 5:
+            os._exit(1)
+        if rank == 1 and step == 12:
+            freeze(3.5 * timeout)
+        try:
+            opt.step()
+        except GossipError as exc:
+            return {"error": str(exc), "step": step}
+        values.append(params[0].detach().clone())
+    comm = opt.communicator
+    return {
+        "values": torch.stack(values),
+        "members": comm.members,
+        "failures": [f.as_dict() for f in opt.failures],
+        "metrics": dict(opt.metrics),
+        "resume_at": comm.membership.resume_at,
+    }
+
+
+def frozen_with_raise(rank: int, n: int, timeout: float) -> str:
+    """Ring of 4 with ``on_failure="raise"``: rank 2 freezes at step 4, the others must
+    blame rank 2 (not a rank that already stopped)."""
+    params = [torch.full((50,), float(rank), requires_grad=True)]
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0), "ring", "metropolis", timeout=timeout, on_failure="raise"
+    )
+    for step in range(20):
+        if rank == 2 and step == 4:
+            freeze(3.5 * timeout)
+        opt.step()
+    return "finished"

@@ -1,0 +1,107 @@
+"""The meta-training command line as a user meets it: shipped config names, one-line
+errors with exit code 2, the subcommands it has, and settings that cannot disagree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from learned_opt.cli import main as learned_opt_main
+from learned_opt.meta_train.cli import CONFIG_DIR, meta_cli_main
+from learned_opt.meta_train.data import TaskSeedDataModule
+from learned_opt.meta_train.meta_cli import (
+    TRAINER_DEFAULTS,
+    MetaCLI,
+    resolve_config_args,
+    shipped_configs,
+)
+from learned_opt.meta_train.module import MetaTrainModule
+
+
+def _parse(tmp_path, *args) -> MetaCLI:
+    return MetaCLI(
+        MetaTrainModule,
+        TaskSeedDataModule,
+        args=["--config", str(CONFIG_DIR / "smoke.yaml"), f"--trainer.default_root_dir={tmp_path}"]
+        + list(args),
+        run=False,
+        trainer_defaults=dict(TRAINER_DEFAULTS),
+    )
+
+
+def test_shipped_config_names_resolve_and_paths_stay_paths():
+    assert {"smoke", "default", "finetune"} <= set(shipped_configs())
+    resolved = resolve_config_args(["fit", "--config", "smoke", "--config=finetune", "-x"])
+    assert resolved == [
+        "fit", "--config", str(CONFIG_DIR / "smoke.yaml"),
+        f"--config={CONFIG_DIR / 'finetune.yaml'}", "-x",
+    ]  # fmt: skip
+    for path in ("./smoke", "smoke.yaml", "configs/smoke", "unknown"):
+        assert resolve_config_args(["--config", path]) == ["--config", path]
+
+
+def test_finetune_config_refers_to_the_shipped_stage1_by_name():
+    text = (CONFIG_DIR / "finetune.yaml").read_text()
+    assert "init_checkpoint: default_stage1" in text
+    MetaTrainModule(init_checkpoint="default_stage1", baseline_cache=None)
+
+
+def test_data_tasks_per_step_follows_the_model_and_runs_are_one_epoch(tmp_path):
+    cli = _parse(tmp_path, "--model.tasks_per_step=3")
+    assert cli.datamodule.tasks_per_step == cli.model.settings.tasks_per_step == 3
+    assert cli.trainer.max_epochs == 1  # the progress bar reads "Epoch 0/0", not "0/-2"
+    with pytest.raises(SystemExit):
+        _parse(tmp_path, "--data.tasks_per_step=5")
+
+
+@pytest.mark.parametrize(
+    "mistake, message",
+    [
+        ("--model.family=no_such_family", "meta-training config field 'family'"),
+        ("--model.init_checkpoint=./nope.pt", "./nope.pt: no such file"),
+    ],
+)
+def test_config_mistake_is_one_line_with_exit_code_2(tmp_path, capsys, mistake, message):
+    with pytest.raises(SystemExit) as info:
+        meta_cli_main(
+            ["fit", "--config", "smoke", f"--trainer.default_root_dir={tmp_path}", mistake]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"learned-opt-meta: error: {message}"), err
+    assert "Traceback" not in err and "Seed set" not in err
+
+
+def test_command_line_errors_in_a_real_process(tmp_path):
+    """The installed entry point: one line for a config mistake; no test/predict."""
+    entry = [sys.executable, "-m", "learned_opt.meta_train.cli_entry"]
+    bad = subprocess.run(
+        [*entry, "fit", "--config", "smoke", "--model.min_length=0",
+         f"--trainer.default_root_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 2, bad.stderr[-2000:]
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert lines == ["learned-opt-meta: error: meta-training config field 'min_length': "
+                     "must be a positive integer, got 0"], bad.stderr[-2000:]  # fmt: skip
+    helped = subprocess.run([*entry, "--help"], capture_output=True, text=True, timeout=300)
+    assert "fit" in helped.stdout and "validate" in helped.stdout
+    assert "predict" not in helped.stdout and "{fit,validate}" in helped.stdout
+
+
+def test_learned_opt_version(capsys):
+    assert learned_opt_main(["--version"]) == 0
+    assert capsys.readouterr().out.startswith("learned-opt ")
+
+
+def test_fit_and_validate_always_load_weights_only(tmp_path, monkeypatch):
+    cli = _parse(tmp_path)
+    seen = []
+    for name in ("fit", "validate"):
+        monkeypatch.setattr(cli.trainer, name, lambda model, **kw: seen.append(kw))
+    cli.fit(cli.model, ckpt_path="x.ckpt", weights_only=False)
+    cli.validate(cli.model, ckpt_path="x.ckpt")
+    assert [kw["weights_only"] for kw in seen] == [True, True]
