@@ -36,6 +36,7 @@ from .features import (
     update_moments,
 )
 from .network import Theta, element_layers, element_mlp, layers_of
+from .orthogonal import needs_whole_tensor
 from .stages import apply_update, tensor_context
 from .workers import SERIAL, ChunkRunner
 
@@ -151,6 +152,12 @@ def chunked_step_(
     """
     if not params:
         return []
+    whole = [tuple(p.shape) for p in params if needs_whole_tensor(cfg, p.shape)]
+    if whole:
+        raise ValueError(
+            f"tensors of shapes {whole} need their whole tensor in the output stage "
+            f"(output={cfg.output!r}, normalize={cfg.normalize}); chunks cannot step them"
+        )
     chunk = chunk or default_chunk(params[0].device)
     tensors = [_prepare(p, g, s) for p, g, s in zip(params, grads, states)]
     sums = torch.stack(

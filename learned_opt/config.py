@@ -14,6 +14,8 @@ NUM_ELEMENT_FEATURES = 11
 NUM_TENSOR_STATS = 8
 #: Number of symmetric edge features besides the time features (see ``features.edge_features``).
 NUM_EDGE_STATS = 5
+#: Output parameterisations understood by ``NetConfig.output``.
+OUTPUTS = ("adam", "ortho")
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,19 @@ class NetConfig:
     time_taus: tuple[float, ...] = field(default=(10.0, 100.0, 1000.0, 10000.0))  # tanh(t/tau - 1)
     eps: float = 1e-8  # epsilon inside rsqrt(v + eps)
     clip_value: float = 3.0  # clip(g) clips g / rms(g) to +-clip_value
+    # Output parameterisation (see learned_opt.orthogonal): "adam" steps every tensor along
+    # clamp(adam_dir + d); "ortho" steps 2-D matrices (both dims >= ortho_min_dim) along the
+    # Newton-Schulz orthogonalisation of (unit-RMS 0.9 momentum + d), scaled to unit RMS
+    # and to ortho_step_mult, and the other tensors as "adam".
+    output: str = "adam"
+    ortho_step_mult: float = 2e-3  # RMS of a matrix's step at zero heads ("ortho" only)
+    ortho_min_dim: int = 2  # smallest dimension of a matrix that is orthogonalised
+    # Largest "smaller dimension" of a matrix that is orthogonalised: Newton-Schulz costs
+    # about 10 * r^2 * c FLOPs per iteration for r <= c (a 1024 x 1024 matrix: 50 GFLOP a
+    # step), so larger matrices take the Adam form unless this is raised (on a GPU, say).
+    ortho_max_dim: int = 256
+    ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
+    normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -44,9 +59,15 @@ class NetConfig:
             "max_log_scale",
             "eps",
             "clip_value",
+            "ortho_step_mult",
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.output not in OUTPUTS:
+            raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
+        for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"NetConfig.{name} must be a positive integer")
         if len(self.time_taus) == 0 or any(float(t) <= 0 for t in self.time_taus):
             raise ValueError(
                 f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}"

@@ -77,7 +77,9 @@ def flat_step(
     )
     layers = element_layers(theta, cfg, p.dtype, expand(bias.transpose(-1, -2)))
     d, log_mag = element_mlp(layers, x * expand(scales.transpose(-1, -2)))
-    new_p = apply_update(cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, expand(scale))
+    new_p = apply_update(
+        cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, expand(scale), shapes=layout.shapes
+    )
     out = (
         torch.where(keep, new_p, p),
         torch.where(keep.unsqueeze(-2), m_new, m),

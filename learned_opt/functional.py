@@ -28,6 +28,7 @@ from ._chunked import DEFAULT_CHUNK, chunked_step_
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
+from .orthogonal import needs_whole_tensor
 from .workers import SERIAL, ChunkRunner
 
 #: Default ``small_tensor_size``: up to this size, one call per tensor costs more than the
@@ -111,7 +112,12 @@ def learned_step(
             continue
         cpu = device.type == "cpu"
         stack = stack_same_shape if stack_same_shape is not None else not cpu
+        # tensors whose output stage reduces over the whole tensor are always stacked
+        whole = [it for it in items if needs_whole_tensor(cfg, it[0].shape)]
+        items = [it for it in items if not needs_whole_tensor(cfg, it[0].shape)]
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
+        whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
+        shape_stacks += whole_stacks + [[it] for it in too_large]
         if shape_stacks:  # one device sync for all stacks
             flags = [stacked_step_(theta_d, cfg, *zip(*s), step, lr) for s in shape_stacks]
             _record(ok, index, [it for s in shape_stacks for it in s], torch.cat(flags).tolist())

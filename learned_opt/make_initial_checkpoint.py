@@ -1,5 +1,12 @@
-"""Write the hand-initialised checkpoint: zero output heads, i.e. exactly Adam(lr=1e-3)
-with Metropolis-Hastings mixing. Run: ``python -m learned_opt.make_initial_checkpoint OUT``."""
+"""Write a hand-initialised checkpoint: zero output heads, so the local update is exactly a
+hand-designed rule and the mixing weights are exactly Metropolis-Hastings.
+
+    python -m learned_opt.make_initial_checkpoint OUT [PRESET [WIDTH]]
+
+Presets (:data:`PRESETS`): ``adam_init`` (exactly Adam, lr 1e-3) and ``ortho_init``
+(hidden matrices along the orthogonalised momentum at RMS 2e-3 per step, every other
+tensor exactly Adam at lr 1e-3; see :mod:`learned_opt.orthogonal`).
+"""
 
 from __future__ import annotations
 
@@ -9,26 +16,55 @@ from .checkpoint import save_checkpoint
 from .config import NetConfig
 from .network import LearnedOptimizerNet
 
-CARD = {
-    "name": "adam-init",
-    "trained": False,
-    "summary": (
-        "Hand-initialised, NOT meta-trained. The output heads are zero, so the local update "
-        "is exactly Adam(lr=1e-3, betas=(0.9, 0.999), eps=1e-8) and the mixing weights are "
-        "exactly Metropolis-Hastings 1/(1+max degree). It is a correct starting point for "
-        "meta-training, not an improvement over Adam."
+_NOT_TRAINED = "Hand-initialised, NOT meta-trained. "
+_MIXING = "The mixing weights are exactly Metropolis-Hastings 1/(1+max degree). "
+
+#: name -> (NetConfig fields, card summary)
+PRESETS: dict[str, tuple[dict, str]] = {
+    "adam_init": (
+        {},
+        _NOT_TRAINED + "The output heads are zero, so the local update is exactly Adam(lr=1e-3, "
+        "betas=(0.9, 0.999), eps=1e-8). "
+        + _MIXING
+        + "It is a correct starting point for meta-training, not an improvement over Adam.",
     ),
-    "command": "python -m learned_opt.make_initial_checkpoint checkpoints/adam_init.pt",
+    "ortho_init": (
+        {"output": "ortho", "ortho_min_dim": 16, "max_log_scale": 3.0},
+        _NOT_TRAINED
+        + "The output heads are zero, so 2-D weight matrices whose smaller dimension is "
+        "16 to 256 move along the Newton-Schulz orthogonalised 0.9 momentum by an RMS of "
+        "2e-3 per step (a Muon-style rule), and every other tensor (vectors, convolution "
+        "kernels, small heads, larger matrices) takes exactly Adam(lr=1e-3). "
+        + _MIXING
+        + "The starting point of the ortho meta-training chain.",
+    ),
 }
+
+
+def initial_net(preset: str, width: int = 8) -> tuple[LearnedOptimizerNet, dict]:
+    """The zero-heads network of ``preset`` and its model card."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; valid choices: {sorted(PRESETS)}")
+    fields, summary = PRESETS[preset]
+    config = NetConfig(width=width, **fields)
+    command = f"python -m learned_opt.make_initial_checkpoint checkpoints/{preset}.pt {preset}"
+    card = {
+        "name": preset.replace("_", "-"),
+        "trained": False,
+        "summary": summary,
+        "command": command,
+        "config": config.to_dict(),
+    }
+    return LearnedOptimizerNet(config), card
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     out = argv[0] if argv else "checkpoints/adam_init.pt"
-    width = int(argv[1]) if len(argv) > 1 else 8
-    config = NetConfig(width=width)
-    card = dict(CARD, config=config.to_dict())
-    print(save_checkpoint(LearnedOptimizerNet(config), out, card))
+    preset = argv[1] if len(argv) > 1 else "adam_init"
+    width = int(argv[2]) if len(argv) > 2 else 8
+    net, card = initial_net(preset, width)
+    print(save_checkpoint(net, out, card))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from torch import Tensor
 from .config import NetConfig
 from .features import adam_direction, feature_scales, shape_stats, tensor_stats, time_features
 from .network import Theta, tensor_head
+from .orthogonal import shape_direction
 
 
 def tensor_context(
@@ -47,6 +48,7 @@ def apply_update(
     step,
     scale: Tensor | float,
     scratch: Tensor | None = None,
+    shapes=None,
 ) -> Tensor:
     """The output parameterisation: the new parameter
 
@@ -60,6 +62,11 @@ def apply_update(
     With ``scratch`` (shaped like ``v``), the no-grad fast path: everything is computed in
     place, ``d`` and ``log_mag`` are overwritten and ``p`` is updated and returned.
 
+    With ``shapes`` (the segments of the last dim: whole tensors), the direction of each
+    tensor is then shaped by :func:`~learned_opt.orthogonal.shape_direction` (the "ortho"
+    matrices, ``cfg.normalize``). Without, the elements are a chunk of one tensor that
+    needs no shaping (:func:`~learned_opt.orthogonal.needs_whole_tensor` is False for it).
+
     A per-tensor reduction here (for example a unit-RMS normalisation of the direction)
     needs the whole tensor's ``d``: every caller but the chunked path holds it; the chunked
     path would keep its chunks' outputs and apply this stage per tensor.
@@ -72,6 +79,8 @@ def apply_update(
     adam = adam_direction(m1, v, step, cfg.eps, out=scratch)
     direction = torch.add(d, adam, out=into(d))
     direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction, out=into(d))
+    if shapes is not None:
+        direction = shape_direction(cfg, shapes, direction, m1, d)
     magnitude = torch.exp(log_mag, out=into(log_mag))
     magnitude = torch.mul(magnitude, scale, out=into(log_mag))
     return torch.addcmul(p, direction, magnitude, out=into(p))

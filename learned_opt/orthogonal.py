@@ -1,0 +1,95 @@
+"""The "ortho" output parameterisation: orthogonalised steps for matrices.
+
+Hidden weight matrices are stepped along an orthogonalised direction, as in Muon and
+Celo2: the quintic Newton-Schulz iteration (coefficients 3.4445, -4.7750, 2.0315) maps a
+matrix ``X = U S V^T`` close to ``U V^T``, so every singular direction moves by about the
+same amount whatever the gradient's spectrum. The learned per-element output ``d`` enters
+before the orthogonalisation (the network shapes the direction; the scale stays bounded):
+
+    matrix step   = scale * ortho_step_mult / step_mult * rms_normalised(NS(m1 / rms(m1) + d))
+    other tensors = scale * clamp(adam_dir + d)          (unit RMS if ``cfg.normalize``)
+
+where ``scale = -lr * step_mult * exp(log_scale)`` is the per-tensor step scale. With zero
+heads a matrix moves by exactly ``lr * ortho_step_mult`` (RMS) per step, along the
+orthogonalised 0.9 momentum. A matrix is a 2-D tensor whose smaller dimension lies in
+``[cfg.ortho_min_dim, cfg.ortho_max_dim]`` (the upper bound caps the cost of Newton-Schulz);
+other matrices, convolution kernels (4-D) and vectors take the Adam form.
+
+Everything here works on the layout-neutral view of :mod:`learned_opt.segments`
+(``[..., P]`` with leading rows), is differentiable, and runs under ``torch.func.vmap``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+from .config import NetConfig
+
+#: Quintic Newton-Schulz coefficients (Muon's), tuned to converge from any scaled input.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_TINY = 1e-12
+
+
+def newton_schulz(x: Tensor, steps: int) -> Tensor:
+    """Approximately orthogonalise the matrices ``x`` (``[..., r, c]``): ``U V^T`` of their
+    SVD, with singular values brought near 1 (within about [0.7, 1.2]). A zero matrix maps to
+    zero."""
+    a, b, c = NS_COEFFICIENTS
+    wide = x.shape[-2] <= x.shape[-1]
+    y = x if wide else x.transpose(-1, -2)
+    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
+    y = y / (norm + 1e-7)
+    for _ in range(steps):
+        gram = y @ y.transpose(-1, -2)
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    return y if wide else y.transpose(-1, -2)
+
+
+def unit_rms(x: Tensor, dim=-1) -> Tensor:
+    """``x`` scaled to unit root-mean-square over ``dim`` (zero stays zero)."""
+    ms = x.square().mean(dim=dim, keepdim=True)
+    return x * torch.rsqrt(ms + _TINY)
+
+
+def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
+    """Whether a tensor of ``shape`` takes the orthogonalised step under ``cfg``."""
+    if cfg.output != "ortho" or len(shape) != 2:
+        return False
+    return cfg.ortho_min_dim <= min(shape) <= cfg.ortho_max_dim
+
+
+def needs_whole_tensor(cfg: NetConfig, shape) -> bool:
+    """Whether the output stage of a tensor of ``shape`` reduces over the whole tensor, so
+    that a layout which sees it in chunks cannot step it."""
+    return cfg.normalize or is_matrix(tuple(shape), cfg)
+
+
+def shape_direction(cfg: NetConfig, shapes, direction: Tensor, m1: Tensor, d: Tensor) -> Tensor:
+    """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``.
+
+    ``shapes`` are the segments' shapes (those of a :class:`~learned_opt.segments.FlatLayout`);
+    ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)``, ``m1`` the 0.9
+    momentum and ``d`` the MLP's direction output, all ``[..., P]``. Matrices are replaced by
+    their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the
+    other segments are kept, or scaled to unit RMS with ``cfg.normalize``.
+    """
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    matrices = [is_matrix(tuple(s), cfg) for s in shapes]
+    if not cfg.normalize and not any(matrices):
+        return direction
+    ratio = cfg.ortho_step_mult / cfg.step_mult
+    starts = [0, *itertools.accumulate(numels)]
+    pieces = []
+    for shape, matrix, lo, hi in zip(shapes, matrices, starts, starts[1:]):
+        if matrix:
+            z = unit_rms(m1[..., lo:hi]) + d[..., lo:hi]
+            o = newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps)
+            pieces.append(ratio * unit_rms(o.reshape(z.shape)))
+        elif cfg.normalize:
+            pieces.append(unit_rms(direction[..., lo:hi]))
+        else:
+            pieces.append(direction[..., lo:hi])
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)

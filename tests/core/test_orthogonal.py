@@ -1,0 +1,125 @@
+"""The "ortho" output parameterisation: Newton-Schulz, the zero-heads rule, every layout."""
+
+import pytest
+import torch
+from torch.func import grad, vmap
+
+from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, save_checkpoint
+from learned_opt._chunked import chunked_step_
+from learned_opt.features import init_state
+from learned_opt.flat import flat_step, init_flat_state
+from learned_opt.functional import learned_step
+from learned_opt.orthogonal import is_matrix, newton_schulz, unit_rms
+from learned_opt.segments import FlatLayout
+
+ORTHO = NetConfig(output="ortho")
+
+
+@pytest.mark.parametrize("shape", [(16, 16), (8, 40), (40, 8), (3, 5, 7)])
+def test_newton_schulz_brings_singular_values_near_one(shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x = x * torch.logspace(0, -1, shape[-1], dtype=torch.float64)  # condition number 10
+    s = torch.linalg.svdvals(newton_schulz(x, 5))
+    assert s.min() > 0.5 and s.max() < 1.3, s
+    assert torch.equal(newton_schulz(torch.zeros(shape), 5), torch.zeros(shape))
+
+
+def test_which_tensors_are_matrices():
+    assert is_matrix((64, 32), ORTHO) and not is_matrix((64, 32), NetConfig())
+    assert not is_matrix((64,), ORTHO) and not is_matrix((8, 1, 3, 3), ORTHO)
+    assert not is_matrix((1, 30), ORTHO)  # a row vector takes the Adam form
+    assert not is_matrix((300, 1000), ORTHO)  # too costly to orthogonalise by default
+    assert is_matrix((300, 1000), NetConfig(output="ortho", ortho_max_dim=300))
+    with pytest.raises(ValueError, match="output must be one of"):
+        NetConfig(output="sgd")
+
+
+def _net(cfg):
+    return LearnedOptimizerNet(cfg)  # zero output heads
+
+
+def test_zero_heads_step_is_the_base_rule(tmp_path):
+    """Matrices: lr * ortho_step_mult along NS(m1) at unit RMS; vectors: exactly Adam."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(12, 20))
+    b = torch.nn.Parameter(torch.randn(20))
+    path = tmp_path / "ortho.pt"
+    save_checkpoint(_net(ORTHO), path, {"name": "test"})
+    opt = LearnedOptimizer([w, b], checkpoint=str(path), lr=0.5)
+    adam = torch.optim.Adam([b0 := torch.nn.Parameter(b.detach().clone())], lr=0.5e-3)
+    w0, m1 = w.detach().clone(), torch.zeros(12, 20)
+    for _ in range(3):
+        gw, gb = torch.randn(12, 20), torch.randn(20)
+        w.grad, b.grad, b0.grad = gw, gb, gb.clone()
+        m1 = 0.9 * m1 + 0.1 * gw
+        expect = w0 - 0.5 * ORTHO.ortho_step_mult * unit_rms(newton_schulz(m1, 5), (-2, -1))
+        opt.step()
+        adam.step()
+        torch.testing.assert_close(w.detach(), expect, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b.detach(), b0.detach(), rtol=1e-4, atol=1e-6)
+        w0 = w.detach().clone()
+
+
+def _random_theta(cfg, seed=1):
+    net = _net(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in net.parameters():
+            t.add_(0.3 * torch.randn(t.shape, generator=gen))
+    return net.theta()
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_layouts_agree(normalize):
+    """Packed (many segments), stacked (one segment per row) and the optimizer agree."""
+    cfg = NetConfig(output="ortho", normalize=normalize)
+    theta = _random_theta(cfg)
+    gen = torch.Generator().manual_seed(2)
+    shapes = [(6, 10), (10,), (4, 3, 3), (10, 6), (1, 7)]
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    layout = FlatLayout(tuple(map(str, range(len(shapes)))), tuple(shapes))
+    flat = lambda ts: torch.cat([t.reshape(-1) for t in ts]).unsqueeze(0)  # noqa: E731
+    state = init_flat_state(flat(params))
+    new_p, _, _ = flat_step(
+        theta, cfg, layout, flat(params), flat(grads), state["m"], state["v"], 1
+    )
+    # the in-place dispatcher: small tensors packed, the rest stacked per shape
+    ps = [p.clone() for p in params]
+    states = [init_state(p) for p in ps]
+    learned_step(theta, cfg, ps, grads, states, 1, small_tensor_size=32)
+    torch.testing.assert_close(flat(ps), new_p, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_path_refuses_whole_tensor_outputs():
+    """Orthogonalised matrices and normalised tensors never take the chunked layout; tensors
+    of the Adam form under "ortho" still do (the dispatcher sends them there)."""
+    theta = _net(ORTHO).theta()
+    for cfg, shape in ((ORTHO, (32, 32)), (NetConfig(normalize=True), (4096,))):
+        p = torch.zeros(shape)
+        with pytest.raises(ValueError, match="chunks cannot step them"):
+            chunked_step_(theta, cfg, [p], [torch.ones(shape)], [init_state(p)], 1)
+    p = torch.zeros(4096)
+    assert chunked_step_(theta, ORTHO, [p], [torch.ones(4096)], [init_state(p)], 1) == [True]
+    assert p.abs().max() > 0
+
+
+def test_meta_gradient_flows_through_the_orthogonalisation_under_vmap():
+    cfg = ORTHO
+    theta = _random_theta(cfg)
+    layout = FlatLayout(("w", "b"), ((5, 7), (7,)))
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(3, 42, generator=gen), torch.randn(3, 42, generator=gen)
+    st = init_flat_state(p)
+
+    def loss(th):
+        step = vmap(
+            lambda p_, g_, m_, v_: flat_step(
+                th, cfg, layout, p_[None], g_[None], m_[None], v_[None], 1
+            )[0][0]
+        )
+        return step(p, g, st["m"], st["v"]).square().sum()
+
+    gr = grad(loss)(theta)
+    assert all(torch.isfinite(t).all() for t in gr.values())
+    assert gr["elem_out.weight"].abs().sum() > 0
