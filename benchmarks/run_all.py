@@ -36,7 +36,7 @@ STEPS = [
     ["-m", "benchmarks.meta_train_throughput"],
     ["-m", "benchmarks.quality_single"],
     ["-m", "benchmarks.quality_decentralized"],
-    ["-m", "benchmarks.quality_heldout", "--checkpoint", "default", "adam_init"],
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "ortho_init", "default"],
     ["benchmarks/report.py"],
 ]
 
