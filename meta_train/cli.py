@@ -84,6 +84,19 @@ def card_summary(card: dict) -> str:
     )
 
 
+def _net_config(lightning_ckpt, state: dict, hp: dict) -> NetConfig:
+    """The network's config: saved with the run, else that of its ``init_checkpoint`` (runs
+    saved before the config was), else the default config of the run's width."""
+    try:
+        if "net_config" in state:
+            return NetConfig.from_dict(state["net_config"])
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{lightning_ckpt}: malformed net_config: {exc}") from exc
+    if hp.get("init_checkpoint"):
+        return load_checkpoint(hp["init_checkpoint"])[0].config
+    return NetConfig(width=int(hp.get("width", 8)))
+
+
 def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
     """Write the deployable checkpoint of a meta-training run, with its card.
 
@@ -95,15 +108,15 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
     theta = {k[len("net.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith("net.")}
     if not theta:
         raise CheckpointError(f"{lightning_ckpt}: holds no learned-optimizer network (net.*)")
-    width = int(hp.get("width", 8))
-    net = LearnedOptimizerNet(NetConfig(width=width))
+    state = ckpt.get("meta_state", {})
+    config = _net_config(lightning_ckpt, state, hp)
+    net = LearnedOptimizerNet(config)
     try:
         net.load_state_dict(theta)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{lightning_ckpt}: network does not match width {width}: {exc}"
+            f"{lightning_ckpt}: network does not match its config {config}: {exc}"
         ) from exc
-    state = ckpt.get("meta_state", {})
     validation = state.get("last_validation", {})
     if validate:
         from .module import MetaTrainModule

@@ -248,6 +248,7 @@ class MetaTrainModule(L.LightningModule):
             "skipped_steps": self.skipped_steps,
             "train_seconds": self.train_seconds,
             "last_validation": self.last_validation,
+            "net_config": self.net.config.to_dict(),  # what export rebuilds the network from
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

@@ -129,3 +129,28 @@ def test_inspect_writes_card_and_response_curves(tmp_path):
     images = set(acc.Tags()["images"])
     assert {"response/mixing_weight", "response/update_step_100"} <= images
     assert any(t.startswith("card/") for t in acc.Tags()["tensors"])
+
+
+def test_meta_training_from_ortho_init_runs_and_exports_an_ortho_checkpoint(tmp_path):
+    """The "ortho" output (Newton-Schulz inside the unroll) meta-trains end to end."""
+    meta_cli_main(smoke_args(tmp_path, "--model.init_checkpoint=ortho_init"))
+    run = _run_dir(tmp_path)
+    scalars, _ = _scalars_and_tags(run)
+    assert all(torch.isfinite(torch.tensor(s.value)) for s in scalars["meta/loss"])
+    out = export(str(run / "checkpoints" / "last.ckpt"), tmp_path / "ortho.pt", validate=False)
+    net, _ = load_checkpoint(out)
+    assert net.config.output == "ortho" and net.config.ortho_min_dim == 16
+    start, _ = load_checkpoint("ortho_init")
+    moved = [k for k, v in net.theta().items() if not torch.equal(v, start.theta()[k])]
+    assert moved, "the outer steps changed theta"
+
+
+def test_export_of_a_run_saved_without_its_net_config_uses_the_init_checkpoints(tmp_path):
+    """Runs saved before the config was stored still export with their real output."""
+    meta_cli_main(smoke_args(tmp_path, "--model.init_checkpoint=ortho_init"))
+    ckpt_path = _run_dir(tmp_path) / "checkpoints" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    del ckpt["meta_state"]["net_config"]
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    out = export(str(tmp_path / "old.ckpt"), tmp_path / "old.pt", validate=False)
+    assert load_checkpoint(out)[0].config.output == "ortho"
