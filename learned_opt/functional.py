@@ -113,8 +113,10 @@ def learned_step(
         cpu = device.type == "cpu"
         stack = stack_same_shape if stack_same_shape is not None else not cpu
         # tensors whose output stage reduces over the whole tensor are always stacked
-        whole = [it for it in items if needs_whole_tensor(cfg, it[0].shape)]
-        items = [it for it in items if not needs_whole_tensor(cfg, it[0].shape)]
+        whole, rest = [], []
+        for it in items:
+            (whole if needs_whole_tensor(cfg, it[0].shape) else rest).append(it)
+        items = rest
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
         whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
         shape_stacks += whole_stacks + [[it] for it in too_large]
