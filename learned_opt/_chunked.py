@@ -5,7 +5,8 @@
 :func:`learned_opt.flat.flat_step`, for each tensor seen as one segment a chunk at a time,
 in four phases:
 
-1. the sums of squares of each gradient and parameter: the masking rule and rms(g);
+1. the sums of squares of each gradient and parameter (and, when step sizes adapt,
+   ``g . m1`` and ``m1^2``): the masking rule, rms(g) and the adapted step multipliers;
 2. per chunk: the moment update in place, and the feature rows (the computed ones into a
    scratch buffer) with their sums of squares, which add up over the chunks of a tensor;
 3. the per-tensor stage, once for all tensors;
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from .config import NUM_ELEMENT_FEATURES, NetConfig
 from .features import (
+    adapt_log_lr,
     compute_dtype,
     element_features,
     feature_rows,
@@ -89,6 +91,16 @@ def _prepare(p: Tensor, g: Tensor, state: dict[str, Tensor]) -> _Flat:
 
 def _spans(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)]
+
+
+def _phase1_sums(t: _Flat, adapt: bool) -> list[Tensor]:
+    """Phase 1 on one tensor: the sums of squares of its gradient and parameter, and when
+    step sizes adapt, ``g . m1`` and ``m1^2`` with the momentum before this step."""
+    sums = [sum_squares(t.flat_g), sum_squares(t.flat_p)]
+    if adapt:
+        m1 = t.flat_m[0]
+        sums += [torch.dot(t.flat_g, m1), sum_squares(m1)]
+    return sums
 
 
 def _moments_and_sums(task, workspace: dict, cfg: NetConfig) -> Tensor:
@@ -160,9 +172,10 @@ def chunked_step_(
         )
     chunk = chunk or default_chunk(params[0].device)
     tensors = [_prepare(p, g, s) for p, g, s in zip(params, grads, states)]
+    adapt = cfg.adapts_lr
     sums = torch.stack(
-        [torch.stack([sum_squares(t.flat_g), sum_squares(t.flat_p)]) for t in tensors]
-    )
+        [torch.stack(_phase1_sums(t, adapt)) for t in tensors]
+    )  # (T, 2): sums of g^2 and p^2; adapting: then g . m1 and m1^2 (before the update)
     sizes = torch.tensor([max(t.n, 1) for t in tensors], dtype=sums.dtype, device=sums.device)
     ok = stepped(sums[:, 0], sums[:, 1])
     g_rms = safe_sqrt(torch.where(ok, sums[:, 0], 0.0) / sizes)
@@ -177,8 +190,17 @@ def chunked_step_(
         [sum(next(partial) for _ in spans[i]) / tensors[i].n for i in live]
     )  # (T, 12): feature mean squares, then mean of v
     shapes = [params[i].shape for i in live]
+    log_lr = None
+    if adapt:
+        live_sums = sums.index_select(0, torch.tensor(live, device=sums.device))
+        old = torch.stack([states[i]["log_lr"] for i in live])
+        log_lr = adapt_log_lr(
+            old, live_sums[:, 2], live_sums[:, 0], live_sums[:, 3], means[:, -1],
+            sizes.index_select(0, torch.tensor(live, device=sizes.device)), step, cfg,
+        )  # fmt: skip
+        torch._foreach_copy_([states[i]["log_lr"] for i in live], list(log_lr.unbind()))
     scales, bias, step_scales = tensor_context(
-        theta, cfg, means[:, :-1], means[:, -1], shapes, step, lr
+        theta, cfg, means[:, :-1], means[:, -1], shapes, step, lr, log_lr
     )
     layers = element_layers(theta, cfg, scales.dtype, bias.unsqueeze(-1), scales)
     step_scales = step_scales.tolist()

@@ -39,15 +39,15 @@ def packed_step_(
     p, g, m, v = (
         torch.cat(ts, dim=-1).unsqueeze(0) for ts in _flat_operands(params, grads, states)
     )
-    new_p, new_m, new_v, finite = flat_step(
-        theta, cfg, layout, p, g, m, v, step, lr, return_finite=True
-    )
+    log_lr = _log_lrs(cfg, states, as_rows=False)
+    out = flat_step(theta, cfg, layout, p, g, m, v, step, lr, log_lr=log_lr, return_finite=True)
     numels = layout.numels
-    new_p = [t.view(s) for t, s in zip(new_p[0].split(numels), layout.shapes)]
-    new_m = [t.reshape(3, *s) for t, s in zip(new_m[0].split(numels, dim=-1), layout.shapes)]
-    new_v = [t.view(s) for t, s in zip(new_v[0].split(numels), layout.shapes)]
-    _copy_back(params, states, new_p, new_m, new_v)
-    return finite[0].tolist()
+    new_p = [t.view(s) for t, s in zip(out[0][0].split(numels), layout.shapes)]
+    new_m = [t.reshape(3, *s) for t, s in zip(out[1][0].split(numels, dim=-1), layout.shapes)]
+    new_v = [t.view(s) for t, s in zip(out[2][0].split(numels), layout.shapes)]
+    new_log_lr = None if log_lr is None else out[3][0].unbind()
+    _copy_back(params, states, new_p, new_m, new_v, new_log_lr)
+    return out[-1][0].tolist()
 
 
 @torch.no_grad()
@@ -75,17 +75,17 @@ def stacked_step_(
         )
     layout = one_segment(shape)
     p, g, m, v = (torch.stack(ts) for ts in _flat_operands(params, grads, states))
-    new_p, new_m, new_v, finite = flat_step(
-        theta, cfg, layout, p, g, m, v, step, lr, return_finite=True
-    )
+    log_lr = _log_lrs(cfg, states, as_rows=True)
+    out = flat_step(theta, cfg, layout, p, g, m, v, step, lr, log_lr=log_lr, return_finite=True)
     _copy_back(
         params,
         states,
-        [t.view(shape) for t in new_p],
-        [t.view(3, *shape) for t in new_m],
-        [t.view(shape) for t in new_v],
+        [t.view(shape) for t in out[0]],
+        [t.view(3, *shape) for t in out[1]],
+        [t.view(shape) for t in out[2]],
+        None if log_lr is None else out[3][:, 0].unbind(),
     )
-    return finite[:, 0]
+    return out[-1][:, 0]
 
 
 def _flat_operands(params, grads, states) -> tuple[list[Tensor], ...]:
@@ -100,7 +100,20 @@ def _flat_operands(params, grads, states) -> tuple[list[Tensor], ...]:
     )
 
 
-def _copy_back(params, states, new_p, new_m, new_v) -> None:
+def _log_lrs(cfg: NetConfig, states, as_rows: bool) -> Tensor | None:
+    """The states' adapted log step multipliers, ``[T, 1]`` (tensors as rows) or ``[1, T]``
+    (tensors as segments), when the config adapts them (else None: the step ignores them)."""
+    if not cfg.adapts_lr:
+        return None
+    stacked = torch.stack([s["log_lr"] for s in states])
+    return stacked.unsqueeze(1) if as_rows else stacked.unsqueeze(0)
+
+
+def _copy_back(params, states, new_p, new_m, new_v, new_log_lr=None) -> None:
     """Write new values into the parameters and their states (one fused copy)."""
     dst = list(params) + [s["m"] for s in states] + [s["v"] for s in states]
-    torch._foreach_copy_(dst, list(new_p) + list(new_m) + list(new_v))
+    src = list(new_p) + list(new_m) + list(new_v)
+    if new_log_lr is not None:
+        dst += [s["log_lr"] for s in states]
+        src += list(new_log_lr)
+    torch._foreach_copy_(dst, src)

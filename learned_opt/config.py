@@ -45,6 +45,14 @@ class NetConfig:
     ortho_max_dim: int = 256
     ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
+    # Per-tensor step-size adaptation (hypergradient; see features.adapt_log_lr): each
+    # tensor keeps a log step multiplier that moves by lr_adapt_rate * cos(g_t, m1_{t-1})
+    # per step, clamped to [lr_adapt_min, lr_adapt_max], its growth braked once the
+    # gradient's RMS falls below lr_adapt_brake times its running RMS. 0 turns it off.
+    lr_adapt_rate: float = 0.0
+    lr_adapt_min: float = -3.0
+    lr_adapt_max: float = 6.0
+    lr_adapt_brake: float = 0.1
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -60,9 +68,17 @@ class NetConfig:
             "eps",
             "clip_value",
             "ortho_step_mult",
+            "lr_adapt_brake",
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not float(self.lr_adapt_rate) >= 0:
+            raise ValueError(f"NetConfig.lr_adapt_rate must be >= 0, got {self.lr_adapt_rate!r}")
+        if not float(self.lr_adapt_min) <= 0 <= float(self.lr_adapt_max):
+            raise ValueError(
+                "NetConfig needs lr_adapt_min <= 0 <= lr_adapt_max, got "
+                f"{self.lr_adapt_min!r} and {self.lr_adapt_max!r}"
+            )
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
@@ -73,6 +89,11 @@ class NetConfig:
                 f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}"
             )
         object.__setattr__(self, "time_taus", tuple(float(t) for t in self.time_taus))
+
+    @property
+    def adapts_lr(self) -> bool:
+        """Whether the per-tensor step-size adaptation is on."""
+        return self.lr_adapt_rate > 0
 
     @property
     def num_time_features(self) -> int:

@@ -42,11 +42,13 @@ def compute_dtype(p: Tensor) -> torch.dtype:
 
 def init_state(p: Tensor) -> dict[str, Tensor]:
     """Zero state for parameter ``p``: momenta ``m`` of shape ``(3, *p.shape)`` and ``v``,
-    contiguous, in :func:`compute_dtype`."""
+    contiguous, and the tensor's adapted log step multiplier ``log_lr`` (a scalar; see
+    :func:`adapt_log_lr`), in :func:`compute_dtype`."""
     dtype = compute_dtype(p)
     return {
         "m": torch.zeros((3,) + tuple(p.shape), dtype=dtype, device=p.device),
         "v": torch.zeros(p.shape, dtype=dtype, device=p.device),
+        "log_lr": torch.zeros((), dtype=dtype, device=p.device),
     }
 
 
@@ -68,6 +70,49 @@ def update_moments(g: Tensor, m: Tensor, v: Tensor, inplace: bool = False) -> tu
     v_new = torch.mul(v, SECOND_MOMENT_DECAY, out=out)
     v_new = torch.addcmul(v_new, g, g, value=1.0 - SECOND_MOMENT_DECAY, out=out)
     return m_new, v_new
+
+
+def adapt_log_lr(
+    log_lr: Tensor,
+    g_dot_m: Tensor,
+    g_sum_squares: Tensor,
+    m_sum_squares: Tensor,
+    v_mean: Tensor,
+    numel: Tensor,
+    step: Tensor | float,
+    cfg: NetConfig,
+) -> Tensor:
+    """The per-tensor step-size adaptation: each tensor's new log step multiplier.
+
+    A hypergradient step on the log learning rate. The loss's derivative with respect to
+    the last step's size is ``-g_t . u_{t-1}``; the 0.9 momentum before this step's update,
+    ``m1``, stands in for the last update's direction, and the scale-free cosine for the
+    dot product:
+
+        c = cos(g_t, m1_{t-1}),   brake = min(1, rms(g_t) / (lr_adapt_brake * rms_v))
+        log_lr <- clamp(log_lr + lr_adapt_rate * c * (brake if c > 0 else 1),
+                        lr_adapt_min, lr_adapt_max)
+
+    While successive gradients agree (a consistent slope, as in a convex problem) the
+    step grows geometrically; when they oscillate it shrinks, an automatic annealing. The
+    brake slows the growth once gradients fall well below their running RMS (``rms_v``,
+    the root of the mean bias-corrected second moment after this step's update): a model
+    that has fitted its data sees tiny gradients that still agree, and growing the
+    normalised step there would blow its weights up (a conv net with batch norm did,
+    after reaching zero training loss). The sums are over each tensor of
+    ``g * m1``, ``g^2`` and ``m1^2``, ``v_mean`` the mean of ``v`` and ``numel`` the
+    tensor's size; all broadcast (per-tensor values, leading dims stack rows). Zero
+    momentum (the first step) gives a zero cosine.
+    """
+    norms = safe_sqrt(g_sum_squares) * safe_sqrt(m_sum_squares)
+    cosine = g_dot_m / (norms + TINY)
+    if isinstance(step, Tensor):
+        step = step.to(dtype=v_mean.dtype, device=v_mean.device)
+    v_hat = v_mean / (1.0 - SECOND_MOMENT_DECAY**step)
+    rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
+    brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
+    rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, cfg.lr_adapt_rate)
+    return torch.clamp(log_lr + rate * cosine, cfg.lr_adapt_min, cfg.lr_adapt_max)
 
 
 def safe_sqrt(x: Tensor) -> Tensor:

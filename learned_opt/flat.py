@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .config import NetConfig
 from .features import (
+    adapt_log_lr,
     compute_dtype,
     constant,
     element_features,
@@ -30,10 +31,14 @@ from .segments import FlatLayout, one_segment, segment_expand, segment_mean, seg
 from .stages import apply_update, tensor_context
 
 
-def init_flat_state(p: Tensor) -> dict[str, Tensor]:
-    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, 3, P]`` and ``v`` ``[B, P]``."""
+def init_flat_state(p: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
+    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, 3, P]`` and ``v`` ``[B, P]``,
+    and with ``layout`` the per-tensor log step multipliers ``log_lr`` ``[B, T]``."""
     b, n = p.shape
-    return {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
+    state = {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
+    if layout is not None:
+        state["log_lr"] = p.new_zeros(b, len(layout.shapes))
+    return state
 
 
 def flat_step(
@@ -47,11 +52,17 @@ def flat_step(
     step: int | Tensor,
     lr: float | Tensor = 1.0,
     *,
+    log_lr: Tensor | None = None,
     return_finite: bool = False,
 ) -> tuple[Tensor, ...]:
     """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, 3, P]``); returns
-    ``(new_p, new_m, new_v)``, plus the ``[B, T]`` mask of segments that were stepped if
-    ``return_finite``. ``step`` is the 1-based step count after this update.
+    ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
+    ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
+    1-based step count after this update.
+
+    ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
+    (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and
+    one that does not passes them through unchanged.
 
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
     and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
@@ -61,6 +72,8 @@ def flat_step(
     def expand(t: Tensor) -> Tensor:
         return segment_expand(t, layout)
 
+    if cfg.adapts_lr and log_lr is None:
+        raise ValueError("this config adapts per-tensor step sizes: flat_step needs log_lr")
     g_sum_squares = segment_sum(g * g, layout)  # [B, T]
     ok = stepped(g_sum_squares, segment_sum(p * p, layout))
     keep = expand(ok)
@@ -69,11 +82,21 @@ def flat_step(
     m_new, v_new = update_moments(g_in, m, v)
 
     sizes = constant(tuple(max(n, 1) for n in layout.numels), p.dtype, p.device)
-    g_rms = safe_sqrt(torch.where(ok, g_sum_squares, zero) / sizes)
+    g_sum_squares = torch.where(ok, g_sum_squares, zero)
+    g_rms = safe_sqrt(g_sum_squares / sizes)
+    v_mean = segment_mean(v_new, layout)
+    new_log_lr = log_lr
+    if cfg.adapts_lr:
+        m1 = m[..., 0, :]  # before this step's update
+        g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
+        adapted = adapt_log_lr(
+            log_lr, g_dot_m, g_sum_squares, m_sum_squares, v_mean, sizes, step, cfg
+        )
+        new_log_lr = torch.where(ok, adapted, log_lr)
     x = element_features(p_in, g_in, m_new, v_new, expand(g_rms), cfg)  # [B, 11, P]
     ms = segment_mean(x * x, layout).transpose(-1, -2)  # [B, T, 11]
     scales, bias, scale = tensor_context(
-        theta, cfg, ms, segment_mean(v_new, layout), layout.shapes, step, lr
+        theta, cfg, ms, v_mean, layout.shapes, step, lr, new_log_lr
     )
     layers = element_layers(theta, cfg, p.dtype, expand(bias.transpose(-1, -2)))
     d, log_mag = element_mlp(layers, x * expand(scales.transpose(-1, -2)))
@@ -85,6 +108,8 @@ def flat_step(
         torch.where(keep.unsqueeze(-2), m_new, m),
         torch.where(keep, v_new, v),
     )
+    if log_lr is not None:
+        out = (*out, new_log_lr)
     return (*out, ok) if return_finite else out
 
 
@@ -97,16 +122,19 @@ def tensor_step(
     v: Tensor,
     step: Tensor | float,
     lr: Tensor | float = 1.0,
-) -> tuple[Tensor, Tensor, Tensor]:
+    log_lr: Tensor | None = None,
+) -> tuple[Tensor, ...]:
     """Pure learned step of one tensor: :func:`flat_step` on a one-segment view.
 
     ``m`` is ``(3, *p.shape)``; computes in :func:`~learned_opt.features.compute_dtype`.
-    Returns ``(new_p, new_m, new_v)``; differentiable in theta, p, g, m and v, and works
-    under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN or
-    Inf leaves ``p``, ``m`` and ``v`` unchanged.
+    Returns ``(new_p, new_m, new_v)``, and the new ``log_lr`` (a scalar) after them if
+    ``log_lr`` is given (a config that adapts step sizes needs it); differentiable in
+    theta, p, g, m and v, and works under ``torch.func.vmap`` (stacked workers). A
+    gradient or parameter holding NaN or Inf leaves ``p``, ``m``, ``v`` and ``log_lr``
+    unchanged.
     """
     dtype = compute_dtype(p)
-    new_p, new_m, new_v = flat_step(
+    out = flat_step(
         theta,
         cfg,
         one_segment(p.shape),
@@ -116,5 +144,8 @@ def tensor_step(
         v.reshape(1, -1),
         step,
         lr,
+        log_lr=None if log_lr is None else log_lr.reshape(1, 1),
     )
-    return new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape)
+    new_p, new_m, new_v = out[:3]
+    new = (new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape))
+    return new if log_lr is None else (*new, out[3].reshape(log_lr.shape))

@@ -3,9 +3,11 @@ hand-designed rule and the mixing weights are exactly Metropolis-Hastings.
 
     python -m learned_opt.make_initial_checkpoint OUT [PRESET [WIDTH]]
 
-Presets (:data:`PRESETS`): ``adam_init`` (exactly Adam, lr 1e-3) and ``ortho_init``
+Presets (:data:`PRESETS`): ``adam_init`` (exactly Adam, lr 1e-3), ``ortho_init``
 (hidden matrices along the orthogonalised momentum at RMS 2e-3 per step, every other
-tensor exactly Adam at lr 1e-3; see :mod:`learned_opt.orthogonal`).
+tensor exactly Adam at lr 1e-3; see :mod:`learned_opt.orthogonal`) and ``adapt_init``
+(``ortho_init`` with per-tensor step sizes adapted by
+:func:`~learned_opt.features.adapt_log_lr`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "kernels, small heads, larger matrices) takes exactly Adam(lr=1e-3). "
         + _MIXING
         + "The starting point of the ortho meta-training chain.",
+    ),
+    "adapt_init": (
+        {"output": "ortho", "ortho_min_dim": 16, "max_log_scale": 3.0, "lr_adapt_rate": 0.3},
+        _NOT_TRAINED
+        + "The output heads are zero, so the local update is ortho_init's (orthogonalised "
+        "momentum for 2-D matrices whose smaller dimension is 16 to 256, Adam(lr=1e-3) for "
+        "every other tensor), with each tensor's step size adapted: a log multiplier that "
+        "moves by 0.3 * cos(gradient, momentum) per step within [-3, 6], its growth braked "
+        "when gradients fall below a tenth of their running RMS. "
+        + _MIXING
+        + "The starting point of the adaptive meta-training chain.",
     ),
 }
 

@@ -214,6 +214,8 @@ class LearnedOptimizer(Optimizer):
                     continue
                 state.update(init_state(p))
                 state["nonfinite_skips"] = 0
+            elif "log_lr" not in state:  # state saved before step sizes were adapted
+                state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             items.append((p, p.grad, state))
         return items
 

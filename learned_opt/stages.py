@@ -22,7 +22,14 @@ from .orthogonal import shape_direction
 
 
 def tensor_context(
-    theta: Theta, cfg: NetConfig, ms: Tensor, v_mean: Tensor, shapes, step, lr
+    theta: Theta,
+    cfg: NetConfig,
+    ms: Tensor,
+    v_mean: Tensor,
+    shapes,
+    step,
+    lr,
+    log_lr: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The per-tensor stage for a batch of tensors.
 
@@ -30,11 +37,15 @@ def tensor_context(
     means of v and ``shapes`` the ``T`` tensors' shapes; leading dims stack rows (workers).
     Returns ``(feature_scales (..., T, 11), context_bias (..., T, H), scale (..., T))``:
     the normalisers of the features, the full first-layer bias of the per-element MLP, and
-    the step scale ``-lr * step_mult * exp(log_scale)``.
+    the step scale ``-lr * step_mult * exp(log_scale)``, times ``exp(log_lr)`` (``(..., T)``,
+    the adapted step multipliers of :func:`~learned_opt.features.adapt_log_lr`) when the
+    config adapts them.
     """
     shape = shape_stats(shapes, ms).expand(*ms.shape[:-1], 2)
     time = time_features(step, cfg, ms)
     log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v_mean, shape), time)
+    if cfg.adapts_lr:
+        log_scale = log_scale + log_lr
     return feature_scales(ms), bias, (-lr * cfg.step_mult) * torch.exp(log_scale)
 
 

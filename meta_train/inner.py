@@ -45,10 +45,12 @@ class InnerOptimizer:
     momentum: float = 0.9
     weight_decay: float = 1e-2
 
-    def init(self, params: Tensor) -> dict[str, Tensor]:
-        """Zero state for flat stacked parameters."""
+    def init(self, params: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
+        """Zero state for flat stacked parameters (of ``layout``: the learned optimizer's
+        per-tensor step multipliers need it when its config adapts them)."""
         if self.kind == "learned":
-            return init_flat_state(params)
+            adapts = self.cfg is not None and self.cfg.adapts_lr
+            return init_flat_state(params, layout if adapts else None)
         if self.kind in ("adam", "adamw"):
             return {"m": torch.zeros_like(params), "v": torch.zeros_like(params)}
         if self.kind == "dsgt":
@@ -58,10 +60,14 @@ class InnerOptimizer:
     def update(self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int):
         """New ``(params, state)`` after the 1-based ``step``; differentiable in theta."""
         if self.kind == "learned":
-            p, m, v = flat_step(
-                self.theta, self.cfg, layout, p, g, state["m"], state["v"], step, self.lr
-            )
-            return p, {"m": m, "v": v}
+            out = flat_step(
+                self.theta, self.cfg, layout, p, g, state["m"], state["v"], step, self.lr,
+                log_lr=state.get("log_lr"),
+            )  # fmt: skip
+            new = {"m": out[1], "v": out[2]}
+            if "log_lr" in state:
+                new["log_lr"] = out[3]
+            return out[0], new
         if self.kind in ("adam", "adamw"):
             b1, b2 = MOMENTUM_DECAYS[0], SECOND_MOMENT_DECAY  # Adam's (0.9, 0.999)
             m = b1 * state["m"] + (1 - b1) * g
@@ -168,7 +174,7 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
     Inner gradients are treated as constants unless ``second_order``.
     """
     if traj.states is None:
-        traj.states = opt.init(traj.params)
+        traj.states = opt.init(traj.params, traj.layout)
     layout = traj.layout
     batch = traj.batches.get(traj.step)
 

@@ -22,7 +22,8 @@ STEP, LR = 5, 0.7
 
 
 def golden_inputs(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
-    """Per tensor: parameter, gradient and a warm state (``m`` ``(3, *shape)``, ``v``)."""
+    """Per tensor: parameter, gradient and a warm state (``m`` ``(3, *shape)``, ``v``, and
+    an adapted log step multiplier ``log_lr``, which only configs that adapt it read)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in SHAPES.items():
@@ -30,14 +31,23 @@ def golden_inputs(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
         g = 1e-2 * torch.randn(shape, generator=gen)
         m = 1e-2 * torch.randn((3, *shape), generator=gen)
         v = 1e-4 * torch.rand(shape, generator=gen)
-        out[name] = {"p": p, "g": g, "m": m, "v": v}
+        out[name] = {"p": p, "g": g, "m": m, "v": v, "log_lr": torch.tensor(0.5)}
     return out
+
+
+def pure_step(theta, cfg, t: dict) -> dict[str, torch.Tensor]:
+    """The pure step of one golden tensor ``t``: new ``p``, ``m``, ``v`` (and ``log_lr``
+    when ``cfg`` adapts step sizes)."""
+    from learned_opt.flat import tensor_step
+
+    log_lr = t["log_lr"] if cfg.adapts_lr else None
+    out = tensor_step(theta, cfg, t["p"], t["g"], t["m"], t["v"], STEP, LR, log_lr=log_lr)
+    return dict(zip(("p", "m", "v", "log_lr"), out))
 
 
 def _record() -> None:
     """Record the shipped checkpoints that have no reference yet; existing ones are kept."""
     from learned_opt import list_pretrained, load_checkpoint
-    from learned_opt.flat import tensor_step
 
     result = torch.load(GOLDEN, weights_only=True) if GOLDEN.exists() else {}
     for ckpt in list_pretrained():
@@ -45,13 +55,9 @@ def _record() -> None:
             continue
         net, _ = load_checkpoint(ckpt)
         theta = {k: v.detach() for k, v in net.named_parameters()}
-        per = {}
-        for name, t in golden_inputs().items():
-            new_p, new_m, new_v = tensor_step(
-                theta, net.config, t["p"], t["g"], t["m"], t["v"], STEP, LR
-            )
-            per[name] = {"p": new_p, "m": new_m, "v": new_v}
-        result[ckpt] = per
+        result[ckpt] = {
+            name: pure_step(theta, net.config, t) for name, t in golden_inputs().items()
+        }
     GOLDEN.parent.mkdir(exist_ok=True)
     torch.save(result, GOLDEN)
 

@@ -10,12 +10,12 @@ import types
 
 import pytest
 import torch
-from golden import GOLDEN, LR, STEP, golden_inputs
+from golden import GOLDEN, LR, STEP, golden_inputs, pure_step
 
 from learned_opt import list_pretrained, load_checkpoint, stages
 from learned_opt._chunked import chunked_step_
 from learned_opt._stacked import packed_step_, stacked_step_
-from learned_opt.flat import flat_step, tensor_step
+from learned_opt.flat import flat_step
 from learned_opt.functional import learned_step
 from learned_opt.orthogonal import needs_whole_tensor
 from learned_opt.segments import FlatLayout
@@ -25,10 +25,7 @@ REFERENCE = torch.load(GOLDEN, weights_only=True)
 
 
 def _tensor_step(theta, cfg, inputs):
-    return {
-        k: tensor_step(theta, cfg, t["p"], t["g"], t["m"], t["v"], STEP, LR)
-        for k, t in inputs.items()
-    }
+    return {k: pure_step(theta, cfg, t) for k, t in inputs.items()}
 
 
 def _flat_step(theta, cfg, inputs):
@@ -37,21 +34,29 @@ def _flat_step(theta, cfg, inputs):
     flat = {key: layout.flatten({k: t[key] for k, t in inputs.items()}, 0) for key in "pgv"}
     m = torch.cat([t["m"].reshape(3, -1) for t in inputs.values()], dim=-1)
     p, g, v = (flat[k].expand(2, -1) for k in "pgv")
-    new_p, new_m, new_v = flat_step(theta, cfg, layout, p, g, m.expand(2, 3, -1), v, STEP, LR)
+    log_lr = None
+    if cfg.adapts_lr:
+        log_lr = torch.stack([t["log_lr"] for t in inputs.values()]).expand(2, -1)
+    out = flat_step(theta, cfg, layout, p, g, m.expand(2, 3, -1), v, STEP, LR, log_lr=log_lr)
+    new_p, new_m, new_v = out[:3]
     assert torch.equal(new_p[0], new_p[1])
     ps, vs = layout.unflatten(new_p[0]), layout.unflatten(new_v[0])
     ms = new_m[0].split(layout.numels, dim=-1)
-    return {k: (ps[k], m.reshape(3, *ps[k].shape), vs[k]) for k, m in zip(inputs, ms)}
+    lrs = out[3][0].unbind() if log_lr is not None else [None] * len(inputs)
+    return {
+        k: {"p": ps[k], "m": m.reshape(3, *ps[k].shape), "v": vs[k], "log_lr": lr}
+        for k, m, lr in zip(inputs, ms, lrs)
+    }
 
 
 def _in_place(fn):
     def run(theta, cfg, inputs):
         params = [t["p"].clone() for t in inputs.values()]
-        states = [{"m": t["m"].clone(), "v": t["v"].clone()} for t in inputs.values()]
+        states = [{key: t[key].clone() for key in ("m", "v", "log_lr")} for t in inputs.values()]
         grads = [t["g"] for t in inputs.values()]
         oks = fn(theta, cfg, params, grads, states)
         assert all(bool(ok) for ok in oks)
-        return {k: (p, s["m"], s["v"]) for k, p, s in zip(inputs, params, states)}
+        return {k: {"p": p, **s} for k, p, s in zip(inputs, params, states)}
 
     return run
 
@@ -94,12 +99,14 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
         return
     got = PATHS[path](net.theta(), net.config, inputs)
     for name, ref in REFERENCE[checkpoint].items():
-        new_p, new_m, new_v = got[name]
+        new = got[name]
         update = (ref["p"] - inputs[name]["p"]).abs().max()
-        err = (new_p - ref["p"]).abs().max()
+        err = (new["p"] - ref["p"]).abs().max()
         assert err <= 1e-5 * update + 1e-9, f"{name}: {err:.2e} of update {update:.2e}"
-        torch.testing.assert_close(new_m, ref["m"], rtol=1e-5, atol=1e-8)
-        torch.testing.assert_close(new_v, ref["v"], rtol=1e-5, atol=1e-10)
+        torch.testing.assert_close(new["m"], ref["m"], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(new["v"], ref["v"], rtol=1e-5, atol=1e-10)
+        if net.config.adapts_lr:
+            torch.testing.assert_close(new["log_lr"], ref["log_lr"], rtol=1e-5, atol=1e-7)
 
 
 def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, scratch=None, shapes=None):
@@ -125,6 +132,6 @@ def test_changing_the_output_stage_once_changes_every_path(monkeypatch):
     for path, fn in PATHS.items():
         after = fn(net.theta(), net.config, inputs)
         for name, t in inputs.items():
-            old_upd = before[path][name][0] - t["p"]
-            new_upd = after[name][0] - t["p"]
+            old_upd = before[path][name]["p"] - t["p"]
+            new_upd = after[name]["p"] - t["p"]
             torch.testing.assert_close(new_upd, 2 * old_upd, rtol=1e-4, atol=1e-9, msg=path)

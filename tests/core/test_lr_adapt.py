@@ -1,0 +1,180 @@
+"""Per-tensor step-size adaptation (``NetConfig.lr_adapt_rate``): the formula, every layout
+against the differentiable path, the NaN contract, old state and meta-training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
+from learned_opt.features import adapt_log_lr, init_state
+from learned_opt.flat import flat_step, init_flat_state, tensor_step
+from learned_opt.meta_train.inner import InnerOptimizer
+from learned_opt.segments import FlatLayout
+
+ADAPT = NetConfig(output="ortho", ortho_min_dim=16, lr_adapt_rate=0.3)
+SHAPES = [(64, 32), (64, 32), (300, 70), (5,), (3, 2), (16, 8, 3, 3), ()]
+
+
+def _net(cfg: NetConfig = ADAPT, noise: float = 0.05) -> LearnedOptimizerNet:
+    """A network of ``cfg`` with every entry of theta perturbed (non-trivial heads)."""
+    net = LearnedOptimizerNet(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen))
+    return net
+
+
+def _adapt(cos_terms, g_ms=1.0, v_hat=1.0, log_lr=0.0, step=1000, cfg=ADAPT):
+    dot, g2, m2 = (torch.tensor(float(x)) for x in cos_terms)
+    n = torch.tensor(1.0)
+    v_mean = torch.tensor(v_hat * (1 - 0.999**step))
+    g2 = g2 * g_ms  # g_ms scales the gradient's mean square, keeping the cosine
+    dot = dot * g_ms**0.5
+    return float(adapt_log_lr(torch.tensor(log_lr), dot, g2, m2, v_mean, n, step, cfg))
+
+
+def test_formula_moves_by_rate_times_cosine_and_clamps():
+    rate = ADAPT.lr_adapt_rate
+    assert _adapt((2.0, 1.0, 4.0)) == pytest.approx(rate)  # aligned: cos 1
+    assert _adapt((-2.0, 1.0, 4.0)) == pytest.approx(-rate)  # opposite: cos -1
+    assert _adapt((0.0, 1.0, 0.0)) == 0.0  # zero momentum (first step): no move
+    assert _adapt((1.0, 1.0, 1.0), log_lr=ADAPT.lr_adapt_max) == ADAPT.lr_adapt_max
+    assert _adapt((-1.0, 1.0, 1.0), log_lr=ADAPT.lr_adapt_min) == ADAPT.lr_adapt_min
+
+
+def test_brake_slows_growth_only_when_gradients_shrink():
+    rate = ADAPT.lr_adapt_rate
+    brake = ADAPT.lr_adapt_brake
+    # gradients at a quarter of the brake's threshold of their running RMS: a quarter
+    assert _adapt((1.0, 1.0, 1.0), g_ms=(brake / 4) ** 2) == pytest.approx(rate / 4, rel=1e-4)
+    # above the threshold, full rate; larger gradients than their RMS do not speed it up
+    assert _adapt((1.0, 1.0, 1.0), g_ms=(2 * brake) ** 2) == pytest.approx(rate, rel=1e-4)
+    assert _adapt((1.0, 1.0, 1.0), g_ms=9.0) == pytest.approx(rate, rel=1e-4)
+    # and a shrinking step is never braked
+    assert _adapt((-1.0, 1.0, 1.0), g_ms=(brake / 4) ** 2) == pytest.approx(-rate, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"stack_same_shape": True}, {"small_tensor_size": 0}, {"chunk_size": 1000}],
+    ids=["default", "stacked", "chunked", "small-chunks"],
+)
+def test_every_layout_matches_the_differentiable_path(kwargs):
+    net = _net()
+    theta = {k: v.detach() for k, v in net.named_parameters()}
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
+    ref = [p.detach().clone() for p in params]
+    states = [init_state(r) for r in ref]
+    opt = LearnedOptimizer(params, net=net, **kwargs)
+    for t in range(1, 7):
+        grads = [0.5 * torch.randn(s, generator=gen) + 1.0 for s in SHAPES]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            s = states[i]
+            p_new, m, v, log_lr = tensor_step(
+                theta, ADAPT, ref[i], g, s["m"], s["v"], t, log_lr=s["log_lr"]
+            )
+            ref[i], states[i] = p_new, {"m": m, "v": v, "log_lr": log_lr}
+    for p, r, s in zip(params, ref, states):
+        scale = float((r - 0).abs().max()) or 1.0
+        torch.testing.assert_close(p.detach(), r, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(opt.state[p]["log_lr"], s["log_lr"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["m"], s["m"], rtol=1e-5, atol=1e-7)
+    # the gradients were biased (+1): consistent directions, so every step size grew
+    assert all(float(opt.state[p]["log_lr"]) > 0 for p in params)
+
+
+def _train(cfg: NetConfig, grads_fn, steps: int) -> tuple[float, torch.Tensor]:
+    p = torch.nn.Parameter(torch.zeros(50))
+    opt = LearnedOptimizer([p], net=LearnedOptimizerNet(cfg))
+    for t in range(steps):
+        p.grad = grads_fn(t, p.detach())
+        opt.step()
+    return float(opt.state[p]["log_lr"]), p.detach()
+
+
+def test_consistent_slope_grows_the_step_and_oscillation_shrinks_it():
+    # a constant slope: the cosine stays 1, the step grows to its ceiling
+    log_lr, p = _train(ADAPT, lambda t, p: torch.ones(50), 60)
+    assert log_lr == pytest.approx(ADAPT.lr_adapt_max)
+    adam_only, p0 = _train(NetConfig(output="ortho"), lambda t, p: torch.ones(50), 60)
+    assert adam_only == 0.0  # off by default: the state stays at 0
+    assert float(-p.mean()) > 20 * float(-p0.mean())  # it moved much further than Adam
+    # a gradient that flips sign every step: the step shrinks to its floor
+    log_lr, _ = _train(ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60)
+    assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
+
+
+def test_nonfinite_gradient_leaves_the_step_size_alone():
+    params = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(7))]
+    opt = LearnedOptimizer(params, net=_net())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    before = [opt.state[p]["log_lr"].clone() for p in params]
+    params[0].grad = torch.full_like(params[0], float("nan"))
+    params[1].grad = torch.ones_like(params[1])
+    opt.step()
+    assert torch.equal(opt.state[params[0]]["log_lr"], before[0])
+    assert float(opt.state[params[1]]["log_lr"]) > float(before[1])
+    assert opt.nonfinite_skips == 1
+
+
+def test_state_saved_without_step_sizes_still_loads_and_steps():
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = LearnedOptimizer([p], net=_net())
+    p.grad = torch.ones(10)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["state"][0]["log_lr"]  # as written before this state existed
+    fresh = LearnedOptimizer([p], net=_net())
+    fresh.load_state_dict(saved)
+    p.grad = torch.ones(10)
+    fresh.step()
+    assert float(fresh.state[p]["log_lr"]) > 0
+
+
+def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
+    net = _net()
+    layout = FlatLayout(("a",), ((4,),))
+    p = torch.zeros(1, 4)
+    state = init_flat_state(p)
+    theta = {k: v.detach() for k, v in net.named_parameters()}
+    with pytest.raises(ValueError, match="needs log_lr"):
+        flat_step(theta, ADAPT, layout, p, torch.ones(1, 4), state["m"], state["v"], 1)
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        ({"lr_adapt_rate": -0.1}, "lr_adapt_rate"),
+        ({"lr_adapt_min": 0.5}, "lr_adapt_min"),
+        ({"lr_adapt_max": -1.0}, "lr_adapt_max"),
+        ({"lr_adapt_brake": 0.0}, "lr_adapt_brake"),
+    ],
+)
+def test_bad_adaptation_settings_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        NetConfig(**fields)
+
+
+def test_meta_training_unrolls_the_adaptation_and_differentiates_through_it():
+    net = _net()
+    theta = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
+    layout = FlatLayout(("w", "b"), ((20, 16), (16,)))
+    opt = InnerOptimizer("learned", theta=theta, cfg=ADAPT)
+    p = 0.1 * torch.randn(2, layout.size, generator=torch.Generator().manual_seed(0))
+    state = opt.init(p, layout)
+    assert state["log_lr"].shape == (2, 2)
+    for step in range(1, 4):
+        p, state = opt.update(layout, p, torch.ones_like(p) + p, state, step)
+    assert state["log_lr"].shape == (2, 2) and bool((state["log_lr"] != 0).all())
+    p.square().sum().backward()
+    grads = [t.grad for t in theta.values() if t.grad is not None]
+    assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
