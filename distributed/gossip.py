@@ -69,6 +69,18 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     return default_communicator(topology, timeout, **options)
 
 
+def _refuse_adaptive_steps(local_optimizer) -> None:
+    """Per-tensor step-size adaptation (``NetConfig.lr_adapt_rate``) is single-worker only."""
+    config = getattr(getattr(local_optimizer, "net", None), "config", None)
+    if config is not None and config.adapts_lr:
+        raise ValueError(
+            "this checkpoint adapts per-tensor step sizes (lr_adapt_rate > 0), which fails "
+            "under gossip: the mixing undoes the local overshoot that the adaptation "
+            "measures, so steps grow until training stalls. Use checkpoint='ortho_init' or "
+            "'default' for decentralized training."
+        )
+
+
 class GossipOptimizer:
     """Wraps ``local_optimizer`` with neighbour exchange and mixing after every step.
 
@@ -125,6 +137,7 @@ class GossipOptimizer:
         writer=None,
         logdir: str | os.PathLike | None = None,
     ):
+        _refuse_adaptive_steps(local_optimizer)
         if mixing is None:
             has_net = net is not None or getattr(local_optimizer, "net", None) is not None
             mixing = "learned" if has_net else "metropolis"

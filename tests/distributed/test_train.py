@@ -8,6 +8,7 @@ import dist_workers as w
 import pytest
 import torch
 
+from learned_opt import LearnedOptimizer
 from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.distributed.train import format_summary, launched, parse_args
 
@@ -75,6 +76,15 @@ def test_gossip_optimizer_validates_arguments():
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
 
 
+def test_gossip_refuses_a_checkpoint_that_adapts_step_sizes():
+    p = torch.zeros(4, requires_grad=True)
+    with pytest.raises(ValueError, match="adapts per-tensor step sizes"):
+        GossipOptimizer(LearnedOptimizer([p], checkpoint="adapt_init"), "ring")
+    # without the adaptation, construction gets past that check (to the process group)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        GossipOptimizer(LearnedOptimizer([p], checkpoint="ortho_init"), "ring")
+
+
 @pytest.mark.parametrize(
     "argv, fragment",
     [
@@ -90,6 +100,7 @@ def test_gossip_optimizer_validates_arguments():
         (["--compression", "fp4"], "--compression: unknown compression 'fp4'"),
         (["--consensus-step", "0"], "--consensus-step must be in (0, 1]"),
         (["--kill-rank", "1"], "--kill-rank and --kill-step go together"),
+        (["--checkpoint", "adapt_init"], "adapts per-tensor step sizes"),
     ],
 )
 def test_argument_mistakes_are_one_line_with_exit_code_2(argv, fragment, monkeypatch, capsys):
