@@ -25,11 +25,10 @@ machine's load hits them all alike.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +44,9 @@ from learned_opt.distributed import (
     get_topology,
     launch_local,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
 WORLD = 4
@@ -163,13 +165,9 @@ def main() -> None:
     res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
     base = res["allreduce + Adam"]
     results = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
-        f"worker, gloo over loopback, load average {load:.1f} at start",
-        "torch": torch.__version__,
+        **gossip_run_info("OMP_NUM_THREADS=1 python benchmarks/gossip_step.py", load, "at start"),
         "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
         f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
-        "command": "OMP_NUM_THREADS=1 python benchmarks/gossip_step.py",
         "step_ms": res,
         "vs_allreduce": {k: v / base for k, v in res.items()},
     }

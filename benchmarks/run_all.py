@@ -23,16 +23,7 @@ STEPS = [
     ["benchmarks/gossip_throughput.py"],
     ["benchmarks/gossip_step.py"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
-    [
-        "benchmarks/gossip_compression.py",
-        "--partition",
-        "iid",
-        "--consensus-step",
-        "0.1",
-        "--specs",
-        "topk:0.01",
-        "topk:0.05",
-    ],  # fmt: skip
+    ["benchmarks/gossip_compression.py", "--partition", "iid", "--specs", "topk:0.01", "topk:0.05"],
     ["-m", "benchmarks.meta_train_throughput"],
     ["-m", "benchmarks.quality_single"],
     ["-m", "benchmarks.quality_decentralized"],

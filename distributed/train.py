@@ -85,7 +85,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             get_compressor(args.compression)
         except ValueError as exc:
             p.error(f"--compression: {exc}")
-    if not 0 < args.consensus_step <= 1:
+    if args.consensus_step is not None and not 0 < args.consensus_step <= 1:
         p.error(f"--consensus-step must be in (0, 1], got {args.consensus_step}")
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
@@ -144,7 +144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compression", default=None, help="topk:R, sign or int8 (error feedback; exact average)"
     )
-    p.add_argument("--consensus-step", type=float, default=1.0, help="gamma of the compressed mix")
+    p.add_argument(
+        "--consensus-step",
+        type=float,
+        default=None,
+        help="gamma of the compressed mix (default: min(0.5, 6R) for topk:R, else 0.5)",
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)

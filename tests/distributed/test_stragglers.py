@@ -1,0 +1,81 @@
+"""A slow rank (straggler) under a per-step deadline: skipped for the step, not dropped."""
+
+from datetime import timedelta
+
+import dist_workers as w  # noqa: E402  (tests/distributed is on sys.path under pytest)
+import fault_workers as fw  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
+
+from learned_opt.distributed import GossipOptimizer, ProcessGroupCommunicator, get_topology
+from learned_opt.distributed.deadline import DeadlineExchange
+
+N, STEPS = 4, 24
+DEADLINE = 1.0  # the straggler sleeps 3 s; a lagging live rank at most adds skips
+TIMEOUT = 20.0
+LAUNCH = w.STARTUP + 2 * TIMEOUT + 60
+
+
+@pytest.fixture(scope="module")
+def straggler_run():
+    return launch(fw.straggler)
+
+
+def launch(fn):
+    from learned_opt.distributed import launch_local
+
+    return launch_local(fn, N, TIMEOUT, DEADLINE, STEPS, timeout=LAUNCH, pg_timeout=w.STARTUP)
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_straggler_is_skipped_for_the_step_not_dropped(straggler_run):
+    res = straggler_run
+    for r in range(N):
+        assert res[r]["members"] == [0, 1, 2, 3] and res[r]["failures"] == []
+    # both ends of each of the straggler's edges skipped it at step 5
+    assert res[2]["skipped"][5] == [1, 3]
+    assert 2 in res[1]["skipped"][5] and 2 in res[3]["skipped"][5]
+    # the verdict is the same on both ends of every edge, at every step
+    for step in range(STEPS):
+        for a in range(N):
+            for b in ((a + 1) % N, (a - 1) % N):
+                assert (b in res[a]["skipped"][step]) == (a in res[b]["skipped"][step])
+    # the straggler is mixed with again afterwards
+    assert any(s == [] for s in res[2]["skipped"][6:])
+    assert res[2]["skipped_total"] >= 2
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_average_is_exact_and_consensus_reached_through_skips(straggler_run):
+    res = straggler_run
+    total = sum(res[r]["values"] for r in range(N))  # [steps, 50]
+    torch.testing.assert_close(total, torch.full_like(total, 6.0), atol=1e-5, rtol=0)
+    for r in range(N):
+        torch.testing.assert_close(res[r]["values"][-1], torch.full((50,), 1.5), atol=1e-3, rtol=0)
+
+
+def test_bad_deadlines_are_refused():
+    timeout = timedelta(seconds=5)
+    with pytest.raises(ValueError, match="must be > 0"):
+        DeadlineExchange(0.0, timeout)
+    with pytest.raises(ValueError, match="shorter than timeout"):
+        DeadlineExchange(5.0, timeout)
+
+
+def test_deadline_with_compression_or_overlap_is_refused():
+    store, timeout = dist.HashStore(), timedelta(seconds=w.COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    try:
+        ring = get_topology("ring", 1)
+        with pytest.raises(ValueError, match="step_deadline and compression"):
+            ProcessGroupCommunicator(ring, compression="sign", step_deadline=1.0)
+        params = [torch.zeros(3, requires_grad=True)]
+        sgd = torch.optim.SGD(params, lr=0.1)
+        with pytest.raises(ValueError, match="overlap=True and step_deadline"):
+            GossipOptimizer(sgd, ring, "metropolis", overlap=True, step_deadline=1.0)
+        comm = ProcessGroupCommunicator(ring, step_deadline=1.0)
+        with pytest.raises(ValueError, match="step_deadline=2.0 applies to the default"):
+            GossipOptimizer(sgd, communicator=comm, mixing="metropolis", step_deadline=2.0)
+    finally:
+        dist.destroy_process_group()
