@@ -95,7 +95,7 @@ class GossipOptimizer:
             compressed differences with error feedback; the network average stays exact
             (default communicator only; see :mod:`.compression`).
         consensus_step: the compressed mix's step ``gamma`` in (0, 1]; default: one that is
-            stable for the compressor (``min(0.5, 6 R)`` for top-k, 0.5 otherwise).
+            stable for the compressor (``min(0.5, 4 R)`` for top-k, 0.5 otherwise).
         step_deadline: seconds a step waits for a slow neighbour (straggler) before it
             skips that neighbour for the step, on both ends of the edge (the average stays
             exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
