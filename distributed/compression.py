@@ -29,8 +29,9 @@ test_compression.py``); ``sign`` and ``int8`` stay stable at 0.5. The default,
 
 Compressors (``compression=``):
 
-- ``"topk:R"``: the largest ``ceil(R * n)`` entries of each tensor by magnitude, as int32
-  indices and values (8 bytes per entry kept);
+- ``"topk:R"``: the largest ``ceil(R * n)`` entries of each tensor by magnitude: indices as
+  int16 (tensors of up to 32,767 entries) or int32, values rounded to bfloat16 (what the
+  rounding loses stays in ``x_i - h_i`` and is sent later): 4 or 6 bytes per entry kept;
 - ``"sign"``: one bit per entry and one float32 scale (the mean magnitude) per tensor;
 - ``"int8"``: one int8 per entry and one float32 scale (max magnitude / 127) per tensor.
 """
@@ -45,8 +46,12 @@ from torch import Tensor
 from .mixing import mix
 
 
+_INT16_MAX = 32767
+
+
 class TopK:
-    """Largest entries by magnitude: payload ``[int32 indices, values]`` per tensor."""
+    """Largest entries by magnitude: payload ``[int16/int32 indices, bfloat16 values]`` per
+    tensor (values of other float dtypes than float32 and bfloat16 are sent as they are)."""
 
     def __init__(self, ratio: float):
         if not 0 < ratio <= 1:
@@ -57,11 +62,15 @@ class TopK:
         flat = d.reshape(-1)
         k = max(1, math.ceil(self.ratio * flat.numel()))
         idx = flat.abs().topk(k, sorted=False).indices
-        return [idx.to(torch.int32), flat[idx]]
+        values = flat[idx]
+        if values.dtype == torch.float32:
+            values = values.to(torch.bfloat16)
+        small = flat.numel() <= _INT16_MAX
+        return [idx.to(torch.int16 if small else torch.int32), values]
 
     def add_(self, h: Tensor, payload: list[Tensor]) -> None:
         idx, values = payload
-        h.view(-1).index_add_(0, idx.long(), values)
+        h.view(-1).index_add_(0, idx.long(), values.to(h.dtype))
 
 
 class Sign:

@@ -21,14 +21,20 @@ def _apply(comp, d):
     return h
 
 
-def test_topk_keeps_the_largest_entries_exactly():
+def test_topk_keeps_the_largest_entries_in_bfloat16():
     d = torch.randn(7, 13, generator=torch.Generator().manual_seed(0))
+    idx, values = TopK(0.1).compress(d)
+    assert idx.dtype == torch.int16 and values.dtype == torch.bfloat16  # 4 bytes per entry
     h = _apply(TopK(0.1), d)
     k = math.ceil(0.1 * d.numel())
     kept = h.ne(0)
     assert int(kept.sum()) == k
-    assert torch.equal(h[kept], d[kept])
+    assert torch.equal(h[kept], d[kept].to(torch.bfloat16).float())
     assert d.abs()[kept].min() >= d.abs()[~kept].max()
+    big = torch.zeros(40_000)
+    big[39_999] = 1.0
+    idx, _ = TopK(1e-4).compress(big)  # beyond int16: int32 indices
+    assert idx.dtype == torch.int32 and int(idx[0]) == 39_999
 
 
 def test_sign_and_int8_reconstruct_within_their_resolution():
@@ -45,10 +51,13 @@ def test_error_feedback_sends_what_was_left_out_later():
     y = torch.randn(40, generator=torch.Generator().manual_seed(2))
     ef = ErrorFeedback("topk:0.1")
     ef.encode([torch.zeros(40)], full=True)  # the copies start at zero
-    for _ in range(10):  # 4 entries per step: after 10 steps every entry was sent
+    for _ in range(10):  # 4 entries per step: after 10 steps every entry was sent once
         payload = ef.encode([y], full=False)
-        assert payload[0].dtype == torch.int32 and payload[0].numel() == 4
-    torch.testing.assert_close(ef.own[0], y)
+        assert payload[0].dtype == torch.int16 and payload[0].numel() == 4
+    torch.testing.assert_close(ef.own[0], y, atol=0.01, rtol=0.01)  # to bfloat16's precision
+    for _ in range(10):  # the rounding left behind is sent too
+        ef.encode([y], full=False)
+    torch.testing.assert_close(ef.own[0], y, atol=1e-4, rtol=1e-4)
     assert ef.full(step=0, epoch=0, period=2) and ef.full(1, 0, 2) and not ef.full(2, 0, 2)
     assert ef.full(7, 1, 2)  # a re-formed group starts the copies over
 
