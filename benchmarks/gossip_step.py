@@ -13,6 +13,10 @@ rank's median, of:
 - ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
   forward/backward);
 - ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint;
+- ``D-Adam one_peer_ring deadline``: with ``step_deadline`` (its store round trips and
+  waiting threads; no rank is slow here);
+- ``learned + Metropolis`` and ``Adam + learned mixing`` (one-peer ring, overlap): the
+  learned configuration's cost split between its local optimizer and its mixing;
 - ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
   decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
   ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
@@ -123,6 +127,26 @@ def _configs(rank: int) -> dict:
                 model,
                 GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
             )
+    graph = get_topology("one_peer_ring", WORLD)
+    # the price of a per-step deadline for stragglers (store round trips, waiting threads)
+    model = _model(rank)
+    out["D-Adam one_peer_ring deadline"] = (
+        model,
+        dadam(model.parameters(), 1e-3, graph, step_deadline=10.0, metrics_every=0),
+    )
+    # where the learned configuration's time goes: its optimizer, or its mixing
+    model = _model(rank)
+    local = LearnedOptimizer(model.parameters())
+    out["learned + Metropolis one_peer_ring overlap"] = (
+        model,
+        GossipOptimizer(local, graph, "metropolis", overlap=True, metrics_every=0),
+    )
+    model = _model(rank)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    out["Adam + learned mixing one_peer_ring overlap"] = (
+        model,
+        GossipOptimizer(adam, graph, "learned", overlap=True, net=local.net, metrics_every=0),
+    )
     peer = _decent_dp(rank)
     if peer is not None:
         out["Decent-DP Adam one-peer ring"] = (peer, _DecentDP())

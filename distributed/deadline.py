@@ -52,16 +52,23 @@ class DeadlineExchange:
         self.timeout = timeout
         self._pool = cf.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="gossip-wait")
         self._busy: list[tuple[Tensor, list[cf.Future]]] = []  # buffers gloo may still use
+        self._free: dict[int, list[Tensor]] = {}  # by size in bytes
         self.skipped_total = 0  # edges skipped so far (counted on each end)
         self.skipped: list[int] = []  # neighbours skipped in the last step
 
     def buffer(self, nbytes: int) -> Tensor:
         """A byte buffer that no pending send or receive uses."""
-        for k, (buf, futures) in enumerate(self._busy):
-            if buf.numel() == nbytes and all(f.done() for f in futures):
-                del self._busy[k]
-                return buf
-        return torch.empty(nbytes, dtype=torch.uint8)
+        busy = []
+        for buf, futures in self._busy:
+            if all(f.done() for f in futures):
+                free = self._free.setdefault(buf.numel(), [])
+                if len(free) < _MAX_THREADS:
+                    free.append(buf)
+            else:
+                busy.append((buf, futures))
+        self._busy = busy
+        free = self._free.get(nbytes)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
 
     def watch(self, buf: Tensor, works: list) -> list[cf.Future]:
         """Wait for ``works`` (on ``buf``) in helper threads; ``buf`` is reused after them."""
@@ -102,6 +109,7 @@ class DeadlineExchange:
     def reset(self) -> None:
         """Forget pending work (the group it was posted on is gone)."""
         self._busy.clear()
+        self._free.clear()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
