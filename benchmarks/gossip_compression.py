@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument(
         "--consensus-step", type=float, default=None, help="default: per compressor (stable)"
     )
-    parser.add_argument("--specs", nargs="+", default=["topk:0.01", "sign", "int8"])
+    parser.add_argument("--specs", nargs="+", default=["topk:0.01", "topk:0.04", "sign", "int8"])
     parser.add_argument("--partition", default="dirichlet", choices=["dirichlet", "iid"])
     args = parser.parse_args()
     base = ["--task", "digits_mlp", "--optimizer", args.optimizer, "--steps", str(args.steps)]
