@@ -45,7 +45,6 @@ from torch import Tensor
 
 from .mixing import mix
 
-
 _INT16_MAX = 32767
 
 

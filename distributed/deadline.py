@@ -76,12 +76,33 @@ class DeadlineExchange:
         self._busy.append((buf, futures))
         return futures
 
-    def settle(self, store, key: str, me: int, peers: list[int], recvs: list, posted: float):
-        """Verdict per neighbour: the slots (indices into ``peers``) to mix this step.
+    def post(self, membership, job, send: Tensor, order: list[int], tag: int):
+        """Post the sends of ``send`` and the receives into ``job.recvs`` to ``job.peers``,
+        slot by slot in ``order``; their waits go to helper threads. Returns ``None``, or
+        ``(slot, error)`` when posting to a neighbour failed."""
+        sends, futures, failed = [], {}, None
+        try:
+            for slot in order:
+                peer = membership.local(job.peers[slot])
+                sends.append(membership.group.send([send], peer, tag))
+                recv = membership.group.recv([job.recvs[slot]], peer, tag)
+                futures[slot] = self.watch(job.recvs[slot], [recv])[0]
+        except Exception as exc:  # the pair is closed: a failed neighbour
+            failed = (slot, exc)
+        self.watch(send, sends)
+        job.pending = [(slot, futures[slot]) for slot in sorted(futures)]
+        job.posted = time.monotonic()
+        return failed
 
-        ``recvs[k]`` is the future of the receive from ``peers[k]``; ``key`` names the step
-        on the store. Raises the first wait's error (a failed neighbour) as is."""
-        left = max(0.0, posted + self.deadline - time.monotonic())
+    def settle(self, membership, job) -> list[int]:
+        """Wait until the deadline, then agree with each neighbour on its edge; returns the
+        slots (indices into ``job.peers``) to mix this step. Raises :class:`_Failed` for a
+        wait that failed (a dead or frozen neighbour)."""
+        store, me, peers = membership.store, membership.rank, job.peers
+        key = f"deadline/e{job.epoch}/s{job.step}"
+        recvs = [fut for _, fut in job.pending]
+        job.pending = []
+        left = max(0.0, job.posted + self.deadline - time.monotonic())
         cf.wait(recvs, timeout=left)
         for slot, fut in enumerate(recvs):
             if fut.done() and fut.exception() is not None:

@@ -16,7 +16,6 @@ simulator calls, over the same neighbour order (sorted by rank).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -252,46 +251,28 @@ class ProcessGroupCommunicator(GroupCollectives):
 
     def _post_all(self, job: Inflight, send: Tensor, me: int, step: int) -> Inflight:
         """``step_deadline``: post every send and receive at once, waited for by threads."""
-        m, sends = self.membership, []
-        try:
-            for k in self._schedule(job.graph, me, step):
-                slot = job.peers.index(job.members[k])
-                peer = m.local(job.members[k])
-                sends.append(m.group.send([send], peer, _DATA_TAG))
-                recv = m.group.recv([job.recvs[slot]], peer, _DATA_TAG)
-                job.pending.append((slot, self._deadline.watch(job.recvs[slot], [recv])[0]))
-        except Exception as exc:
-            peer = job.members[k]
+        order = [job.peers.index(job.members[k]) for k in self._schedule(job.graph, me, step)]
+        failed = self._deadline.post(self.membership, job, send, order, _DATA_TAG)
+        if failed is not None:
+            peer = job.peers[failed[0]]
             job.failure = _PeerFailure(
-                peer, f"exchange with neighbour rank {peer} failed at step {step}: {exc}"
+                peer, f"exchange with neighbour rank {peer} failed at step {step}: {failed[1]}"
             )
-        self._deadline.watch(send, sends)
-        job.pending.sort(key=lambda e: e[0])
-        job.posted = time.monotonic()
         return job
-
-    def _settle_deadline(self, job: Inflight) -> None:
-        """``step_deadline``: wait until the deadline, then agree per edge on what to mix."""
-        futures = [fut for _, fut in job.pending]
-        job.pending = []
-        key = f"deadline/e{job.epoch}/s{job.step}"
-        try:
-            keep = self._deadline.settle(
-                self.membership.store, key, self.rank, job.peers, futures, job.posted
-            )
-        except _Failed as exc:
-            peer = job.peers[exc.slot]
-            raise _PeerFailure(
-                peer, f"exchange with neighbour rank {peer} failed at step {job.step}: {exc}"
-            ) from exc
-        job.done.update(keep)
 
     def _complete(self, job: Inflight) -> _Exchanged:
         """Wait for what ``job`` still has in flight; after a failure, re-form (keeping what
         arrived) or raise."""
         try:
             if self._deadline is not None and job.pending and job.failure is None:
-                self._settle_deadline(job)
+                try:
+                    job.done.update(self._deadline.settle(self.membership, job))
+                except _Failed as exc:
+                    peer = job.peers[exc.slot]
+                    raise _PeerFailure(
+                        peer,
+                        f"exchange with neighbour rank {peer} failed at step {job.step}: {exc}",
+                    ) from exc
             while job.pending and job.failure is None:
                 self._settle(job, *job.pending.pop(0))
         except _PeerFailure as failure:
