@@ -22,10 +22,12 @@ def straggler_run():
     return launch(fw.straggler)
 
 
-def launch(fn):
+def launch(fn, *args, timeout=TIMEOUT, **kw):
     from learned_opt.distributed import launch_local
 
-    return launch_local(fn, N, TIMEOUT, DEADLINE, STEPS, timeout=LAUNCH, pg_timeout=w.STARTUP)
+    return launch_local(
+        fn, N, timeout, DEADLINE, STEPS, *args, timeout=LAUNCH, pg_timeout=w.STARTUP, **kw
+    )
 
 
 @pytest.mark.timeout(LAUNCH + 30)
@@ -53,6 +55,20 @@ def test_average_is_exact_and_consensus_reached_through_skips(straggler_run):
     torch.testing.assert_close(total, torch.full_like(total, 6.0), atol=1e-5, rtol=0)
     for r in range(N):
         torch.testing.assert_close(res[r]["values"][-1], torch.full((50,), 1.5), atol=1e-3, rtol=0)
+
+
+@pytest.mark.timeout(LAUNCH + 30)
+def test_a_dead_rank_is_still_dropped_under_a_deadline():
+    from learned_opt.distributed import RankFailure
+
+    # the survivors wait one timeout for each other to re-form: keep it short (as in
+    # test_failures); the straggler's 3 s sleep is far from it
+    res = launch(fw.straggler, True, timeout=6.0, raise_on_error=False)
+    assert isinstance(res[3], RankFailure)
+    for r in range(3):
+        assert res[r]["members"] == [0, 1, 2]
+        assert [f["rank"] for f in res[r]["failures"]] == [3]
+        torch.testing.assert_close(res[r]["values"][-1], res[0]["values"][-1], atol=1e-4, rtol=0)
 
 
 def test_bad_deadlines_are_refused():
