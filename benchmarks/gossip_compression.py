@@ -70,8 +70,9 @@ def main() -> None:
     command = "OMP_NUM_THREADS=1 python benchmarks/gossip_compression.py " + " ".join(sys.argv[1:])
     run = {
         **gossip_run_info(command.strip(), os.getloadavg()[0], "at the end"),
-        "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}, "
-        f"{args.steps} steps, {args.optimizer}, consensus_step "
+        "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}"
+        + (" (alpha 0.1), " if args.partition == "dirichlet" else ", ")
+        + f"{args.steps} steps, {args.optimizer}, consensus_step "
         f"{args.consensus_step or 'per compressor (default_consensus_step)'} when compressed",
         "goal": "topk:0.01 loss_vs_exact <= 1.1 with bytes_reduction_x >= 20",
         "runs": runs,
