@@ -18,7 +18,7 @@ start over the same way after the group re-forms (every survivor then does the s
 The consensus step ``gamma`` must shrink with the compressor's density. A copy ``h_j`` is
 stale in every coordinate that ``C`` has not sent lately: top-k at ratio ``R`` refreshes a
 coordinate about every ``1/R`` steps, while the mix keeps pulling ``x_i`` towards the same
-stale difference each step. Once ``gamma * w * (1/R)`` nears 1 the pull overshoots before
+stale difference each step. With ``gamma`` large against ``R`` the pull overshoots before
 the copies catch up, and the error grows step after step: that is how top-k 1% at
 ``gamma = 0.5`` diverged (8 workers, ``digits_mlp``, Adam, ring). Single-process replays of
 the algorithm found the largest stable ``gamma`` near 0.05-0.1 at 1% and 0.2 at 5%

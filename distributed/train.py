@@ -11,12 +11,12 @@ A rank that dies or freezes is dropped and the others train on (``--on-failure r
 stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Note that
 torchrun itself stops every worker when one exits with an error; the survivors train on
 under launchers that leave them running (``launch_local``) and through frozen ranks.
-``--overlap`` moves the exchange behind the next forward and backward pass; ``--step-deadline S``
-skips, for one step, a neighbour slower than S seconds (both ends of the edge agree). With CUDA, a rank
-uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every local rank has a GPU of its own,
-else gloo (which passes device tensors through host memory); without CUDA, gloo on CPU.
-``--backend`` overrides the choice. Per-rank TensorBoard logs go to ``--logdir``. Without
-torchrun it runs as a single worker.
+``--overlap`` moves the exchange behind the next forward and backward pass;
+``--step-deadline S`` skips, for one step, a neighbour slower than S seconds (both ends of
+the edge agree). With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
+local rank has a GPU of its own, else gloo (which passes device tensors through host
+memory); without CUDA, gloo on CPU. ``--backend`` overrides the choice. Per-rank
+TensorBoard logs go to ``--logdir``. Without torchrun it runs as a single worker.
 
 This module sits on top of the package: it is the only one in ``distributed/`` that
 imports ``learned_opt.tasks``.
