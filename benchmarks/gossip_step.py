@@ -189,7 +189,11 @@ def main() -> None:
     res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
     base = res["allreduce + Adam"]
     results = {
-        **gossip_run_info("OMP_NUM_THREADS=1 python benchmarks/gossip_step.py", load, "at start"),
+        **gossip_run_info(
+            " ".join(["OMP_NUM_THREADS=1 python benchmarks/gossip_step.py", *sys.argv[1:]]),
+            load,
+            "at start",
+        ),
         "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
         f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
         "step_ms": res,
