@@ -15,17 +15,18 @@ Goal (top-k 1%): loss within 10% of the exact run with at least 20x fewer bytes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
-import torch
-
 from learned_opt.distributed import launch_local
+from learned_opt.distributed.compression import default_consensus_step
 from learned_opt.distributed.train import launched
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gossip_compression.json"
 WORKERS = 8
@@ -35,8 +36,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--optimizer", default="adam", choices=["adam", "learned", "sgd"])
-    parser.add_argument("--consensus-step", type=float, default=0.5)
-    parser.add_argument("--specs", nargs="+", default=["topk:0.01", "sign", "int8"])
+    parser.add_argument(
+        "--consensus-step", type=float, default=None, help="default: per compressor (stable)"
+    )
+    parser.add_argument("--specs", nargs="+", default=["topk:0.01", "topk:0.04", "sign", "int8"])
     parser.add_argument("--partition", default="dirichlet", choices=["dirichlet", "iid"])
     args = parser.parse_args()
     base = ["--task", "digits_mlp", "--optimizer", args.optimizer, "--steps", str(args.steps)]
@@ -45,7 +48,8 @@ def main() -> None:
     runs = {}
     for spec in [None, *args.specs]:
         argv = base if spec is None else base + ["--compression", spec]
-        argv = argv + ["--consensus-step", str(args.consensus_step)] if spec else argv
+        gamma = args.consensus_step or (default_consensus_step(spec) if spec else None)
+        argv = argv + ["--consensus-step", str(gamma)] if spec else argv
         start = time.perf_counter()
         summary = launch_local(launched, WORKERS, argv, timeout=1800, pg_timeout=120)[0]
         name = spec or "exact"
@@ -54,6 +58,8 @@ def main() -> None:
             "test_loss": summary["test_loss"],
             "test_accuracy": summary.get("test_accuracy"),
             "bytes_per_step": summary["bytes_per_step"],
+            "consensus_step": gamma,
+            "consensus_distance": summary["consensus_distance"],
             "wall_s": time.perf_counter() - start,
         }
         print(name, runs[name], flush=True)
@@ -61,16 +67,13 @@ def main() -> None:
     for r in runs.values():
         r["loss_vs_exact"] = r["averaged_model_train_loss"] / exact["averaged_model_train_loss"]
         r["bytes_reduction_x"] = exact["bytes_per_step"] / r["bytes_per_step"]
+    command = "OMP_NUM_THREADS=1 python benchmarks/gossip_compression.py " + " ".join(sys.argv[1:])
     run = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
-        f"worker, gloo over loopback, load average {os.getloadavg()[0]:.1f} at the end",
-        "torch": torch.__version__,
-        "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}, "
-        f"{args.steps} steps, {args.optimizer}, consensus_step {args.consensus_step} when "
-        "compressed",
-        "command": "OMP_NUM_THREADS=1 python benchmarks/gossip_compression.py --partition "
-        + args.partition,
+        **gossip_run_info(command.strip(), os.getloadavg()[0], "at the end"),
+        "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}"
+        + (" (alpha 0.1), " if args.partition == "dirichlet" else ", ")
+        + f"{args.steps} steps, {args.optimizer}, consensus_step "
+        f"{args.consensus_step or 'per compressor (default_consensus_step)'} when compressed",
         "goal": "topk:0.01 loss_vs_exact <= 1.1 with bytes_reduction_x >= 20",
         "runs": runs,
     }

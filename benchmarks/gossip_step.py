@@ -13,6 +13,10 @@ rank's median, of:
 - ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
   forward/backward);
 - ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint;
+- ``D-Adam one_peer_ring deadline``: with ``step_deadline`` (its store round trips and
+  waiting threads; no rank is slow here);
+- ``learned + Metropolis`` and ``Adam + learned mixing`` (one-peer ring, overlap): the
+  learned configuration's cost split between its local optimizer and its mixing;
 - ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
   decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
   ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
@@ -25,11 +29,10 @@ machine's load hits them all alike.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +48,9 @@ from learned_opt.distributed import (
     get_topology,
     launch_local,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
 WORLD = 4
@@ -121,6 +127,26 @@ def _configs(rank: int) -> dict:
                 model,
                 GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
             )
+    graph = get_topology("one_peer_ring", WORLD)
+    # the price of a per-step deadline for stragglers (store round trips, waiting threads)
+    model = _model(rank)
+    out["D-Adam one_peer_ring deadline"] = (
+        model,
+        dadam(model.parameters(), 1e-3, graph, step_deadline=10.0, metrics_every=0),
+    )
+    # where the learned configuration's time goes: its optimizer, or its mixing
+    model = _model(rank)
+    local = LearnedOptimizer(model.parameters())
+    out["learned + Metropolis one_peer_ring overlap"] = (
+        model,
+        GossipOptimizer(local, graph, "metropolis", overlap=True, metrics_every=0),
+    )
+    model = _model(rank)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    out["Adam + learned mixing one_peer_ring overlap"] = (
+        model,
+        GossipOptimizer(adam, graph, "learned", overlap=True, net=local.net, metrics_every=0),
+    )
     peer = _decent_dp(rank)
     if peer is not None:
         out["Decent-DP Adam one-peer ring"] = (peer, _DecentDP())
@@ -163,13 +189,13 @@ def main() -> None:
     res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
     base = res["allreduce + Adam"]
     results = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
-        f"worker, gloo over loopback, load average {load:.1f} at start",
-        "torch": torch.__version__,
+        **gossip_run_info(
+            " ".join(["OMP_NUM_THREADS=1 python benchmarks/gossip_step.py", *sys.argv[1:]]),
+            load,
+            "at start",
+        ),
         "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
         f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
-        "command": "OMP_NUM_THREADS=1 python benchmarks/gossip_step.py",
         "step_ms": res,
         "vs_allreduce": {k: v / base for k, v in res.items()},
     }

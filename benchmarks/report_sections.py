@@ -186,12 +186,14 @@ def render_gossip_compression(r: dict) -> str:
     rows, notes = [], []
     for partition, run in r.items():
         for name, m in run["runs"].items():
+            gamma = m.get("consensus_step")
             rows.append([
-                partition, name, f"{m['averaged_model_train_loss']:.4g}", _x(m["loss_vs_exact"]),
+                partition, name, "-" if gamma is None else f"{gamma:g}",
+                f"{m['averaged_model_train_loss']:.4g}", _x(m["loss_vs_exact"]),
                 f"{m['bytes_per_step']:,.0f}", _x(m["bytes_reduction_x"]),
             ])  # fmt: skip
         notes.append(f"{partition}: {run['setup']}, measured {run['date'][:10]}, {run['machine']}")
-    header = ["partition", "exchange", "averaged-model train loss", "vs exact", "bytes/step",
-              "fewer bytes"]  # fmt: skip
+    header = ["partition", "exchange", "consensus step", "averaged-model train loss",
+              "vs exact", "bytes/step", "fewer bytes"]  # fmt: skip
     goal = next(iter(r.values()))["goal"]
     return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."

@@ -127,6 +127,8 @@ class GroupCollectives:
         else:
             raise GossipError(f"rank {self.rank}: gave up after {_ATTEMPTS} re-forms: {message}")
         self._buffers.clear()  # a stale receive may still point into the old buffers
+        if getattr(self, "_deadline", None) is not None:
+            self._deadline.reset()
         self._rounds.clear()
 
     def _collective(self, start: Callable, what: str, step: int, restore: Callable = None):

@@ -36,7 +36,7 @@ def default_communicator(
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
     by name is built for the group's world size. ``options`` (``on_failure``,
-    ``compression``, ``consensus_step``) go to the communicator."""
+    ``compression``, ``consensus_step``, ``step_deadline``) go to the communicator."""
     import torch.distributed as dist
 
     if isinstance(topology, str):
@@ -55,7 +55,7 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     if on_failure is not None and on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
-        for key in ("on_failure", "compression"):
+        for key in ("on_failure", "compression", "step_deadline"):
             if options.get(key) is not None and options[key] != getattr(communicator, key, None):
                 raise ValueError(
                     f"{owner}: {key}={options[key]!r} applies to the default communicator; "
@@ -106,8 +106,12 @@ class GossipOptimizer:
         compression: ``None`` (exact), ``"topk:R"``, ``"sign"`` or ``"int8"``: exchange
             compressed differences with error feedback; the network average stays exact
             (default communicator only; see :mod:`.compression`).
-        consensus_step: the compressed mix's step ``gamma`` in (0, 1]; smaller is steadier
-            under strong compression.
+        consensus_step: the compressed mix's step ``gamma`` in (0, 1]; default: one that is
+            stable for the compressor (``min(0.5, 4 R)`` for top-k, 0.5 otherwise).
+        step_deadline: seconds a step waits for a slow neighbour (straggler) before it
+            skips that neighbour for the step, on both ends of the edge (the average stays
+            exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
+            ``compression`` (default communicator only; see :mod:`.deadline`).
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -115,7 +119,8 @@ class GossipOptimizer:
             imported only then).
 
     ``metrics`` holds the latest ``gossip/*`` values: ``bytes_sent``, ``edge_weight_mean``,
-    ``self_weight_mean``, ``nonfinite_excluded``, ``excluded_ranks``, ``world_size`` and
+    ``self_weight_mean``, ``nonfinite_excluded``, ``excluded_ranks``, ``world_size``,
+    ``skipped_edges`` (neighbours skipped for a missed ``step_deadline`` this step) and
     (every k steps) ``consensus_distance``. A rank whose own parameters turn NaN/Inf raises
     ``GossipError`` (its neighbours never mix them in).
     """
@@ -132,7 +137,8 @@ class GossipOptimizer:
         on_failure: str | None = None,
         overlap: bool = False,
         compression: str | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | None = None,
+        step_deadline: float | None = None,
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -153,6 +159,7 @@ class GossipOptimizer:
             on_failure=on_failure,
             compression=compression,
             consensus_step=consensus_step,
+            step_deadline=step_deadline,
         )
         self.local = local_optimizer
         self.mixing = mixing
@@ -165,6 +172,8 @@ class GossipOptimizer:
             )
         if overlap and not hasattr(communicator, "begin"):
             raise ValueError("overlap=True needs a communicator with begin() and finish_mix()")
+        if overlap and getattr(communicator, "step_deadline", None) is not None:
+            raise ValueError("overlap=True and step_deadline do not go together")
         self.overlap = overlap
         self._inflight = None
         self.metrics_every = metrics_every
@@ -273,6 +282,7 @@ class GossipOptimizer:
         m["gossip/nonfinite_excluded"] = float(getattr(self.communicator, "nonfinite_excluded", 0))
         m["gossip/excluded_ranks"] = float(len(self.failures))
         m["gossip/world_size"] = float(getattr(self.communicator, "world_size", 1))
+        m["gossip/skipped_edges"] = float(len(getattr(self.communicator, "skipped", [])))
         if weights and weights[0].numel():
             m["gossip/edge_weight_mean"] = float(
                 sum(float(w.mean()) for w in weights) / len(weights)

@@ -28,6 +28,7 @@ from learned_opt.network import Theta
 
 from .collectives import GroupCollectives, _PeerFailure
 from .compression import ErrorFeedback
+from .deadline import DeadlineExchange, _Failed
 from .membership import GossipError
 from .mixing import learned_edge_weight, mix
 from .packing import Layout
@@ -68,6 +69,7 @@ class Inflight:
     done: set = field(default_factory=set)  # slots received
     failure: _PeerFailure | None = None
     full: bool = True  # compression: the tensors went whole (the copies start)
+    posted: float = 0.0  # step_deadline: when the exchange was posted (monotonic clock)
 
 
 class ProcessGroupCommunicator(GroupCollectives):
@@ -85,12 +87,18 @@ class ProcessGroupCommunicator(GroupCollectives):
         compression: ``None`` (exact exchange), ``"topk:R"``, ``"sign"`` or ``"int8"``: send
             compressed differences with error feedback; the average stays exact (see
             :mod:`.compression`).
-        consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression).
+        consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression;
+            default: :func:`~.compression.default_consensus_step`, stable for the compressor).
+        step_deadline: seconds a step waits for a neighbour's tensors (``None``: up to
+            ``timeout``). An edge that missed it on either end is skipped for that step by
+            both ends (the average stays exact); the neighbour stays in the group. CPU
+            tensors over gloo, without compression (see :mod:`.deadline`).
 
     Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
     ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
-    dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf)
-    and ``bytes_sent`` (bytes sent by the last :meth:`mix`).
+    dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf),
+    ``bytes_sent`` (bytes sent by the last :meth:`mix`) and, with ``step_deadline``,
+    ``skipped`` (neighbours skipped in the last step) and ``skipped_total``.
     """
 
     def __init__(
@@ -102,11 +110,33 @@ class ProcessGroupCommunicator(GroupCollectives):
         on_failure: str = "exclude",
         store: dist.Store | None = None,
         compression: str | None = None,
-        consensus_step: float = 1.0,
+        consensus_step: float | None = None,
+        step_deadline: float | None = None,
     ):
         super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
         self.compression = compression
         self._codec = ErrorFeedback(compression, consensus_step) if compression else None
+        self.step_deadline = step_deadline
+        self._deadline = None
+        if step_deadline is not None:
+            if compression is not None:
+                raise ValueError(
+                    "step_deadline and compression do not go together: a skipped step would "
+                    "leave the public copies different on the two ends of an edge"
+                )
+            if not self._host_p2p_only:
+                raise ValueError("step_deadline needs the gloo backend (CPU tensors)")
+            self._deadline = DeadlineExchange(step_deadline, self.timeout)
+
+    @property
+    def skipped(self) -> list[int]:
+        """Neighbours skipped in the last step for missing the deadline (both ends skip)."""
+        return list(self._deadline.skipped) if self._deadline is not None else []
+
+    @property
+    def skipped_total(self) -> int:
+        """Edges skipped for a missed deadline so far, counted on this rank."""
+        return self._deadline.skipped_total if self._deadline is not None else 0
 
     # ------------------------------------------------------------------ exchange
 
@@ -193,12 +223,20 @@ class ProcessGroupCommunicator(GroupCollectives):
             layout = self._layout(ys)
             if layout not in self._checked:
                 self.check_layout(ys, step)
-        send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
+        if self._deadline is not None:
+            if ys[0].is_cuda:
+                raise ValueError("step_deadline works on CPU tensors only")
+            send = self._deadline.buffer(layout.nbytes)
+            recvs = [self._deadline.buffer(layout.nbytes) for _ in peers]
+        else:
+            send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
         own_finite = layout.pack(ys, loss, send)
         job = Inflight(step, m.epoch, loss, layout, own_finite, graph, members, peers, recvs)
         job.full = full
         if step < m.resume_at:  # catching up after a failure: local steps only
             return job
+        if self._deadline is not None:
+            return self._post_all(job, send, me, step)
         try:
             for k in self._schedule(graph, me, step):
                 slot = peers.index(members[k])
@@ -211,10 +249,30 @@ class ProcessGroupCommunicator(GroupCollectives):
             job.failure = failure
         return job
 
+    def _post_all(self, job: Inflight, send: Tensor, me: int, step: int) -> Inflight:
+        """``step_deadline``: post every send and receive at once, waited for by threads."""
+        order = [job.peers.index(job.members[k]) for k in self._schedule(job.graph, me, step)]
+        failed = self._deadline.post(self.membership, job, send, order, _DATA_TAG)
+        if failed is not None:
+            peer = job.peers[failed[0]]
+            job.failure = _PeerFailure(
+                peer, f"exchange with neighbour rank {peer} failed at step {step}: {failed[1]}"
+            )
+        return job
+
     def _complete(self, job: Inflight) -> _Exchanged:
         """Wait for what ``job`` still has in flight; after a failure, re-form (keeping what
         arrived) or raise."""
         try:
+            if self._deadline is not None and job.pending and job.failure is None:
+                try:
+                    job.done.update(self._deadline.settle(self.membership, job))
+                except _Failed as exc:
+                    peer = job.peers[exc.slot]
+                    raise _PeerFailure(
+                        peer,
+                        f"exchange with neighbour rank {peer} failed at step {job.step}: {exc}",
+                    ) from exc
             while job.pending and job.failure is None:
                 self._settle(job, *job.pending.pop(0))
         except _PeerFailure as failure:

@@ -11,11 +11,12 @@ A rank that dies or freezes is dropped and the others train on (``--on-failure r
 stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Note that
 torchrun itself stops every worker when one exits with an error; the survivors train on
 under launchers that leave them running (``launch_local``) and through frozen ranks.
-``--overlap`` moves the exchange behind the next forward and backward pass. With CUDA, a rank
-uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every local rank has a GPU of its own,
-else gloo (which passes device tensors through host memory); without CUDA, gloo on CPU.
-``--backend`` overrides the choice. Per-rank TensorBoard logs go to ``--logdir``. Without
-torchrun it runs as a single worker.
+``--overlap`` moves the exchange behind the next forward and backward pass;
+``--step-deadline S`` skips, for one step, a neighbour slower than S seconds (both ends of
+the edge agree). With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
+local rank has a GPU of its own, else gloo (which passes device tensors through host
+memory); without CUDA, gloo on CPU. ``--backend`` overrides the choice. Per-rank
+TensorBoard logs go to ``--logdir``. Without torchrun it runs as a single worker.
 
 This module sits on top of the package: it is the only one in ``distributed/`` that
 imports ``learned_opt.tasks``.
@@ -90,8 +91,13 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             get_compressor(args.compression)
         except ValueError as exc:
             p.error(f"--compression: {exc}")
-    if not 0 < args.consensus_step <= 1:
+    if args.consensus_step is not None and not 0 < args.consensus_step <= 1:
         p.error(f"--consensus-step must be in (0, 1], got {args.consensus_step}")
+    if args.step_deadline is not None:
+        if not 0 < args.step_deadline < args.timeout:
+            p.error(f"--step-deadline must be in (0, --timeout), got {args.step_deadline}")
+        if args.compression is not None or args.overlap:
+            p.error("--step-deadline goes with neither --compression nor --overlap")
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
 
@@ -149,7 +155,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--compression", default=None, help="topk:R, sign or int8 (error feedback; exact average)"
     )
-    p.add_argument("--consensus-step", type=float, default=1.0, help="gamma of the compressed mix")
+    p.add_argument(
+        "--consensus-step",
+        type=float,
+        default=None,
+        help="gamma of the compressed mix (default: min(0.5, 4R) for topk:R, else 0.5)",
+    )
+    p.add_argument(
+        "--step-deadline",
+        type=float,
+        default=None,
+        help="seconds a step waits for a slow neighbour before skipping it for that step",
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
@@ -206,6 +223,7 @@ def train(args: argparse.Namespace) -> dict:
         on_failure=args.on_failure,
         compression=None if args.mixing == "allreduce" else args.compression,
         consensus_step=args.consensus_step,
+        step_deadline=None if args.mixing == "allreduce" else args.step_deadline,
     )
     local = _local_optimizer(args, params)
     writer = None

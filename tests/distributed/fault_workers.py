@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import torch
 
@@ -61,3 +62,38 @@ def frozen_with_raise(rank: int, n: int, timeout: float) -> str:
             freeze(3.5 * timeout)
         opt.step()
     return "finished"
+
+
+def straggler(
+    rank: int, n: int, timeout: float, deadline: float, steps: int, kill: bool = False
+) -> dict:
+    """Ring of 4, pure mixing with ``step_deadline``: rank 2 sleeps ``3 * deadline`` before
+    step 5 (with ``kill``: rank 3 dies at step 12 as well). Returns per-step values and the
+    neighbours skipped at each step."""
+    params = [torch.full((50,), float(rank), requires_grad=True)]
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0),
+        "ring",
+        "metropolis",
+        timeout=timeout,
+        step_deadline=deadline,
+        metrics_every=0,
+    )
+    values, skipped = [], []
+    for step in range(steps):
+        if rank == 2 and step == 5:
+            time.sleep(3 * deadline)
+        if kill and rank == 3 and step == 12:
+            os._exit(1)
+        opt.step()
+        values.append(params[0].detach().clone())
+        skipped.append(opt.communicator.skipped)
+    comm = opt.communicator
+    return {
+        "values": torch.stack(values),
+        "skipped": skipped,
+        "members": comm.members,
+        "failures": [f.as_dict() for f in opt.failures],
+        "skipped_total": comm.skipped_total,
+        "metric": opt.metrics["gossip/skipped_edges"],
+    }
