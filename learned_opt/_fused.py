@@ -1,26 +1,34 @@
-"""The fused layout of the learned step: one compiled pass per tensor.
+"""The fused layout of the learned step: two compiled passes per tensor.
 
-:func:`fused_tensor_step_` composes the same formulas (:mod:`learned_opt.features`),
-network (:mod:`learned_opt.network`) and stages (:mod:`learned_opt.stages`) as
-:func:`learned_opt.flat.flat_step`, for one tensor seen flat, and writes the new
-parameter and state in place. The per-element MLP is evaluated as straight-line math per
-element (:func:`~learned_opt.network.element_mlp_rows`), so that ``torch.compile``
-(inductor: C++ and OpenMP on CPU, Triton on GPU) turns the whole step into a few loops
-over the elements: the sums of squares of g and p (the masking rule and rms(g)); the
-moments and the feature statistics; the per-tensor network; and one pass that reads p, g
-and the state, computes features, MLP and update in registers, and writes p and the
-state once. Nothing of size ``F x n`` or ``H x n`` is materialised.
+The same formulas (:mod:`learned_opt.features`), network (:mod:`learned_opt.network`) and
+stages (:mod:`learned_opt.stages`) as :func:`learned_opt.flat.flat_step`, for each tensor
+seen flat, in three steps:
 
-The function is compiled once per network config, with dynamic sizes, and step, lr and
-the tensor's shape statistics passed as tensors: a new tensor size, step or lr never
-recompiles it (a new parameter or state dtype does, once). Eagerly (``compiled=False``)
-it is the same math, slow, used by the fast tests. If compilation fails, the dispatcher
-(:func:`learned_opt.functional.learned_step`) logs why, once, and steps with the eager
-layouts instead.
+1. :func:`tensor_sums`, the reduction pass: reads p, g and the state, and returns the
+   masking flag, rms(g), the feature mean squares and mean(v) (nothing is written);
+2. the per-tensor stage (:func:`~learned_opt.stages.tensor_context`) once for all tensors,
+   which folds each tensor's feature normalisation and context into its first layer;
+3. :func:`update_tensor_`, the update pass: reads p, g and the state once, updates the
+   moments, computes the features, the per-element MLP and the output stage per element,
+   and writes p and the state once.
+
+The MLP is evaluated as straight-line math per element
+(:func:`~learned_opt.network.element_mlp_rows`), so that ``torch.compile`` (inductor: C++ on
+CPU, Triton on GPU) turns each pass into one loop over the elements that keeps features
+and activations in registers: nothing of size ``F x n`` or ``H x n`` is materialised.
+
+Both passes are compiled once per network config, with dynamic sizes and the step and
+scales passed as tensors: a new tensor size, step or lr never recompiles them (a new
+parameter dtype does, once). On CPU the kernels run on the calling thread
+(:data:`COMPILE_OPTIONS`): no OpenMP team that a busy core could stall. Uncompiled
+(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling
+fails, the dispatcher (:func:`learned_opt.functional.learned_step`) logs why, once, and
+steps with the eager layouts instead.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 
@@ -28,8 +36,8 @@ import torch
 from torch import Tensor
 
 from .config import NetConfig
-from .features import feature_rows, safe_sqrt, shape_stats, stepped, update_moments
-from .network import Theta, element_layers, element_mlp_rows, layers_of
+from .features import feature_rows, safe_sqrt, stepped, update_moments
+from .network import Layers, Theta, element_layers, element_mlp_rows
 from .orthogonal import needs_whole_tensor
 from .stages import apply_update, tensor_context
 
@@ -37,48 +45,52 @@ log = logging.getLogger("learned_opt")
 
 #: Tensors with fewer elements take the other layouts (and the compiled code never sees
 #: sizes 0 and 1, which torch.compile would specialise on).
-MIN_FUSED_SIZE = 64
+MIN_FUSED_SIZE = 16
 
 
-def fused_tensor_step_(
-    theta: Theta,
-    cfg: NetConfig,
-    p: Tensor,
-    g: Tensor,
-    m: Tensor,
-    v: Tensor,
-    shape: Tensor,
-    step: Tensor,
-    lr: Tensor,
-) -> Tensor:
-    """The learned step of one tensor, flat, in place; returns whether it was stepped.
+def tensor_sums(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cfg: NetConfig) -> Tensor:
+    """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
+    the mean squares of the 11 features after this step's moment update, and mean(v).
 
-    ``p`` and ``g`` are ``[n]`` in any floating dtype (bf16 included), ``m`` is ``[3, n]``
-    and ``v`` ``[n]`` in the compute dtype; ``shape`` is the tensor's
-    :func:`~learned_opt.features.shape_stats` ``(1, 2)``; ``step`` (1-based, after this
-    update) and ``lr`` are 0-d tensors. Where the gradient or the parameter holds NaN or
-    Inf, ``p``, ``m`` and ``v`` keep their values and the result (a 0-d bool) is False.
+    ``p`` and ``g`` are ``[n]`` in any floating dtype, ``m`` ``[3, n]`` and ``v`` ``[n]`` in
+    the compute dtype; nothing is written. Where the gradient or the parameter holds NaN or
+    Inf, the first entry is 0 (the tensor is skipped; the rest is then meaningless).
     """
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
     g_ss, p_ss = torch.dot(g_c, g_c), torch.dot(p_c, p_c)
     ok = stepped(g_ss, p_ss)
-    zero = torch.zeros((), dtype=dtype, device=v.device)
-    g_in, p_in = torch.where(ok, g_c, zero), torch.where(ok, p_c, zero)
-    m_new, v_new = update_moments(g_in, m, v)
-    g_rms = safe_sqrt(torch.where(ok, g_ss, zero) / v.shape[-1])
-    rows = feature_rows(p_in, g_in, m_new, v_new, g_rms, cfg)
+    m_new, v_new = update_moments(g_c, m, v)
+    g_rms = safe_sqrt(g_ss / v.shape[-1])
+    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
     ms = torch.stack([torch.mean(r * r) for r in rows])
-    scales, bias, scale = tensor_context(
-        theta, cfg, ms.unsqueeze(0), v_new.mean().unsqueeze(0), shape, step, lr
-    )
-    layers = layers_of(element_layers(theta, cfg, dtype, bias.unsqueeze(-1), scales), 0)
+    return torch.cat([torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)])
+
+
+def update_tensor_(
+    layers: Layers,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    g_rms: Tensor,
+    scale: Tensor,
+    step: Tensor,
+    cfg: NetConfig,
+) -> None:
+    """The update pass of one tensor, in place: read p, g, m and v once; update the
+    moments, compute the features, the per-element MLP (``layers`` of the tensor, its
+    feature normalisation and context folded in) and the output stage per element; write
+    p, m and v once. ``g_rms``, ``scale`` (the step scale) and ``step`` are 0-d tensors."""
+    dtype = v.dtype
+    p_c, g_c = p.to(dtype), g.to(dtype)
+    m_new, v_new = update_moments(g_c, m, v)
+    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
     d, log_mag = element_mlp_rows(layers, rows)
-    new_p = apply_update(cfg, p_in, d, log_mag, m_new[0], v_new, step, scale)
-    p.copy_(torch.where(ok, new_p, p_c))
-    m.copy_(torch.where(ok, m_new, m))
-    v.copy_(torch.where(ok, v_new, v))
-    return ok
+    new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
+    p.copy_(new_p)
+    m.copy_(m_new)
+    v.copy_(v_new)
 
 
 class CompileFailed(RuntimeError):
@@ -110,14 +122,25 @@ def announce(path: str, device: torch.device, why: str = "") -> None:
     log.log(level, "learned_opt: %s on %s%s", text, key[1], f" ({why})" if why else "")
 
 
+#: Inductor options: kernels run on the calling thread (no OpenMP team whose barriers
+#: would wait for a core that another process holds), and multiply-adds contract to FMAs.
+COMPILE_OPTIONS = {"cpp.threads": 1, "cpp.enable_floating_point_contract_flag": "fast"}
+
+
 def _compiled_for(cfg: NetConfig):
+    """The two passes compiled for ``cfg`` (built once per config, dynamic sizes)."""
     with _lock:
         if cfg not in _compiled:
 
-            def step_one(theta, p, g, m, v, shape, step, lr, _cfg=cfg):
-                return fused_tensor_step_(theta, _cfg, p, g, m, v, shape, step, lr)
+            def sums(p, g, m, v, _cfg=cfg):
+                return tensor_sums(p, g, m, v, _cfg)
 
-            _compiled[cfg] = torch.compile(step_one, dynamic=True)
+            def update(layers, p, g, m, v, g_rms, scale, step, _cfg=cfg):
+                update_tensor_(layers, p, g, m, v, g_rms, scale, step, _cfg)
+
+            _compiled[cfg] = tuple(
+                torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS) for fn in (sums, update)
+            )
         return _compiled[cfg]
 
 
@@ -138,14 +161,15 @@ def fused_step_(
     *,
     compiled: bool = True,
 ) -> list[bool]:
-    """The learned step of many tensors, in place, one fused pass each.
+    """The learned step of many tensors, in place: per tensor the reduction pass, then the
+    per-tensor stage for all tensors at once, then per tensor the update pass.
 
     ``params`` share a device and a compute dtype (theta's and the states'); each is
     contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`). Returns,
     per tensor, False where the gradient or the parameter was not finite and nothing
-    changed. With ``compiled`` the pass is the ``torch.compile``d one; if compiling fails,
-    :class:`CompileFailed` is raised before any tensor was changed by the failing call,
-    with the flags of the tensors already stepped in its ``done`` attribute.
+    changed. With ``compiled`` the passes are the ``torch.compile``d ones; if compiling
+    fails, :class:`CompileFailed` is raised with ``done``: ``{index: flag}`` of the tensors
+    already stepped or skipped (the others are unchanged).
     """
     if not params:
         return []
@@ -156,37 +180,63 @@ def fused_step_(
             f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
         )
     like = states[0]["v"]
-    step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
-    lr_t = torch.tensor(float(lr), dtype=torch.float64, device=like.device)
-    fn = fused_tensor_step_ if not compiled else None
+    flat = [
+        (_alias(p, -1), _alias(g, -1), _alias(s["m"], 3, -1), _alias(s["v"], -1))
+        for p, g, s in zip(params, grads, states)
+    ]
+    if compiled and _failure:
+        raise _failed({})
     if compiled:
-        if _failure:
-            raise CompileFailed(_failure[0])
-        fn = _compiled_for(cfg)
-    flags = []
-    for p, g, s in zip(params, grads, states):
-        args = (
-            p.detach().view(-1),
-            g.reshape(-1),
-            s["m"].view(3, -1),
-            s["v"].view(-1),
-            shape_stats((tuple(p.shape),), like),
-            step_t,
-            lr_t,
+        sums_fn, update_fn = _compiled_for(cfg)
+    else:
+        sums_fn = functools.partial(tensor_sums, cfg=cfg)
+        update_fn = functools.partial(update_tensor_, cfg=cfg)
+    done: dict[int, bool] = {}
+    try:
+        sums = torch.stack([sums_fn(*f) for f in flat])
+        flags = (sums[:, 0] > 0).tolist()  # one sync
+        done.update((i, False) for i, ok in enumerate(flags) if not ok)
+        live = [i for i, ok in enumerate(flags) if ok]
+        if not live:
+            return flags
+        sel = sums[torch.tensor(live, device=sums.device)] if len(live) < len(flat) else sums
+        scales, bias, scale = tensor_context(
+            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr
         )
-        if not compiled:
-            flags.append(fn(theta, cfg, *args))
-            continue
-        try:
-            flags.append(fn(theta, *args))
-        except Exception as e:  # a compiler missing or failing: fall back, once
-            if not _is_compile_error(e):
-                raise
-            _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            err = CompileFailed(_failure[0])
-            err.done = torch.stack(flags).tolist() if flags else []
-            raise err from e
-    return torch.stack(flags).tolist()
+        layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
+        (w1, b1), *shared = layers
+        step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
+        for j, i in enumerate(live):
+            own = ((w1[j].clone(), b1[j].clone()), *shared)
+            update_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
+            torch.autograd.graph.increment_version(params[i])  # written through an alias
+            done[i] = True
+    except Exception as e:  # a compiler missing or failing: fall back, once
+        if not compiled or not _is_compile_error(e):
+            raise
+        _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise _failed(done) from e
+    return flags
+
+
+def _alias(t: Tensor, *shape: int) -> Tensor:
+    """``t`` reshaped to ``shape`` as a new tensor on the same memory, not a view: the
+    compiled code would otherwise guard on the rank of the view's base and compile again
+    for every rank. A non-contiguous ``t`` (a gradient) is copied."""
+    t = t.detach()
+    if not t.is_contiguous():
+        return t.reshape(shape)
+    shape = tuple(t.numel() // 3 if (d == -1 and len(shape) == 2) else d for d in shape)
+    shape = (t.numel(),) if shape == (-1,) else shape
+    strides = (shape[1], 1) if len(shape) == 2 else (1,)
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), shape, strides)
+
+
+def _failed(done: dict) -> CompileFailed:
+    err = CompileFailed(_failure[0])
+    err.done = done
+    return err
 
 
 def _is_compile_error(e: Exception) -> bool:
