@@ -28,8 +28,10 @@ steps with the eager layouts instead.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 
 import torch
@@ -43,6 +45,10 @@ from .stages import apply_update, tensor_context
 
 log = logging.getLogger("learned_opt")
 
+#: The update pass of a tensor of at least this many elements runs on an OpenMP team of the
+#: caller's threads when the machine is not busy (:func:`machine_is_free`); it is purely
+#: elementwise, so the result is bitwise the same either way.
+PARALLEL_SIZE = 1 << 19
 #: Tensors with fewer elements take the other layouts (and the compiled code never sees
 #: sizes 0 and 1, which torch.compile would specialise on).
 MIN_FUSED_SIZE = 16
@@ -138,10 +144,25 @@ def _compiled_for(cfg: NetConfig):
             def update(layers, p, g, m, v, g_rms, scale, step, _cfg=cfg):
                 update_tensor_(layers, p, g, m, v, g_rms, scale, step, _cfg)
 
-            _compiled[cfg] = tuple(
+            def update_threaded(layers, p, g, m, v, g_rms, scale, step, _cfg=cfg):
+                update_tensor_(layers, p, g, m, v, g_rms, scale, step, _cfg)
+
+            compiled = [
                 torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS) for fn in (sums, update)
-            )
+            ]
+            threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
+            compiled.append(torch.compile(update_threaded, dynamic=True, options=threaded))
+            _compiled[cfg] = tuple(compiled)
         return _compiled[cfg]
+
+
+def machine_is_free(threads: int) -> bool:
+    """Whether ``threads`` OpenMP threads would find free cores: the 1-minute load average
+    (which counts this process) leaves room for them."""
+    try:
+        return os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5 and threads > 1
+    except OSError:  # no load average on this platform
+        return False
 
 
 def fusable(p: Tensor) -> bool:
@@ -160,6 +181,7 @@ def fused_step_(
     lr: float = 1.0,
     *,
     compiled: bool = True,
+    threads: int = 1,
 ) -> list[bool]:
     """The learned step of many tensors, in place: per tensor the reduction pass, then the
     per-tensor stage for all tensors at once, then per tensor the update pass.
@@ -169,7 +191,9 @@ def fused_step_(
     per tensor, False where the gradient or the parameter was not finite and nothing
     changed. With ``compiled`` the passes are the ``torch.compile``d ones; if compiling
     fails, :class:`CompileFailed` is raised with ``done``: ``{index: flag}`` of the tensors
-    already stepped or skipped (the others are unchanged).
+    already stepped or skipped (the others are unchanged). ``threads``: the intra-op threads
+    the update pass of a large tensor may use (:data:`PARALLEL_SIZE`); the rest runs on the
+    calling thread.
     """
     if not params:
         return []
@@ -187,10 +211,12 @@ def fused_step_(
     if compiled and _failure:
         raise _failed({})
     if compiled:
-        sums_fn, update_fn = _compiled_for(cfg)
+        sums_fn, update_fn, threaded_fn = _compiled_for(cfg)
     else:
         sums_fn = functools.partial(tensor_sums, cfg=cfg)
-        update_fn = functools.partial(update_tensor_, cfg=cfg)
+        update_fn = threaded_fn = functools.partial(update_tensor_, cfg=cfg)
+    if threads > 1 and any(p.numel() >= PARALLEL_SIZE for p in params):
+        threads = threads if machine_is_free(threads) else 1
     done: dict[int, bool] = {}
     try:
         sums = torch.stack([sums_fn(*f) for f in flat])
@@ -208,7 +234,11 @@ def fused_step_(
         step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
         for j, i in enumerate(live):
             own = ((w1[j].clone(), b1[j].clone()), *shared)
-            update_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
+            if threads > 1 and params[i].numel() >= PARALLEL_SIZE:
+                with _threads(threads):
+                    threaded_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
+            else:
+                update_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
             torch.autograd.graph.increment_version(params[i])  # written through an alias
             done[i] = True
     except Exception as e:  # a compiler missing or failing: fall back, once
@@ -217,6 +247,16 @@ def fused_step_(
         _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise _failed(done) from e
     return flags
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _alias(t: Tensor, *shape: int) -> Tensor:

@@ -165,8 +165,9 @@ def learned_step(
         items = rest
         mode = _fused_mode(fused, device)
         if mode is not None:
+            threads = torch.get_num_threads()
             with _one_thread(device):
-                items = _fused_part(theta_d, cfg, items, step, lr, mode, device, ok, index)
+                items = _fused_part(theta_d, cfg, items, step, lr, mode, device, ok, index, threads)
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
         whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
         shape_stacks += whole_stacks + [[it] for it in too_large]
@@ -198,7 +199,7 @@ def _one_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
-def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index) -> list:
+def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index, threads) -> list:
     """Step the fusable ``items`` with the fused layout; return the others (and, if
     compiling failed, the ones not stepped yet)."""
     fuse = [it for it in items if fusable(it[0])]
@@ -206,7 +207,9 @@ def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index) -> list:
         return items
     rest = [it for it in items if not fusable(it[0])]
     try:
-        flags = fused_step_(theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled")
+        flags = fused_step_(
+            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads
+        )
     except CompileFailed as e:
         announce("eager", device, why=f"torch.compile failed: {e}")
         _record(ok, index, [fuse[i] for i in e.done], list(e.done.values()))

@@ -201,3 +201,20 @@ def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
                 torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
     # the reduction pass and the update pass, each compiled once (per dtype)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_threaded_update_pass_is_bitwise_the_single_threaded_one(monkeypatch):
+    """Large tensors on a free machine take the OpenMP update pass: same bits."""
+    monkeypatch.setattr(_fused, "machine_is_free", lambda threads: True)
+    net = perturbed_net()
+    params, grads, states = _inputs([(_fused.PARALLEL_SIZE + 5,), (300,)])
+    runs = []
+    for threads in (1, 2):
+        p, s = _clone(params, states)
+        _fused.fused_step_(net.theta(), net.config, p, grads, s, 4, 1.0, threads=threads)
+        runs.append((p, s))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a["m"], b["m"]) and torch.equal(a["v"], b["v"])
