@@ -48,7 +48,7 @@ log = logging.getLogger("learned_opt")
 #: The update pass of a tensor of at least this many elements runs on an OpenMP team of the
 #: caller's threads when the machine is not busy (:func:`machine_is_free`); it is purely
 #: elementwise, so the result is bitwise the same either way.
-PARALLEL_SIZE = 1 << 19
+PARALLEL_SIZE = 1 << 15
 #: Tensors with fewer elements take the other layouts (and the compiled code never sees
 #: sizes 0 and 1, which torch.compile would specialise on).
 MIN_FUSED_SIZE = 16

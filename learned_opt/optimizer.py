@@ -64,7 +64,7 @@ class LearnedOptimizer(Optimizer):
             bound by launches, but not on CPU, where the chunked path keeps data in cache.
         fused: step each large tensor in one fused pass (features, per-element MLP and
             update in one loop over the elements) compiled by ``torch.compile``. ``None``
-            (default): on CPU, where it measured 2-3x faster than the chunked path (see
+            (default): on CPU, where it measured faster than the eager chunked path (see
             the README's step-overhead table); ``True``: on every device; ``False``:
             never; ``"eager"``: the same math uncompiled (slow; for tests). The first
             step compiles it (tens of seconds on 2 cores, once per process, config and
