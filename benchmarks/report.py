@@ -55,6 +55,7 @@ def render_step_overhead(result: dict) -> str:
     header = [
         "workload",
         "params (tensors)",
+        "threads",
         "machine",
         "AdamW step ms",
         "optimizer step / AdamW (default: fused)",
@@ -66,6 +67,7 @@ def render_step_overhead(result: dict) -> str:
         [
             r["workload"],
             f"{r['params']:,} ({r['tensors']})",
+            r.get("threads", 2),
             "2 busy processes beside" if r["load"] != "as is" else "as is",
             f"{r['adamw_foreach_step_ms']:.1f}",
             f"**{ratio(r, 'learned_default_step_ratio')}**",
@@ -83,8 +85,8 @@ def render_step_overhead(result: dict) -> str:
     load_note = f", load average {load[0]:.1f} before measuring" if load else ""
     return (
         markdown_table(header, rows)
-        + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores, "
-        f"{m['torch_threads']} torch threads{load_note}), torch {m['torch']}, width "
+        + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
+        f"{load_note}), torch {m['torch']}, width "
         f"{result['width']} ({result['flops_per_element']} FLOPs per element); median of "
         f"{result['repeats']} steps after {result['warmup']} warm-up steps, every optimizer on "
         f"its own copy of the model, taking turns step by step, so that a busy machine slows "

@@ -228,6 +228,7 @@ def measure(names, device, warmup, repeats, label=""):
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
         row = {"workload": name, "params": n, "tensors": tensors, "load": label}
+        row["threads"] = torch.get_num_threads()
         for opt, t in ms.items():
             row[f"{opt}_step_ms"] = round(t["step"], 2)
             if "train" in t:
@@ -284,10 +285,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
+    ap.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     device = "cpu"
     names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
     load_before = list(os.getloadavg())
@@ -304,10 +307,12 @@ def main(argv: list[str] | None = None) -> None:
             for proc in busy:
                 proc.kill()
                 proc.wait()
+    command = f"OMP_NUM_THREADS={args.threads} python " + " ".join(
+        ["benchmarks/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     result = {
         "benchmark": "step_overhead",
-        "command": "OMP_NUM_THREADS=2 python benchmarks/step_overhead.py"
-        + (" --quick" if args.quick else ""),
+        "command": command,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
         "load_average_before": load_before,
@@ -322,6 +327,13 @@ def main(argv: list[str] | None = None) -> None:
         "wall_seconds": round(time.perf_counter() - t0, 1),
         "rows": rows,
     }
+    if args.append and args.out.exists():
+        old = json.loads(args.out.read_text())
+        result["rows"] = old["rows"] + rows
+        result["command"] = f"{old['command']}; then {command}"
+        result["wall_seconds"] = round(old.get("wall_seconds", 0) + result["wall_seconds"], 1)
+        result["load_average_before"] = old.get("load_average_before")
+        result["date"] = old["date"]
     if not args.no_write:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import threading
 
 import torch
@@ -42,6 +41,7 @@ from .features import feature_rows, safe_sqrt, stepped, update_moments
 from .network import Layers, Theta, element_layers, element_mlp_rows
 from .orthogonal import needs_whole_tensor
 from .stages import apply_update, tensor_context
+from .workers import machine_is_free
 
 log = logging.getLogger("learned_opt")
 
@@ -154,15 +154,6 @@ def _compiled_for(cfg: NetConfig):
             compiled.append(torch.compile(update_threaded, dynamic=True, options=threaded))
             _compiled[cfg] = tuple(compiled)
         return _compiled[cfg]
-
-
-def machine_is_free(threads: int) -> bool:
-    """Whether ``threads`` OpenMP threads would find free cores: the 1-minute load average
-    (which counts this process) leaves room for them."""
-    try:
-        return os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5 and threads > 1
-    except OSError:  # no load average on this platform
-        return False
 
 
 def fusable(p: Tensor) -> bool:

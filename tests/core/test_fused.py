@@ -150,7 +150,7 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
         def fn(*args):
             raise InductorError("no working C++ compiler")
 
-        return fn, fn  # the reduction pass and the update pass
+        return fn, fn, fn  # the reduction pass and the update passes
 
     monkeypatch.setattr(_fused, "_compiled_for", broken)
     monkeypatch.setattr(_fused, "_failure", [])
