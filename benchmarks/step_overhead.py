@@ -320,8 +320,10 @@ def main(argv: list[str] | None = None) -> None:
         "repeats": args.repeats,
         "width": 8,
         "flops_per_element": flops_per_element(8),
-        "compile_route": "torch.compile(dynamic=True), inductor C++/OpenMP on CPU; one compile "
-        "per network config and dtype, reused for every tensor size, step and lr",
+        "compile_route": "torch.compile(dynamic=True), inductor C++ on CPU: a reduction pass "
+        "and an update pass per tensor, on the calling thread (the update pass of tensors of "
+        "32K elements or more on an OpenMP team when the load average leaves free cores); "
+        "compiled once per network config and dtype, reused for every tensor size, step and lr",
         "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
         "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy processes",
         "wall_seconds": round(time.perf_counter() - t0, 1),
