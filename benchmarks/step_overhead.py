@@ -127,14 +127,19 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
     return params
 
 
-def optimizers(params_of, device: str) -> dict:
+#: workloads where the eager chunked path is not timed (a step takes tens of seconds)
+NO_EAGER = ["shapes-100M"]
+
+
+def optimizers(params_of, device: str, eager: bool = True) -> dict:
     """Every optimizer compared, each on its own copy of the parameters."""
     net = LearnedOptimizerNet(NetConfig(width=8))
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
         opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
     opts["learned_default"] = LearnedOptimizer(params_of(), net=net)
-    opts["learned_eager"] = LearnedOptimizer(params_of(), net=net, fused=False)
+    if eager:
+        opts["learned_eager"] = LearnedOptimizer(params_of(), net=net, fused=False)
     return opts
 
 
@@ -177,7 +182,7 @@ def workload(name: str, device: str):
     """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
     if name in SHAPES:
         shapes = transformer_shapes(*SHAPES[name])
-        opts = optimizers(lambda: make_params(shapes), device)
+        opts = optimizers(lambda: make_params(shapes), device, eager=name not in NO_EAGER)
 
         def opt_step(opt):
             def run():
@@ -221,8 +226,9 @@ def workload(name: str, device: str):
     return n, tensors, {k: train_step(models[i], o) for i, (k, o) in enumerate(opts.items())}
 
 
-def measure(names, device, warmup, repeats, label=""):
-    rows = []
+def measure(names, device, warmup, repeats, label="", rows=None, save=None):
+    """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
+    rows = [] if rows is None else rows
     for name in names:
         n, tensors, steps = workload(name, device)
         ms = time_turns(steps, warmup, repeats)
@@ -240,6 +246,8 @@ def measure(names, device, warmup, repeats, label=""):
         row["learned_default_first_step_ms"] = round(ms["learned_default"]["first"], 1)
         rows.append(row)
         print_row(row)
+        if save is not None:
+            save()
         del steps
     return rows
 
@@ -295,50 +303,51 @@ def main(argv: list[str] | None = None) -> None:
     names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
     load_before = list(os.getloadavg())
     t0 = time.perf_counter()
-    rows = measure(names, device, args.warmup, args.repeats, label="as is")
+    command = f"OMP_NUM_THREADS={args.threads} python " + " ".join(
+        ["benchmarks/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
+    rows: list = []
+
+    def save() -> None:  # after every workload, so an interrupted run keeps what it measured
+        result = {
+            "benchmark": "step_overhead",
+            "command": command if old is None else f"{old['command']}; then {command}",
+            "date": (old or {}).get("date")
+            or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "load_average_before": (old or {}).get("load_average_before", load_before),
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "width": 8,
+            "flops_per_element": flops_per_element(8),
+            "compile_route": "torch.compile(dynamic=True), inductor C++ on CPU: a reduction "
+            "pass and an update pass per tensor, on the calling thread (the update pass of "
+            "tensors of 32K elements or more on an OpenMP team when the load average leaves "
+            "free cores); compiled once per network config and dtype, reused for every "
+            "tensor size, step and lr",
+            "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
+            "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy "
+            "processes",
+            "wall_seconds": round((old or {}).get("wall_seconds", 0) + time.perf_counter() - t0, 1),
+            "rows": (old or {}).get("rows", []) + rows,
+        }
+        if not args.no_write:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    measure(names, device, args.warmup, args.repeats, "as is", rows, save)
     if not args.no_contention:
         busy = busy_processes(2)
         try:
             time.sleep(1.0)
-            rows += measure(
-                [n for n in CONTENDED if n in names], device, args.warmup, args.repeats, "+2 busy"
-            )
+            contended = [n for n in CONTENDED if n in names]
+            measure(contended, device, args.warmup, args.repeats, "+2 busy", rows, save)
         finally:
             for proc in busy:
                 proc.kill()
                 proc.wait()
-    command = f"OMP_NUM_THREADS={args.threads} python " + " ".join(
-        ["benchmarks/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
-    )
-    result = {
-        "benchmark": "step_overhead",
-        "command": command,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "load_average_before": load_before,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "width": 8,
-        "flops_per_element": flops_per_element(8),
-        "compile_route": "torch.compile(dynamic=True), inductor C++ on CPU: a reduction pass "
-        "and an update pass per tensor, on the calling thread (the update pass of tensors of "
-        "32K elements or more on an OpenMP team when the load average leaves free cores); "
-        "compiled once per network config and dtype, reused for every tensor size, step and lr",
-        "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
-        "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy processes",
-        "wall_seconds": round(time.perf_counter() - t0, 1),
-        "rows": rows,
-    }
-    if args.append and args.out.exists():
-        old = json.loads(args.out.read_text())
-        result["rows"] = old["rows"] + rows
-        result["command"] = f"{old['command']}; then {command}"
-        result["wall_seconds"] = round(old.get("wall_seconds", 0) + result["wall_seconds"], 1)
-        result["load_average_before"] = old.get("load_average_before")
-        result["date"] = old["date"]
     if not args.no_write:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
 
 
