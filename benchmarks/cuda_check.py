@@ -203,6 +203,9 @@ def check_step_timing(ctx: Context, r: dict) -> None:
         # the per-tensor chunked path instead of stacking same-shaped tensors
         net = LearnedOptimizerNet(NetConfig(width=8))
         opts["learned_w8_chunked"] = LearnedOptimizer(params, net=net, stack_same_shape=False)
+        # the fused pass compiled by torch.compile (Triton on GPU); compiles in the warm-up
+        net = LearnedOptimizerNet(NetConfig(width=8))
+        opts["learned_w8_fused"] = LearnedOptimizer(params, net=net, fused=True)
         ms = so.time_interleaved(
             {k: Synced(o.step, ctx.device) for k, o in opts.items()}, warmup, repeats
         )

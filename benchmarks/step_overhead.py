@@ -1,10 +1,18 @@
-"""Time ``LearnedOptimizer.step()`` against ``torch.optim.AdamW`` on transformer-like shapes.
+"""Time ``LearnedOptimizer.step()`` against ``torch.optim.AdamW`` on realistic models.
 
-Run: ``OMP_NUM_THREADS=2 python benchmarks/step_overhead.py`` (``--quick`` for 1M only).
-Writes ``benchmarks/results/step_overhead.json`` and prints a table. AdamW is timed with
-``foreach=True`` and ``foreach=False`` and the faster of the two is the baseline. The
-optimizers take turns step by step; the median and the fastest step are both reported
-(on a shared machine the fastest is the least disturbed).
+Run: ``OMP_NUM_THREADS=2 python benchmarks/step_overhead.py`` (``--quick``: the small
+workloads only). Writes ``benchmarks/results/step_overhead.json`` and prints a table; the
+README's step-overhead table is generated from it (``python benchmarks/report.py``).
+
+Workloads: a small GPT-like transformer of about 0.5M and 10M parameters and a conv net
+with batch norm (optimizer step and full training step: forward, backward, step), and
+transformer-shaped sets of parameter tensors of 10M and 100M parameters with random
+gradients (optimizer step only). Per workload, every optimizer steps its own copy and they
+take turns step by step, so a busy machine slows them alike: only ratios measured side
+by side are reported. The learned optimizer runs twice: on its default path (the fused
+pass compiled by ``torch.compile`` on CPU) and with ``fused=False`` (the eager chunked
+path). AdamW runs with ``foreach=True`` (and ``fused=True`` on a GPU). Then the same is
+measured with two busy background processes (``python -c "while True: pass"``).
 """
 
 from __future__ import annotations
@@ -15,10 +23,13 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
 from learned_opt.config import NUM_ELEMENT_FEATURES
@@ -26,8 +37,72 @@ from learned_opt.config import NUM_ELEMENT_FEATURES
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 THREADS = 2
 
-#: size label -> (vocab, d_model, layers); about 1M and 10M parameters.
+
+class GPT(nn.Module):
+    """A small pre-norm transformer language model (token + position embeddings, untied head)."""
+
+    def __init__(self, vocab: int, d: int, layers: int, seq: int = 64):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        layer = nn.TransformerEncoderLayer(
+            d, max(d // 64, 2), 4 * d, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+        self.vocab, self.seq = vocab, seq
+
+    def batch(self, gen: torch.Generator, size: int = 8):
+        x = torch.randint(self.vocab, (size, self.seq + 1), generator=gen)
+        return x[:, :-1], x[:, 1:]
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        h = self.tok(x) + self.pos.weight[: x.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        h = self.norm(self.blocks(h, mask=mask, is_causal=True))
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+
+
+class ConvNet(nn.Module):
+    """A small ResNet-like conv net with batch norm on 32x32 RGB images, 10 classes."""
+
+    def __init__(self, c: int = 32):
+        super().__init__()
+
+        def block(i, o, stride):
+            return nn.Sequential(
+                nn.Conv2d(i, o, 3, stride, 1, bias=False), nn.BatchNorm2d(o), nn.ReLU()
+            )
+
+        self.net = nn.Sequential(
+            block(3, c, 1), block(c, c, 1), block(c, 2 * c, 2), block(2 * c, 2 * c, 1),
+            block(2 * c, 4 * c, 2), block(4 * c, 4 * c, 1), nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(), nn.Linear(4 * c, 10),
+        )  # fmt: skip
+
+    def batch(self, gen: torch.Generator, size: int = 32):
+        return torch.randn(size, 3, 32, 32, generator=gen), torch.randint(
+            10, (size,), generator=gen
+        )
+
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+#: name -> model factory; each is timed on the optimizer step and the full training step.
+MODELS = {
+    "transformer-0.5M": lambda: GPT(vocab=512, d=128, layers=2),
+    "transformer-10M": lambda: GPT(vocab=4000, d=256, layers=12),
+    "convnet-bn": lambda: ConvNet(32),
+}
+#: name -> (vocab, d_model, layers) of transformer-shaped tensor sets (optimizer step only).
+SHAPES = {"shapes-10M": (8000, 256, 10), "shapes-100M": (16000, 768, 14)}
+#: size label -> (vocab, d_model, layers); used by ``benchmarks/cuda_check.py``.
 SIZES = {"1M": (2000, 128, 4), "10M": (8000, 256, 10)}
+QUICK = ["transformer-0.5M", "convnet-bn", "shapes-10M"]
+#: workloads measured again with two busy background processes
+CONTENDED = ["transformer-0.5M", "shapes-10M"]
 
 
 def transformer_shapes(vocab: int, d: int, layers: int) -> list[tuple[int, ...]]:
@@ -46,15 +121,31 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     params = []
     for shape in shapes:
-        p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
+        p = nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
         p.grad = torch.randn(shape, generator=gen) * 1e-3
         params.append(p)
     return params
 
 
+#: workloads where the eager chunked path is not timed (a step takes tens of seconds)
+NO_EAGER = ["shapes-100M"]
+
+
+def optimizers(params_of, device: str, eager: bool = True) -> dict:
+    """Every optimizer compared, each on its own copy of the parameters."""
+    net = LearnedOptimizerNet(NetConfig(width=8))
+    opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
+    if device == "cuda":
+        opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
+    opts["learned_default"] = LearnedOptimizer(params_of(), net=net)
+    if eager:
+        opts["learned_eager"] = LearnedOptimizer(params_of(), net=net, fused=False)
+    return opts
+
+
 def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
-    """``{name: (median, best)}`` wall time of one ``step()`` per optimizer, in ms. The
-    optimizers take turns step by step, so a busy machine slows them all alike."""
+    """``{name: (median, best)}`` wall time of one ``step()`` per optimizer, in ms, taking
+    turns step by step (used by ``benchmarks/cuda_check.py``)."""
     for opt in opts.values():
         for _ in range(warmup):
             opt.step()
@@ -67,13 +158,102 @@ def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
-def state_bytes_per_param(opt: torch.optim.Optimizer, n: int) -> float:
-    total = 0
-    for s in opt.state.values():
-        total += sum(
-            v.numel() * v.element_size() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
-        )
-    return total / n
+def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
+    """``{name: {part: median ms}}`` of callables ``steps[name]() -> {part: seconds}``,
+    taking turns; the first call of each is also reported (``first``, ms)."""
+    times: dict = {name: {} for name in steps}
+    first = {}
+    for name, fn in steps.items():
+        t0 = time.perf_counter()
+        fn()
+        first[name] = 1e3 * (time.perf_counter() - t0)
+    for k in range(warmup + repeats):
+        for name, fn in steps.items():
+            for part, sec in fn().items():
+                if k >= warmup:
+                    times[name].setdefault(part, []).append(1e3 * sec)
+    return {
+        name: {**{p: statistics.median(t) for p, t in parts.items()}, "first": first[name]}
+        for name, parts in times.items()
+    }
+
+
+def workload(name: str, device: str):
+    """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
+    if name in SHAPES:
+        shapes = transformer_shapes(*SHAPES[name])
+        opts = optimizers(lambda: make_params(shapes), device, eager=name not in NO_EAGER)
+
+        def opt_step(opt):
+            def run():
+                t0 = time.perf_counter()
+                opt.step()
+                return {"step": time.perf_counter() - t0}
+
+            return run
+
+        n = sum(torch.Size(s).numel() for s in shapes)
+        return n, len(shapes), {k: opt_step(o) for k, o in opts.items()}
+    models = {}
+
+    def params_of():
+        torch.manual_seed(0)
+        model = MODELS[name]()
+        models[len(models)] = model
+        return model.parameters()
+
+    opts = optimizers(params_of, device)
+    gen = torch.Generator().manual_seed(0)
+    batches = [models[0].batch(gen) for _ in range(4)]
+
+    def train_step(model, opt):
+        count = iter(range(1 << 30))
+
+        def run():
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            model.loss(batches[next(count) % len(batches)]).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            return {"step": t2 - t1, "train": t2 - t0}
+
+        return run
+
+    model = models[0]
+    n = sum(p.numel() for p in model.parameters())
+    tensors = len(list(model.parameters()))
+    return n, tensors, {k: train_step(models[i], o) for i, (k, o) in enumerate(opts.items())}
+
+
+def measure(names, device, warmup, repeats, label="", rows=None, save=None):
+    """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
+    rows = [] if rows is None else rows
+    for name in names:
+        n, tensors, steps = workload(name, device)
+        ms = time_turns(steps, warmup, repeats)
+        base = ms["adamw_foreach"]
+        row = {"workload": name, "params": n, "tensors": tensors, "load": label}
+        row["threads"] = torch.get_num_threads()
+        for opt, t in ms.items():
+            row[f"{opt}_step_ms"] = round(t["step"], 2)
+            if "train" in t:
+                row[f"{opt}_train_ms"] = round(t["train"], 2)
+            if opt.startswith("learned"):
+                row[f"{opt}_step_ratio"] = round(t["step"] / base["step"], 2)
+                if "train" in t:
+                    row[f"{opt}_train_ratio"] = round(t["train"] / base["train"], 2)
+        row["learned_default_first_step_ms"] = round(ms["learned_default"]["first"], 1)
+        rows.append(row)
+        print_row(row)
+        if save is not None:
+            save()
+        del steps
+    return rows
+
+
+def busy_processes(count: int = 2) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 def flops_per_element(width: int) -> int:
@@ -92,91 +272,82 @@ def machine_info() -> dict:
     }
 
 
-def run(sizes: list[str], widths: list[int], warmup: int, repeats: int) -> dict:
-    rows = []
-    for size in sizes:
-        shapes = transformer_shapes(*SIZES[size])
-        n = sum(torch.Size(s).numel() for s in shapes)
-        opts = {
-            f"adamw_foreach={fe}": torch.optim.AdamW(make_params(shapes), lr=1e-3, foreach=fe)
-            for fe in (True, False)
-        }
-        for width in widths:
-            net = LearnedOptimizerNet(NetConfig(width=width))
-            opts[f"learned_w{width}"] = LearnedOptimizer(make_params(shapes), net=net)
-        ms = time_interleaved(opts, warmup, repeats)
-        adam = {fe: ms[f"adamw_foreach={fe}"] for fe in (True, False)}
-        adam_best = min(adam.values())  # the faster of foreach and for-loop, by median
-        adam_bytes = state_bytes_per_param(opts["adamw_foreach=True"], n)
-        for width in widths:
-            learned = ms[f"learned_w{width}"]
-            adam_min = min(t[1] for t in adam.values())
-            rows.append(
-                {
-                    "size": size,
-                    "params": n,
-                    "tensors": len(shapes),
-                    "width": width,
-                    "learned_ms": round(learned[0], 2),
-                    "adamw_ms": round(adam_best[0], 2),
-                    "adamw_foreach_ms": round(adam[True][0], 2),
-                    "adamw_forloop_ms": round(adam[False][0], 2),
-                    "ratio": round(learned[0] / adam_best[0], 2),
-                    "learned_best_ms": round(learned[1], 2),
-                    "adamw_best_ms": round(adam_min, 2),
-                    "ratio_of_best": round(learned[1] / adam_min, 2),
-                    "flops_per_element": flops_per_element(width),
-                    "learned_state_bytes_per_param": state_bytes_per_param(
-                        opts[f"learned_w{width}"], n
-                    ),
-                    "adamw_state_bytes_per_param": adam_bytes,
-                }
-            )
-            print_row(rows[-1])
-        del opts
-    return {
-        "benchmark": "step_overhead",
-        "command": "OMP_NUM_THREADS=2 python benchmarks/step_overhead.py",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "warmup": warmup,
-        "repeats": repeats,
-        "target": "ratio < 10 at 10M parameters, width 8",
-        "rows": rows,
-    }
-
-
-HEADER = (
-    f"{'size':>5} {'width':>5} {'learned ms':>11} {'AdamW ms':>9} {'ratio':>6} "
-    f"{'best-of ratio':>13} {'FLOPs/el':>8} {'B/param':>8}"
-)
-
-
 def print_row(r: dict) -> None:
+    def get(key):
+        v = r.get(key)
+        return "-" if v is None else f"{v:.2f}"
+
     print(
-        f"{r['size']:>5} {r['width']:>5} {r['learned_ms']:>11.1f} {r['adamw_ms']:>9.1f} "
-        f"{r['ratio']:>6.1f} {r['ratio_of_best']:>13.1f} {r['flops_per_element']:>8} "
-        f"{r['learned_state_bytes_per_param']:>8.0f}",
+        f"{r['workload']:>17} {r['load']:>6} {r['params']:>11,} "
+        f"step {get('learned_default_step_ratio'):>6}x (eager {get('learned_eager_step_ratio')}x) "
+        f"train {get('learned_default_train_ratio'):>6}x (eager {get('learned_eager_train_ratio')}x) "
+        f"AdamW step {get('adamw_foreach_step_ms')} ms",
         flush=True,
     )
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    ap.add_argument("--widths", nargs="+", type=int, default=[8, 32])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--repeats", type=int, default=11)
+    ap.add_argument("--quick", action="store_true", help="the small workloads only")
+    ap.add_argument("--workloads", nargs="+", choices=[*MODELS, *SHAPES])
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
+    ap.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    torch.set_num_threads(THREADS)
-    print(HEADER)
-    result = run(args.sizes, args.widths, args.warmup, args.repeats)
+    torch.set_num_threads(args.threads)
+    device = "cpu"
+    names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
+    load_before = list(os.getloadavg())
+    t0 = time.perf_counter()
+    command = f"OMP_NUM_THREADS={args.threads} python " + " ".join(
+        ["benchmarks/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
+    )
+    old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
+    rows: list = []
+
+    def save() -> None:  # after every workload, so an interrupted run keeps what it measured
+        result = {
+            "benchmark": "step_overhead",
+            "command": command if old is None else f"{old['command']}; then {command}",
+            "date": (old or {}).get("date")
+            or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "load_average_before": (old or {}).get("load_average_before", load_before),
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "width": 8,
+            "flops_per_element": flops_per_element(8),
+            "compile_route": "torch.compile(dynamic=True), inductor C++ on CPU: a reduction "
+            "pass and an update pass per tensor, on the calling thread (the update pass of "
+            "tensors of 32K elements or more on an OpenMP team when the load average leaves "
+            "free cores); compiled once per network config and dtype, reused for every "
+            "tensor size, step and lr",
+            "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
+            "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy "
+            "processes",
+            "wall_seconds": round((old or {}).get("wall_seconds", 0) + time.perf_counter() - t0, 1),
+            "rows": (old or {}).get("rows", []) + rows,
+        }
+        if not args.no_write:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    measure(names, device, args.warmup, args.repeats, "as is", rows, save)
+    if not args.no_contention:
+        busy = busy_processes(2)
+        try:
+            time.sleep(1.0)
+            contended = [n for n in CONTENDED if n in names]
+            measure(contended, device, args.warmup, args.repeats, "+2 busy", rows, save)
+        finally:
+            for proc in busy:
+                proc.kill()
+                proc.wait()
     if not args.no_write:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
 
 

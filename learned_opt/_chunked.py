@@ -40,7 +40,7 @@ from .features import (
 from .network import Theta, element_layers, element_mlp, layers_of
 from .orthogonal import needs_whole_tensor
 from .stages import apply_update, tensor_context
-from .workers import SERIAL, ChunkRunner
+from .workers import SERIAL, ChunkRunner, worth_threads
 
 #: Elements per chunk on CPU: large enough that per-op overhead stays small, small enough
 #: that a chunk's features and activations stay near the core; chosen by measurement
@@ -184,6 +184,8 @@ def chunked_step_(
     if not live:
         return ok
     spans = {i: _spans(tensors[i].n, chunk) for i in live}
+    if not worth_threads(runner, sum(len(s) for s in spans.values())):
+        runner = SERIAL
     tasks = [(tensors[i], g_rms[i], *span) for i in live for span in spans[i]]
     partial = iter(runner.map(lambda task, ws: _moments_and_sums(task, ws, cfg), tasks))
     means = torch.stack(

@@ -28,10 +28,17 @@ NORM_EPS = 1e-5
 TINY = 1e-12
 
 
-@functools.lru_cache(maxsize=256)
 def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A cached tensor of ``values`` (nested tuples) on ``device``: building it again on
-    every call would cost an accelerator a host-to-device copy each time. Never modify it."""
+    every call would cost an accelerator a host-to-device copy each time. Never modify it.
+    (Under ``torch.compile`` the tensor is built in the graph, where it is a constant.)"""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_constant(values, dtype, device)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
 
 
@@ -210,9 +217,12 @@ def adam_direction(
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum,
     as ``(sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))`` (two passes fewer).
     ``step`` is a Python number or a tensor; ``out`` (shaped like ``v``) receives it."""
-    if isinstance(step, Tensor):
+    if isinstance(step, Tensor):  # 1 - b^t as -expm1(t log b): 1 - 0.999^t cancels in float32
         step = step.to(dtype=v.dtype, device=v.device)
-    bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
+        bc1 = -torch.expm1(step * math.log(MOMENTUM_DECAYS[0]))
+        bc2 = -torch.expm1(step * math.log(SECOND_MOMENT_DECAY))
+    else:
+        bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
     root_bc2 = bc2**0.5
     denom = torch.add(torch.sqrt(v, out=out), eps * root_bc2, out=out)
     return torch.mul(torch.div(m1, denom, out=out), root_bc2 / bc1, out=out)

@@ -10,21 +10,26 @@ same math (:mod:`learned_opt.features`, :mod:`learned_opt.network`,
   (:func:`learned_opt._stacked.packed_step_`);
 * large tensors of one shape stacked as rows (:func:`learned_opt._stacked.stacked_step_`),
   the default on accelerators, where the step is bound by kernel launches;
-* every other tensor in cache-sized chunks on worker threads
-  (:func:`learned_opt._chunked.chunked_step_`), the default on CPU.
+* every other tensor in one fused pass each, compiled by ``torch.compile``
+  (:func:`learned_opt._fused.fused_step_`), the default on CPU;
+* or, where that is turned off or cannot compile, in cache-sized chunks on worker threads
+  (:func:`learned_opt._chunked.chunked_step_`).
 
-All three agree to 1e-5 with the differentiable :func:`learned_opt.flat.flat_step` that
+All of them agree to 1e-5 with the differentiable :func:`learned_opt.flat.flat_step` that
 meta-training unrolls (tested).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ._chunked import DEFAULT_CHUNK, chunked_step_
+from ._fused import CompileFailed, announce, compile_failure, fusable, fused_step_
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
@@ -58,6 +63,38 @@ def stacks(items: list, cap: int) -> tuple[list[list], list]:
     return out, rest
 
 
+#: Environment variable that sets what ``fused=None`` means: ``0`` (never), ``1`` (on every
+#: device), ``eager`` (the fused math without compiling); unset: on CPU.
+FUSED_ENV = "LEARNED_OPT_FUSED"
+_ENV_VALUES = {"0": False, "false": False, "1": True, "true": True, "eager": "eager", "": None}
+
+
+def check_fused(fused) -> None:
+    """A ``ValueError`` unless ``fused`` is None, True, False or ``"eager"``."""
+    if not (
+        fused is None or isinstance(fused, bool) or (isinstance(fused, str) and fused == "eager")
+    ):
+        raise ValueError(
+            f"Invalid fused: {fused!r} (must be None for the default, True, False or 'eager')"
+        )
+
+
+def _fused_mode(fused, device: torch.device) -> str | None:
+    """``"compiled"``, ``"eager"`` or None (the fused layout is not used) on ``device``."""
+    if fused is None:
+        env = os.environ.get(FUSED_ENV, "").strip().lower()
+        if env not in _ENV_VALUES:
+            raise ValueError(f"Invalid {FUSED_ENV}={env!r} (must be 0, 1 or eager, or unset)")
+        fused = _ENV_VALUES[env]
+    if fused is False or torch.compiler.is_compiling():  # a compiled caller fuses it all
+        return None
+    if fused == "eager":
+        return "eager"
+    if fused is None and (device.type != "cpu" or compile_failure() is not None):
+        return None  # by default only where measured (CPU), and not once compiling failed
+    return "compiled"
+
+
 def _cast(theta: Theta) -> ThetaFor:
     return lambda device, dtype: {k: v.detach().to(device, dtype) for k, v in theta.items()}
 
@@ -76,6 +113,7 @@ def learned_step(
     small_tensor_size: int = SMALL_TENSOR_SIZE,
     stack_same_shape: bool | None = None,
     runner: ChunkRunner = SERIAL,
+    fused: bool | str | None = None,
 ) -> list[bool]:
     """Step ``params`` in place with the learned optimizer; return, per tensor, whether it
     was stepped (False where its gradient or parameter held NaN or Inf: nothing changed).
@@ -91,7 +129,14 @@ def learned_step(
         small_tensor_size: tensors of at most this many elements are packed together.
         stack_same_shape: stack large same-shape tensors; ``None``: on accelerators only.
         runner: worker threads for the chunked layout on CPU.
+        fused: step each large tensor in one fused pass compiled by ``torch.compile``
+            (:mod:`learned_opt._fused`). ``None``: on CPU; ``True``: on every device;
+            ``False``: never (the chunked or stacked layouts); ``"eager"``: the fused
+            math without compiling (slow; for tests). If compiling fails, a warning says
+            why and the eager layouts step instead, from then on. The environment
+            variable :data:`FUSED_ENV` changes what ``None`` means.
     """
+    check_fused(fused)
     if not len(params) == len(grads) == len(states):
         raise ValueError(
             f"learned_step needs one gradient and one state per parameter, got "
@@ -107,7 +152,8 @@ def learned_step(
     for (small, device, dtype), items in groups.items():
         theta_d = theta_for(device, dtype)
         if small:
-            flags = packed_step_(theta_d, cfg, *zip(*items), step, lr)
+            with _one_thread(device):
+                flags = packed_step_(theta_d, cfg, *zip(*items), step, lr)
             _record(ok, index, items, flags)
             continue
         cpu = device.type == "cpu"
@@ -117,6 +163,11 @@ def learned_step(
         for it in items:
             (whole if needs_whole_tensor(cfg, it[0].shape) else rest).append(it)
         items = rest
+        mode = _fused_mode(fused, device)
+        if mode is not None:
+            threads = torch.get_num_threads()
+            with _one_thread(device):
+                items = _fused_part(theta_d, cfg, items, step, lr, mode, device, ok, index, threads)
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
         whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
         shape_stacks += whole_stacks + [[it] for it in too_large]
@@ -130,6 +181,43 @@ def learned_step(
             )  # fmt: skip
             _record(ok, index, items, flags)
     return ok
+
+
+@contextlib.contextmanager
+def _one_thread(device: torch.device):
+    """Run the enclosed small CPU ops on the calling thread: their work is too small to
+    pay for an OpenMP team, whose barriers stall the step when another process holds a
+    core (measured: 2-3 ms per small op on a loaded 2-core machine)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index, threads) -> list:
+    """Step the fusable ``items`` with the fused layout; return the others (and, if
+    compiling failed, the ones not stepped yet)."""
+    fuse = [it for it in items if fusable(it[0])]
+    if not fuse:
+        return items
+    rest = [it for it in items if not fusable(it[0])]
+    try:
+        flags = fused_step_(
+            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads
+        )
+    except CompileFailed as e:
+        announce("eager", device, why=f"torch.compile failed: {e}")
+        _record(ok, index, [fuse[i] for i in e.done], list(e.done.values()))
+        return rest + [it for i, it in enumerate(fuse) if i not in e.done]
+    if mode == "compiled":
+        announce("fused", device)
+    _record(ok, index, fuse, flags)
+    return rest
 
 
 def _record(ok: list[bool], index: dict, items, flags) -> None:

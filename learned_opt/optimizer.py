@@ -13,7 +13,7 @@ from torch.optim import Optimizer
 
 from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, resolve_checkpoint, save_checkpoint
 from .features import compute_dtype, init_state
-from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, learned_step
+from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, check_fused, learned_step
 from .network import LearnedOptimizerNet, Theta
 from .workers import ChunkRunner
 
@@ -62,6 +62,15 @@ class LearnedOptimizer(Optimizer):
             (see :func:`learned_opt.functional.learned_step`): a few dozen kernel launches per shape
             instead of per tensor. Default (``None``): on accelerators, where the step is
             bound by launches, but not on CPU, where the chunked path keeps data in cache.
+        fused: step each large tensor in one fused pass (features, per-element MLP and
+            update in one loop over the elements) compiled by ``torch.compile``. ``None``
+            (default): on CPU, where it measured faster than the eager chunked path (see
+            the README's step-overhead table); ``True``: on every device; ``False``:
+            never; ``"eager"``: the same math uncompiled (slow; for tests). The first
+            step compiles it (tens of seconds on 2 cores, once per process, config and
+            dtype); if compiling fails, one warning says why and the eager path steps.
+            The environment variable ``LEARNED_OPT_FUSED`` (``0``, ``1``, ``eager``)
+            changes what ``None`` means.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
     ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
@@ -90,8 +99,10 @@ class LearnedOptimizer(Optimizer):
         small_tensor_size: int = SMALL_TENSOR_SIZE,
         workers: int | None = None,
         stack_same_shape: bool | None = None,
+        fused: bool | str | None = None,
     ):
         checked_lr(lr, "learning-rate multiplier lr")
+        check_fused(fused)
         if not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"Invalid chunk_size: {chunk_size!r} (must be a positive int)")
         if not isinstance(small_tensor_size, int) or small_tensor_size < 0:
@@ -111,13 +122,14 @@ class LearnedOptimizer(Optimizer):
         self._theta_cache: dict[tuple, Theta] = {}
         self._runner = ChunkRunner(workers)  # also holds the reused scratch buffers
         self.stack_same_shape = stack_same_shape
+        self.fused = fused
         super().__init__(params, dict(lr=lr, step=0))
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
     #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
     _PICKLED = (
         "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
-        "last_loss",
+        "fused", "last_loss",
     )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
@@ -160,6 +172,7 @@ class LearnedOptimizer(Optimizer):
             "chunk_size": DEFAULT_CHUNK,
             "small_tensor_size": SMALL_TENSOR_SIZE,
             "stack_same_shape": None,
+            "fused": None,
             "last_loss": None,
             "_theta_cache": {},
         }
@@ -240,6 +253,7 @@ class LearnedOptimizer(Optimizer):
                 lr, chunk_size=self.chunk_size,
                 small_tensor_size=self.small_tensor_size,
                 stack_same_shape=self.stack_same_shape, runner=self._runner,
+                fused=self.fused,
             )  # fmt: skip
             for state, ok in zip(states, oks):
                 state["nonfinite_skips"] += not ok

@@ -35,13 +35,16 @@ def tensor_context(
 
     ``ms`` (``(..., T, 11)``) are the feature mean squares, ``v_mean`` (``(..., T)``) the
     means of v and ``shapes`` the ``T`` tensors' shapes; leading dims stack rows (workers).
+    ``shapes`` may instead be their :func:`~learned_opt.features.shape_stats` as a tensor
+    (``(T, 2)``), which a compiled caller passes so that no shape is baked into its code.
     Returns ``(feature_scales (..., T, 11), context_bias (..., T, H), scale (..., T))``:
     the normalisers of the features, the full first-layer bias of the per-element MLP, and
     the step scale ``-lr * step_mult * exp(log_scale)``, times ``exp(log_lr)`` (``(..., T)``,
     the adapted step multipliers of :func:`~learned_opt.features.adapt_log_lr`) when the
     config adapts them.
     """
-    shape = shape_stats(shapes, ms).expand(*ms.shape[:-1], 2)
+    stats = shapes if isinstance(shapes, Tensor) else shape_stats(shapes, ms)
+    shape = stats.expand(*ms.shape[:-1], 2)
     time = time_features(step, cfg, ms)
     log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v_mean, shape), time)
     if cfg.adapts_lr:

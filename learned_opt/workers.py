@@ -20,11 +20,33 @@ thread ran it, so a step is deterministic (and bitwise repeatable) whatever the 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+#: Fewer tasks than this per map run in the calling thread: the work does not pay for
+#: starting threads (about 0.1 ms each).
+MIN_THREADED_TASKS = 4
+
+
+def machine_is_free(threads: int) -> bool:
+    """Whether ``threads`` threads would find free cores: the 1-minute load average (which
+    counts this process) leaves room for them. On a busy machine a thread that waits for
+    a core another process holds stalls the whole step."""
+    try:
+        return threads > 1 and os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5
+    except OSError:  # no load average on this platform
+        return False
+
+
+def worth_threads(runner: ChunkRunner, tasks: int) -> bool:
+    """Whether ``tasks`` chunk tasks should run on ``runner``'s threads (enough work, and
+    free cores) rather than in the calling thread."""
+    n = runner.num_workers()
+    return n > 1 and tasks >= MIN_THREADED_TASKS and machine_is_free(n)
 
 
 class ChunkRunner:

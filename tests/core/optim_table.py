@@ -51,6 +51,13 @@ OPTIMIZERS = [
         ),
         1.0,
     ),
+    OptimInfo(
+        "learned-perturbed-fused",  # one fused pass per tensor, uncompiled (math as compiled)
+        lambda params: LearnedOptimizer(
+            params, net=perturbed_net(seed=2), small_tensor_size=0, fused="eager"
+        ),
+        1.0,
+    ),
     OptimInfo("torch-adam", lambda params: torch.optim.Adam(params, lr=1e-3), 1e-3),
 ]
 

@@ -14,6 +14,7 @@ from golden import GOLDEN, LR, STEP, golden_inputs, pure_step
 
 from learned_opt import list_pretrained, load_checkpoint, stages
 from learned_opt._chunked import chunked_step_
+from learned_opt._fused import fused_step_
 from learned_opt._stacked import packed_step_, stacked_step_
 from learned_opt.flat import flat_step
 from learned_opt.functional import learned_step
@@ -84,6 +85,11 @@ PATHS = {
     "learned_step": _in_place(
         lambda th, c, *a: learned_step(th, c, *a, STEP, LR, small_tensor_size=300)
     ),
+    # the fused pass uncompiled (compiled: test_fused.py, slow), every tensor one call
+    "fused": _in_place(lambda th, c, *a: fused_step_(th, c, *a, STEP, LR, compiled=False)),
+    "learned_step_fused": _in_place(
+        lambda th, c, *a: learned_step(th, c, *a, STEP, LR, small_tensor_size=8, fused="eager")
+    ),
 }
 
 
@@ -93,8 +99,8 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
     net, _ = load_checkpoint(checkpoint)
     inputs = golden_inputs()
     whole = any(needs_whole_tensor(net.config, t["p"].shape) for t in inputs.values())
-    if path == "chunked" and whole:  # the dispatcher never sends such tensors there
-        with pytest.raises(ValueError, match="chunks cannot step them"):
+    if path in ("chunked", "fused") and whole:  # the dispatcher never sends such tensors there
+        with pytest.raises(ValueError, match="cannot step them"):
             PATHS[path](net.theta(), net.config, inputs)
         return
     got = PATHS[path](net.theta(), net.config, inputs)

@@ -73,9 +73,10 @@ def _same(a, b) -> bool:
 
 #: Each in-place layout of ``LearnedOptimizer``, chosen by its settings.
 LAYOUTS = {
-    "chunked": dict(small_tensor_size=0, stack_same_shape=False, chunk_size=8),
+    "chunked": dict(small_tensor_size=0, stack_same_shape=False, chunk_size=8, fused=False),
     "packed": dict(small_tensor_size=10_000),
-    "stacked": dict(small_tensor_size=0, stack_same_shape=True),
+    "stacked": dict(small_tensor_size=0, stack_same_shape=True, fused=False),
+    "fused": dict(small_tensor_size=0, fused="eager"),  # uncompiled; compiled: test_fused.py
 }
 
 

@@ -51,6 +51,9 @@ def _inputs(device, dtype=None):
             params=None, kwargs={"small_tensor_size": 0, "chunk_size": 16}, desc="chunked path"
         ),
         OptimizerInput(params=None, kwargs={"checkpoint": "adam_init"}, desc="adam_init"),
+        OptimizerInput(
+            params=None, kwargs={"small_tensor_size": 0, "fused": "eager"}, desc="fused path"
+        ),
     ]
 
 
@@ -67,6 +70,11 @@ def _error_inputs(device, dtype):
         bad_lr(float("inf"), "infinite lr", "finite and >= 0"),
         bad_lr(float("nan"), "nan lr", "finite and >= 0"),
         bad_lr("0.1", "string lr", "must be a number"),
+        ErrorOptimizerInput(
+            OptimizerInput(params=None, kwargs={"fused": "yes"}, desc="fused 'yes'"),
+            error_type=ValueError,
+            error_regex="Invalid fused",
+        ),
         ErrorOptimizerInput(
             OptimizerInput(params=None, kwargs={"chunk_size": 0}, desc="chunk_size 0"),
             error_type=ValueError,

@@ -1,0 +1,285 @@
+"""The fused layout of the learned step: two compiled passes per tensor.
+
+The same formulas (:mod:`learned_opt.features`), network (:mod:`learned_opt.network`) and
+stages (:mod:`learned_opt.stages`) as :func:`learned_opt.flat.flat_step`, for each tensor
+seen flat, in three steps:
+
+1. :func:`tensor_sums`, the reduction pass: reads p, g and the state, and returns the
+   masking flag, rms(g), the feature mean squares and mean(v) (nothing is written);
+2. the per-tensor stage (:func:`~learned_opt.stages.tensor_context`) once for all tensors,
+   which folds each tensor's feature normalisation and context into its first layer;
+3. :func:`update_tensor_`, the update pass: reads p, g and the state once, updates the
+   moments, computes the features, the per-element MLP and the output stage per element,
+   and writes p and the state once.
+
+The MLP is evaluated as straight-line math per element
+(:func:`~learned_opt.network.element_mlp_rows`), so that ``torch.compile`` (inductor: C++ on
+CPU, Triton on GPU) turns each pass into one loop over the elements that keeps features
+and activations in registers: nothing of size ``F x n`` or ``H x n`` is materialised.
+
+Both passes are compiled once per network config, with dynamic sizes and the step and
+scales passed as tensors: a new tensor size, step or lr never recompiles them (a new
+parameter dtype does, once). On CPU the kernels run on the calling thread
+(:data:`COMPILE_OPTIONS`): no OpenMP team that a busy core could stall. Uncompiled
+(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling
+fails, the dispatcher (:func:`learned_opt.functional.learned_step`) logs why, once, and
+steps with the eager layouts instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+
+import torch
+from torch import Tensor
+
+from .config import NetConfig
+from .features import feature_rows, safe_sqrt, stepped, update_moments
+from .network import Layers, Theta, element_layers, element_mlp_rows
+from .orthogonal import needs_whole_tensor
+from .stages import apply_update, tensor_context
+from .workers import machine_is_free
+
+log = logging.getLogger("learned_opt")
+
+#: The update pass of a tensor of at least this many elements runs on an OpenMP team of the
+#: caller's threads when the machine is not busy (:func:`machine_is_free`); it is purely
+#: elementwise, so the result is bitwise the same either way.
+PARALLEL_SIZE = 1 << 15
+#: Tensors with fewer elements take the other layouts (and the compiled code never sees
+#: sizes 0 and 1, which torch.compile would specialise on).
+MIN_FUSED_SIZE = 16
+
+
+def tensor_sums(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cfg: NetConfig) -> Tensor:
+    """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
+    the mean squares of the 11 features after this step's moment update, and mean(v).
+
+    ``p`` and ``g`` are ``[n]`` in any floating dtype, ``m`` ``[3, n]`` and ``v`` ``[n]`` in
+    the compute dtype; nothing is written. Where the gradient or the parameter holds NaN or
+    Inf, the first entry is 0 (the tensor is skipped; the rest is then meaningless).
+    """
+    dtype = v.dtype
+    p_c, g_c = p.to(dtype), g.to(dtype)
+    g_ss, p_ss = torch.dot(g_c, g_c), torch.dot(p_c, p_c)
+    ok = stepped(g_ss, p_ss)
+    m_new, v_new = update_moments(g_c, m, v)
+    g_rms = safe_sqrt(g_ss / v.shape[-1])
+    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
+    ms = torch.stack([torch.mean(r * r) for r in rows])
+    return torch.cat([torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)])
+
+
+def update_tensor_(
+    layers: Layers,
+    p: Tensor,
+    g: Tensor,
+    m0: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    v: Tensor,
+    g_rms: Tensor,
+    scale: Tensor,
+    step: Tensor,
+    cfg: NetConfig,
+) -> None:
+    """The update pass of one tensor, in place: read p, g, m and v once; update the
+    moments, compute the features, the per-element MLP (``layers`` of the tensor, its
+    feature normalisation and context folded in) and the output stage per element; write
+    p, m and v once. The momenta come as their three rows ``m0, m1, m2`` (``[n]`` each),
+    so that the compiled pass writes each in its one loop rather than through a ``[3, n]``
+    buffer. ``g_rms``, ``scale`` (the step scale) and ``step`` are 0-d tensors."""
+    dtype = v.dtype
+    p_c, g_c = p.to(dtype), g.to(dtype)
+    m_new, v_new = update_moments(g_c, torch.stack([m0, m1, m2]), v)
+    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
+    d, log_mag = element_mlp_rows(layers, rows)
+    new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
+    p.copy_(new_p)
+    for row, new in zip((m0, m1, m2), m_new.unbind(0)):
+        row.copy_(new)
+    v.copy_(v_new)
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not build the fused step; the eager layouts take over."""
+
+
+_lock = threading.Lock()
+_compiled: dict[NetConfig, object] = {}
+_failure: list[str] = []  # why compilation failed, once it did
+_announced: set[tuple] = set()
+
+
+def compile_failure() -> str | None:
+    """Why the fused step could not be compiled in this process, or None."""
+    return _failure[0] if _failure else None
+
+
+def announce(path: str, device: torch.device, why: str = "") -> None:
+    """Log, once per process for each path and device type, which path steps there."""
+    key = (path, torch.device(device).type)
+    if key in _announced:
+        return
+    _announced.add(key)
+    text = {
+        "fused": "fused step, compiled with torch.compile (inductor)",
+        "eager": "eager chunked/packed step",
+    }[path]
+    level = logging.WARNING if why else logging.INFO
+    log.log(level, "learned_opt: %s on %s%s", text, key[1], f" ({why})" if why else "")
+
+
+#: Inductor options: kernels run on the calling thread (no OpenMP team whose barriers
+#: would wait for a core that another process holds), and multiply-adds contract to FMAs.
+COMPILE_OPTIONS = {"cpp.threads": 1, "cpp.enable_floating_point_contract_flag": "fast"}
+
+
+def _compiled_for(cfg: NetConfig):
+    """The two passes compiled for ``cfg`` (built once per config, dynamic sizes)."""
+    with _lock:
+        if cfg not in _compiled:
+
+            def sums(p, g, m, v, _cfg=cfg):
+                return tensor_sums(p, g, m, v, _cfg)
+
+            def update(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
+                update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
+
+            def update_threaded(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
+                update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
+
+            compiled = [
+                torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS) for fn in (sums, update)
+            ]
+            threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
+            compiled.append(torch.compile(update_threaded, dynamic=True, options=threaded))
+            _compiled[cfg] = tuple(compiled)
+        return _compiled[cfg]
+
+
+def fusable(p: Tensor) -> bool:
+    """Whether :func:`fused_step_` steps ``p`` (large enough, contiguous)."""
+    return p.numel() >= MIN_FUSED_SIZE and p.is_contiguous()
+
+
+@torch.no_grad()
+def fused_step_(
+    theta: Theta,
+    cfg: NetConfig,
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Tensor]],
+    step: int,
+    lr: float = 1.0,
+    *,
+    compiled: bool = True,
+    threads: int = 1,
+) -> list[bool]:
+    """The learned step of many tensors, in place: per tensor the reduction pass, then the
+    per-tensor stage for all tensors at once, then per tensor the update pass.
+
+    ``params`` share a device and a compute dtype (theta's and the states'); each is
+    contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`). Returns,
+    per tensor, False where the gradient or the parameter was not finite and nothing
+    changed. With ``compiled`` the passes are the ``torch.compile``d ones; if compiling
+    fails, :class:`CompileFailed` is raised with ``done``: ``{index: flag}`` of the tensors
+    already stepped or skipped (the others are unchanged). ``threads``: the intra-op threads
+    the update pass of a large tensor may use (:data:`PARALLEL_SIZE`); the rest runs on the
+    calling thread.
+    """
+    if not params:
+        return []
+    whole = [tuple(p.shape) for p in params if needs_whole_tensor(cfg, p.shape)]
+    if whole:
+        raise ValueError(
+            f"tensors of shapes {whole} need their whole tensor in the output stage "
+            f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
+        )
+    like = states[0]["v"]
+    flat = [
+        (_alias(p, -1), _alias(g, -1), _alias(s["m"], 3, -1), _alias(s["v"], -1))
+        for p, g, s in zip(params, grads, states)
+    ]
+    if compiled and _failure:
+        raise _failed({})
+    if compiled:
+        sums_fn, update_fn, threaded_fn = _compiled_for(cfg)
+    else:
+        sums_fn = functools.partial(tensor_sums, cfg=cfg)
+        update_fn = threaded_fn = functools.partial(update_tensor_, cfg=cfg)
+    if threads > 1 and any(p.numel() >= PARALLEL_SIZE for p in params):
+        threads = threads if machine_is_free(threads) else 1
+    done: dict[int, bool] = {}
+    try:
+        sums = torch.stack([sums_fn(*f) for f in flat])
+        flags = (sums[:, 0] > 0).tolist()  # one sync
+        done.update((i, False) for i, ok in enumerate(flags) if not ok)
+        live = [i for i, ok in enumerate(flags) if ok]
+        if not live:
+            return flags
+        sel = sums[torch.tensor(live, device=sums.device)] if len(live) < len(flat) else sums
+        scales, bias, scale = tensor_context(
+            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr
+        )
+        layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
+        (w1, b1), *shared = layers
+        step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
+        for j, i in enumerate(live):
+            own = ((w1[j].clone(), b1[j].clone()), *shared)
+            p_i, g_i, m_i, v_i = flat[i]
+            rows = (p_i, g_i, *(_alias(m_i[k], -1) for k in range(3)), v_i)
+            if threads > 1 and params[i].numel() >= PARALLEL_SIZE:
+                with _threads(threads):
+                    threaded_fn(own, *rows, sel[j, 1].clone(), scale[j].clone(), step_t)
+            else:
+                update_fn(own, *rows, sel[j, 1].clone(), scale[j].clone(), step_t)
+            torch.autograd.graph.increment_version(params[i])  # written through an alias
+            done[i] = True
+    except Exception as e:  # a compiler missing or failing: fall back, once
+        if not compiled or not _is_compile_error(e):
+            raise
+        _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise _failed(done) from e
+    return flags
+
+
+@contextlib.contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _alias(t: Tensor, *shape: int) -> Tensor:
+    """``t`` reshaped to ``shape`` as a new tensor on the same memory, not a view: the
+    compiled code would otherwise guard on the rank of the view's base and compile again
+    for every rank. A non-contiguous ``t`` (a gradient) is copied."""
+    t = t.detach()
+    if not t.is_contiguous():
+        return t.reshape(shape)
+    shape = tuple(t.numel() // 3 if (d == -1 and len(shape) == 2) else d for d in shape)
+    shape = (t.numel(),) if shape == (-1,) else shape
+    strides = (shape[1], 1) if len(shape) == 2 else (1,)
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    return out.set_(t.untyped_storage(), t.storage_offset(), shape, strides)
+
+
+def _failed(done: dict) -> CompileFailed:
+    err = CompileFailed(_failure[0])
+    err.done = done
+    return err
+
+
+def _is_compile_error(e: Exception) -> bool:
+    """Errors that torch.compile raises while building code (not the step's own errors)."""
+    names = {"BackendCompilerFailed", "InductorError", "CppCompileError", "TorchRuntimeError"}
+    return type(e).__name__ in names or type(e).__module__.startswith(
+        ("torch._dynamo", "torch._inductor")
+    )

@@ -1,0 +1,220 @@
+"""The fused layout: one pass per tensor, compiled by torch.compile (``learned_opt._fused``).
+
+Fast tests run its math uncompiled (``fused="eager"``): the same function that is
+compiled. Tests that compile are ``slow`` (the first compile takes tens of seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from optim_table import perturbed_net
+
+from learned_opt import LearnedOptimizer, _fused, functional
+from learned_opt.features import init_state
+from learned_opt.flat import tensor_step
+from learned_opt.network import element_layers, element_mlp, element_mlp_rows
+
+
+def _inputs(shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = [(0.05 * torch.randn(s, generator=gen)).to(dtype) for s in shapes]
+    grads = [(1e-2 * torch.randn(s, generator=gen)).to(dtype) for s in shapes]
+    states = []
+    for p in params:
+        s = init_state(p)
+        s["m"].copy_(1e-2 * torch.randn(s["m"].shape, generator=gen))
+        s["v"].copy_(1e-4 * torch.rand(s["v"].shape, generator=gen))
+        states.append(s)
+    return params, grads, states
+
+
+def _clone(params, states):
+    return [p.clone() for p in params], [{k: v.clone() for k, v in s.items()} for s in states]
+
+
+def test_straight_line_mlp_equals_the_matrix_form():
+    net = perturbed_net(16)
+    theta, cfg = net.theta(), net.config
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 300, generator=gen)
+    scales = torch.rand(1, 11, generator=gen) + 0.5
+    bias = torch.randn(1, cfg.width, 1, generator=gen)
+    layers = element_layers(theta, cfg, torch.float32, bias, scales)
+    layers = ((layers[0][0][0], layers[0][1][0]), *layers[1:])
+    d, a = element_mlp(layers, x)
+    d2, a2 = element_mlp_rows(layers, list(x))
+    torch.testing.assert_close(d2, d, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a2, a, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_matches_the_pure_step(dtype):
+    """Every dtype, bf16 parameters and gradients with float32 state included."""
+    net = perturbed_net()
+    params, grads, states = _inputs([(40, 30), (7, 3, 5)], dtype)
+    new_p, new_s = _clone(params, states)
+    theta = {k: v.to(states[0]["v"].dtype) for k, v in net.theta().items()}
+    assert _fused.fused_step_(theta, net.config, new_p, grads, new_s, 7, 0.6, compiled=False) == [
+        True,
+        True,
+    ]
+    for p, g, s, p1, s1 in zip(params, grads, states, new_p, new_s):
+        ref_p, ref_m, ref_v = tensor_step(theta, net.config, p, g, s["m"], s["v"], 7, 0.6)
+        assert p1.dtype == dtype and s1["v"].dtype == states[0]["v"].dtype
+        update = (ref_p.double() - p.double()).abs().max()
+        tol = 1e-5 * update if dtype != torch.bfloat16 else 0.01 * p.double().abs().max()
+        assert (p1.double() - ref_p.double()).abs().max() <= tol
+        torch.testing.assert_close(s1["m"], ref_m, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(s1["v"], ref_v, rtol=1e-5, atol=1e-10)
+
+
+def test_fused_step_is_bitwise_repeatable():
+    net = perturbed_net()
+    params, grads, states = _inputs([(50, 20), (300,)])
+    runs = []
+    for _ in range(2):
+        p, s = _clone(params, states)
+        _fused.fused_step_(net.theta(), net.config, p, grads, s, 3, 1.0, compiled=False)
+        runs.append((p, s))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+
+
+def _spy(monkeypatch) -> dict:
+    seen = {"fused": [], "packed": [], "stacked": [], "chunked": []}
+    for name in seen:
+        attr = f"{name}_step_"
+        real = getattr(functional, attr)
+
+        def spy(theta, cfg, params, *rest, _real=real, _name=name, **kw):
+            seen[_name].append(sorted(tuple(p.shape) for p in params))
+            return _real(theta, cfg, params, *rest, **kw)
+
+        monkeypatch.setattr(functional, attr, spy)
+    return seen
+
+
+def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
+    seen = _spy(monkeypatch)
+    net = perturbed_net()
+    params, grads, states = _inputs([(64, 32), (32, 64), (5,), (3, 2)])
+    oks = functional.learned_step(
+        net.theta(), net.config, params, grads, states, 1, small_tensor_size=100, fused="eager"
+    )
+    assert oks == [True] * 4
+    assert seen == {
+        "fused": [[(32, 64), (64, 32)]],
+        "packed": [[(3, 2), (5,)]],
+        "stacked": [],
+        "chunked": [],
+    }
+
+
+def test_whole_tensor_outputs_still_take_the_stacked_path(monkeypatch):
+    """ortho matrices need the whole tensor: never fused; the rest of the tensors are."""
+    from learned_opt import LearnedOptimizerNet, NetConfig
+
+    seen = _spy(monkeypatch)
+    net = LearnedOptimizerNet(NetConfig(output="ortho"))
+    params, grads, states = _inputs([(64, 32), (4000, 2, 3)])
+    functional.learned_step(
+        net.theta(), net.config, params, grads, states, 1, small_tensor_size=0, fused="eager"
+    )
+    assert seen["stacked"] == [[(64, 32)]] and seen["fused"] == [[(4000, 2, 3)]]
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.5])
+def test_bad_fused_values_are_refused(bad):
+    with pytest.raises(ValueError, match="Invalid fused"):
+        LearnedOptimizer([torch.nn.Parameter(torch.zeros(3))], fused=bad)
+
+
+def test_bad_environment_value_is_refused(monkeypatch):
+    monkeypatch.setenv("LEARNED_OPT_FUSED", "maybe")
+    net = perturbed_net()
+    params, grads, states = _inputs([(64, 32)])
+    with pytest.raises(ValueError, match="LEARNED_OPT_FUSED"):
+        functional.learned_step(
+            net.theta(), net.config, params, grads, states, 1, small_tensor_size=0
+        )
+
+
+def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeypatch, caplog):
+    class InductorError(RuntimeError):  # what inductor raises when no C++ compiler works
+        __module__ = "torch._inductor.exc"
+
+    def broken(cfg):
+        def fn(*args):
+            raise InductorError("no working C++ compiler")
+
+        return fn, fn, fn  # the reduction pass and the update passes
+
+    monkeypatch.setattr(_fused, "_compiled_for", broken)
+    monkeypatch.setattr(_fused, "_failure", [])
+    monkeypatch.setattr(_fused, "_announced", set())
+    net = perturbed_net()
+    params, grads, states = _inputs([(64, 32), (40, 50)])
+    ref_p, ref_s = _clone(params, states)
+    functional.learned_step(
+        net.theta(), net.config, ref_p, grads, ref_s, 2, small_tensor_size=0, fused=False
+    )
+    with caplog.at_level(logging.INFO, logger="learned_opt"):
+        for _ in range(2):
+            p, s = _clone(params, states)
+            oks = functional.learned_step(
+                net.theta(), net.config, p, grads, s, 2, small_tensor_size=0, fused=True
+            )
+            assert oks == [True, True]
+            for a, b in zip(p, ref_p):
+                assert torch.equal(a, b)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no working C++ compiler" in warnings[0].getMessage()
+    assert _fused.compile_failure() is not None
+
+
+# ------------------------------------------------------------------------- compiled (slow)
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
+    """Compiled once per dtype: new sizes, steps and lrs reuse the code; the result equals
+    the uncompiled math to 1e-5 of the update and repeats bitwise."""
+    from torch._dynamo.utils import counters
+
+    net = perturbed_net()
+    theta = net.theta()
+    counters.clear()
+    for k, shapes in enumerate([[(64, 32), (300,)], [(100, 7), (33, 3, 3)]]):
+        params, grads, states = _inputs(shapes, dtype, seed=k)
+        runs = []
+        for compiled in (False, True, True):
+            p, s = _clone(params, states)
+            _fused.fused_step_(theta, net.config, p, grads, s, 3 + k, 0.5 + k, compiled=compiled)
+            runs.append((p, s))
+        for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
+            assert torch.equal(b, c)
+            if dtype == torch.float32:
+                torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
+            else:
+                torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
+    # the reduction pass and the update pass, each compiled once (per dtype)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_threaded_update_pass_is_bitwise_the_single_threaded_one(monkeypatch):
+    """Large tensors on a free machine take the OpenMP update pass: same bits."""
+    monkeypatch.setattr(_fused, "machine_is_free", lambda threads: True)
+    net = perturbed_net()
+    params, grads, states = _inputs([(_fused.PARALLEL_SIZE + 5,), (300,)])
+    runs = []
+    for threads in (1, 2):
+        p, s = _clone(params, states)
+        _fused.fused_step_(net.theta(), net.config, p, grads, s, 4, 1.0, threads=threads)
+        runs.append((p, s))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a["m"], b["m"]) and torch.equal(a["v"], b["v"])
