@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from .config import NetConfig
-from .features import feature_rows, safe_sqrt, stepped, update_moments
+from .features import adapt_log_lr, feature_rows, safe_sqrt, stepped, update_moments
 from .network import Layers, Theta, element_layers, element_mlp_rows
 from .orthogonal import needs_whole_tensor
 from .stages import apply_update, tensor_context
@@ -56,7 +56,9 @@ MIN_FUSED_SIZE = 16
 
 def tensor_sums(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cfg: NetConfig) -> Tensor:
     """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
-    the mean squares of the 11 features after this step's moment update, and mean(v).
+    the mean squares of the 11 features after this step's moment update, and mean(v); when
+    ``cfg`` adapts step sizes, ``(17,)``: then ``g . m1`` and ``m1^2`` (the 0.9 momentum
+    before the update) and ``g^2``, the sums :func:`~learned_opt.features.adapt_log_lr` reads.
 
     ``p`` and ``g`` are ``[n]`` in any floating dtype, ``m`` ``[3, n]`` and ``v`` ``[n]`` in
     the compute dtype; nothing is written. Where the gradient or the parameter holds NaN or
@@ -70,7 +72,10 @@ def tensor_sums(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cfg: NetConfig) -> T
     g_rms = safe_sqrt(g_ss / v.shape[-1])
     rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
     ms = torch.stack([torch.mean(r * r) for r in rows])
-    return torch.cat([torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)])
+    out = [torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)]
+    if cfg.adapts_lr:
+        out.append(torch.stack([torch.dot(g_c, m[0]), torch.dot(m[0], m[0]), g_ss]))
+    return torch.cat(out)
 
 
 def update_tensor_(
@@ -222,9 +227,17 @@ def fused_step_(
         if not live:
             return flags
         sel = sums[torch.tensor(live, device=sums.device)] if len(live) < len(flat) else sums
+        log_lr = None
+        if cfg.adapts_lr:  # written to the states as each tensor is stepped
+            old = torch.stack([states[i]["log_lr"] for i in live])
+            numel = torch.tensor([float(params[i].numel()) for i in live], dtype=like.dtype)
+            log_lr = adapt_log_lr(
+                old, sel[:, 14], sel[:, 16], sel[:, 15], sel[:, 13], numel, step, cfg
+            )
         scales, bias, scale = tensor_context(
-            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr
-        )
+            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr,
+            log_lr,
+        )  # fmt: skip
         layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
         (w1, b1), *shared = layers
         step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
@@ -238,6 +251,8 @@ def fused_step_(
             else:
                 update_fn(own, *rows, sel[j, 1].clone(), scale[j].clone(), step_t)
             torch.autograd.graph.increment_version(params[i])  # written through an alias
+            if log_lr is not None:
+                states[i]["log_lr"].copy_(log_lr[j])
             done[i] = True
     except Exception as e:  # a compiler missing or failing: fall back, once
         if not compiled or not _is_compile_error(e):

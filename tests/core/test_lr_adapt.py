@@ -58,8 +58,15 @@ def test_brake_slows_growth_only_when_gradients_shrink():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"stack_same_shape": True}, {"small_tensor_size": 0}, {"chunk_size": 1000}],
-    ids=["default", "stacked", "chunked", "small-chunks"],
+    [
+        {},
+        {"stack_same_shape": True},
+        {"small_tensor_size": 0},
+        {"chunk_size": 1000},
+        {"fused": "eager"},
+        pytest.param({"fused": True}, marks=pytest.mark.slow),
+    ],
+    ids=["default", "stacked", "chunked", "small-chunks", "fused-eager", "fused-compiled"],
 )
 def test_every_layout_matches_the_differentiable_path(kwargs):
     net = _net()
