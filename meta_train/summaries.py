@@ -71,7 +71,8 @@ def update_response(theta, cfg: NetConfig, momentum_states=(-1.0, 0.0, 1.0), ste
         state = init_state(p)
         state["m"] += mval
         state["v"] += 1.0
-        new_p, _, _ = tensor_step(theta, cfg, p, g, state["m"], state["v"], step)
+        log_lr = state["log_lr"] if cfg.adapts_lr else None  # at its start value, 0
+        new_p = tensor_step(theta, cfg, p, g, state["m"], state["v"], step, log_lr=log_lr)[0]
         out[f"m={mval:+.1f}"] = (g.numpy(), (new_p - p).numpy())
     return out
 

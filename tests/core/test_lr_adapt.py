@@ -185,3 +185,13 @@ def test_meta_training_unrolls_the_adaptation_and_differentiates_through_it():
     p.square().sum().backward()
     grads = [t.grad for t in theta.values() if t.grad is not None]
     assert grads and all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def test_tensorboard_update_response_handles_an_adapting_config():
+    from learned_opt.meta_train.summaries import update_response
+
+    theta = {k: v.detach() for k, v in _net().named_parameters()}
+    curves = update_response(theta, ADAPT)
+    assert curves and all(
+        bool(torch.isfinite(torch.as_tensor(u)).all()) for _, u in curves.values()
+    )
