@@ -194,11 +194,12 @@ def chunked_step_(
     shapes = [params[i].shape for i in live]
     log_lr = None
     if adapt:
-        live_sums = sums.index_select(0, torch.tensor(live, device=sums.device))
+        rows = torch.tensor(live, device=sums.device)
+        live_sums = sums.index_select(0, rows)
         old = torch.stack([states[i]["log_lr"] for i in live])
         log_lr = adapt_log_lr(
             old, live_sums[:, 2], live_sums[:, 0], live_sums[:, 3], means[:, -1],
-            sizes.index_select(0, torch.tensor(live, device=sizes.device)), step, cfg,
+            sizes.index_select(0, rows), step, cfg,
         )  # fmt: skip
         torch._foreach_copy_([states[i]["log_lr"] for i in live], list(log_lr.unbind()))
     scales, bias, step_scales = tensor_context(
