@@ -113,9 +113,7 @@ def adapt_log_lr(
     """
     norms = safe_sqrt(g_sum_squares) * safe_sqrt(m_sum_squares)
     cosine = g_dot_m / (norms + TINY)
-    if isinstance(step, Tensor):
-        step = step.to(dtype=v_mean.dtype, device=v_mean.device)
-    v_hat = v_mean / (1.0 - SECOND_MOMENT_DECAY**step)
+    v_hat = v_mean / bias_correction(SECOND_MOMENT_DECAY, step, v_mean)
     rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
     brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
     rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, cfg.lr_adapt_rate)
@@ -211,18 +209,24 @@ def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
     return torch.tanh(step / taus - 1.0)
 
 
+def bias_correction(decay: float, step: Tensor | float, like: Tensor) -> Tensor | float:
+    """``1 - decay^step``, the bias correction of a moment with ``decay`` after ``step`` steps.
+    A tensor ``step`` (moved to ``like``'s dtype and device) gives ``-expm1(step * log(decay))``:
+    ``1 - 0.999^t`` cancels in float32."""
+    if isinstance(step, Tensor):
+        step = step.to(dtype=like.dtype, device=like.device)
+        return -torch.expm1(step * math.log(decay))
+    return 1.0 - decay**step
+
+
 def adam_direction(
     m1: Tensor, v: Tensor, step: Tensor | float, eps: float, out: Tensor | None = None
 ) -> Tensor:
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum,
     as ``(sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))`` (two passes fewer).
     ``step`` is a Python number or a tensor; ``out`` (shaped like ``v``) receives it."""
-    if isinstance(step, Tensor):  # 1 - b^t as -expm1(t log b): 1 - 0.999^t cancels in float32
-        step = step.to(dtype=v.dtype, device=v.device)
-        bc1 = -torch.expm1(step * math.log(MOMENTUM_DECAYS[0]))
-        bc2 = -torch.expm1(step * math.log(SECOND_MOMENT_DECAY))
-    else:
-        bc1, bc2 = 1.0 - MOMENTUM_DECAYS[0] ** step, 1.0 - SECOND_MOMENT_DECAY**step
+    bc1 = bias_correction(MOMENTUM_DECAYS[0], step, v)
+    bc2 = bias_correction(SECOND_MOMENT_DECAY, step, v)
     root_bc2 = bc2**0.5
     denom = torch.add(torch.sqrt(v, out=out), eps * root_bc2, out=out)
     return torch.mul(torch.div(m1, denom, out=out), root_bc2 / bc1, out=out)
