@@ -69,16 +69,13 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     return default_communicator(topology, timeout, **options)
 
 
-def _refuse_adaptive_steps(local_optimizer) -> None:
-    """Per-tensor step-size adaptation (``NetConfig.lr_adapt_rate``) is single-worker only."""
-    config = getattr(getattr(local_optimizer, "net", None), "config", None)
-    if config is not None and config.adapts_lr:
-        raise ValueError(
-            "this checkpoint adapts per-tensor step sizes (lr_adapt_rate > 0), which fails "
-            "under gossip: the mixing undoes the local overshoot that the adaptation "
-            "measures, so steps grow until training stalls. Use checkpoint='ortho_init' or "
-            "'default' for decentralized training."
-        )
+def _mark_gossip(local_optimizer) -> None:
+    """Tell a learned local optimizer that it steps under gossip: its adapted step sizes
+    then keep below :attr:`NetConfig.lr_adapt_max_gossip
+    <learned_opt.config.NetConfig.lr_adapt_max_gossip>` (see
+    :meth:`~learned_opt.config.NetConfig.under_gossip`)."""
+    if hasattr(local_optimizer, "gossip") and hasattr(local_optimizer, "net"):
+        local_optimizer.gossip = True
 
 
 class GossipOptimizer:
@@ -143,7 +140,6 @@ class GossipOptimizer:
         writer=None,
         logdir: str | os.PathLike | None = None,
     ):
-        _refuse_adaptive_steps(local_optimizer)
         if mixing is None:
             has_net = net is not None or getattr(local_optimizer, "net", None) is not None
             mixing = "learned" if has_net else "metropolis"
@@ -187,6 +183,7 @@ class GossipOptimizer:
             self._writer = SummaryWriter(os.path.join(os.fspath(logdir), f"rank{self.rank}"))
         if hasattr(communicator, "check_layout"):
             communicator.check_layout([p.detach() for p in self.params])
+        _mark_gossip(local_optimizer)
 
     @property
     def rank(self) -> int:

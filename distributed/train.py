@@ -78,14 +78,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--topology: {exc}")
     if "learned" in (args.optimizer, args.mixing):
         try:
-            net = load_checkpoint(args.checkpoint)[0]
+            load_checkpoint(args.checkpoint)
         except CheckpointError as exc:
             p.error(f"--checkpoint: {exc}")
-        if args.optimizer == "learned" and net.config.adapts_lr:
-            p.error(
-                f"--checkpoint {args.checkpoint}: adapts per-tensor step sizes, which is "
-                "single-worker only; use ortho_init or default for decentralized training"
-            )
     if args.compression is not None:
         try:
             get_compressor(args.compression)

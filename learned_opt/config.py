@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 #: Momentum decays of the per-parameter state (three momenta, one second moment).
 MOMENTUM_DECAYS = (0.9, 0.99, 0.999)
@@ -53,6 +53,12 @@ class NetConfig:
     lr_adapt_min: float = -3.0
     lr_adapt_max: float = 6.0
     lr_adapt_brake: float = 0.1
+    # The ceiling of the log step multiplier under gossip (see :meth:`under_gossip`). With
+    # heterogeneous data each worker's gradient keeps a part that points to its own
+    # optimum, whatever the step size, while the mixing pulls it back: consecutive
+    # gradients agree, the cosine above stays positive, and steps would grow until the
+    # workers' disagreement ruins the averaged model. The lower ceiling bounds that.
+    lr_adapt_max_gossip: float = 2.0
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -79,6 +85,10 @@ class NetConfig:
                 "NetConfig needs lr_adapt_min <= 0 <= lr_adapt_max, got "
                 f"{self.lr_adapt_min!r} and {self.lr_adapt_max!r}"
             )
+        if not 0 <= float(self.lr_adapt_max_gossip):
+            raise ValueError(
+                f"NetConfig.lr_adapt_max_gossip must be >= 0, got {self.lr_adapt_max_gossip!r}"
+            )
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
@@ -94,6 +104,15 @@ class NetConfig:
     def adapts_lr(self) -> bool:
         """Whether the per-tensor step-size adaptation is on."""
         return self.lr_adapt_rate > 0
+
+    def under_gossip(self) -> NetConfig:
+        """The config a worker steps with under gossip (decentralized training, real or
+        simulated): the adapted step multipliers' ceiling lowered to
+        ``lr_adapt_max_gossip``. The same config when step sizes are not adapted."""
+        ceiling = min(float(self.lr_adapt_max), float(self.lr_adapt_max_gossip))
+        if not self.adapts_lr or ceiling == self.lr_adapt_max:
+            return self
+        return replace(self, lr_adapt_max=ceiling)
 
     @property
     def num_time_features(self) -> int:

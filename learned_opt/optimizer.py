@@ -84,6 +84,10 @@ class LearnedOptimizer(Optimizer):
     gradient is all zeros on the first step would otherwise move. Elements with a zero
     gradient inside a tensor that has a gradient do move, like with any learned update.
 
+    ``gossip``: set to True by :class:`~learned_opt.distributed.GossipOptimizer` when it
+    wraps this optimizer; the step then uses :meth:`NetConfig.under_gossip
+    <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling on adapted step sizes).
+
     ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
     torch's defaults, state and param groups, so a copy steps exactly like the original.
     """
@@ -123,13 +127,14 @@ class LearnedOptimizer(Optimizer):
         self._runner = ChunkRunner(workers)  # also holds the reused scratch buffers
         self.stack_same_shape = stack_same_shape
         self.fused = fused
+        self.gossip = False
         super().__init__(params, dict(lr=lr, step=0))
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
     #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
     _PICKLED = (
         "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
-        "fused", "last_loss",
+        "fused", "last_loss", "gossip",
     )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
@@ -174,6 +179,7 @@ class LearnedOptimizer(Optimizer):
             "stack_same_shape": None,
             "fused": None,
             "last_loss": None,
+            "gossip": False,
             "_theta_cache": {},
         }
         for name, default in defaults.items():
@@ -183,7 +189,14 @@ class LearnedOptimizer(Optimizer):
 
     @property
     def config(self):
+        """The network's config (:class:`~learned_opt.config.NetConfig`)."""
         return self.net.config
+
+    @property
+    def step_config(self):
+        """The config the step runs with: :attr:`config`, or its
+        :meth:`~learned_opt.config.NetConfig.under_gossip` form when ``gossip`` is set."""
+        return self.net.config.under_gossip() if self.gossip else self.net.config
 
     @property
     def nonfinite_skips(self) -> int:
@@ -249,7 +262,7 @@ class LearnedOptimizer(Optimizer):
             group["step"] += 1
             params, grads, states = zip(*items)
             oks = learned_step(
-                self.theta, self.config, params, grads, states, group["step"],
+                self.theta, self.step_config, params, grads, states, group["step"],
                 lr, chunk_size=self.chunk_size,
                 small_tensor_size=self.small_tensor_size,
                 stack_same_shape=self.stack_same_shape, runner=self._runner,

@@ -57,11 +57,17 @@ class InnerOptimizer:
             return {"wy": torch.zeros_like(params), "g_prev": torch.zeros_like(params)}
         return {"m": torch.zeros_like(params)}
 
-    def update(self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int):
-        """New ``(params, state)`` after the 1-based ``step``; differentiable in theta."""
+    def update(
+        self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int, gossip=False
+    ):
+        """New ``(params, state)`` after the 1-based ``step``; differentiable in theta.
+        ``gossip``: the workers mix after this step; the learned step then uses
+        :meth:`NetConfig.under_gossip <learned_opt.config.NetConfig.under_gossip>`, as a
+        real worker under :class:`~learned_opt.distributed.GossipOptimizer` does."""
         if self.kind == "learned":
+            cfg = self.cfg.under_gossip() if gossip else self.cfg
             out = flat_step(
-                self.theta, self.cfg, layout, p, g, state["m"], state["v"], step, self.lr,
+                self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
                 log_lr=state.get("log_lr"),
             )  # fmt: skip
             new = {"m": out[1], "v": out[2]}
@@ -189,12 +195,13 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
     if not second_order:
         grads = grads.detach()
     step = traj.step + 1
-    new_params, new_states = opt.update(layout, traj.params, grads, traj.states, step)
+    gossip = traj.comm is not None and opt.mixing != "none"
+    new_params, new_states = opt.update(layout, traj.params, grads, traj.states, step, gossip)
     info: dict = {"num_workers": traj.num_workers}
     with torch.no_grad():
         delta = (new_params - traj.params).detach()
         info["update_rms"] = segment_mean(delta * delta, layout).mean(0).sqrt()
-    if traj.comm is not None and opt.mixing != "none":
+    if gossip:
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
             tensors += list(layout.unflatten(new_states["wy"]).values())

@@ -96,9 +96,10 @@ def test_every_layout_matches_the_differentiable_path(kwargs):
     assert all(float(opt.state[p]["log_lr"]) > 0 for p in params)
 
 
-def _train(cfg: NetConfig, grads_fn, steps: int) -> tuple[float, torch.Tensor]:
+def _train(cfg: NetConfig, grads_fn, steps: int, gossip=False) -> tuple[float, torch.Tensor]:
     p = torch.nn.Parameter(torch.zeros(50))
     opt = LearnedOptimizer([p], net=LearnedOptimizerNet(cfg))
+    opt.gossip = gossip
     for t in range(steps):
         p.grad = grads_fn(t, p.detach())
         opt.step()
@@ -115,6 +116,52 @@ def test_consistent_slope_grows_the_step_and_oscillation_shrinks_it():
     # a gradient that flips sign every step: the step shrinks to its floor
     log_lr, _ = _train(ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60)
     assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
+
+
+def test_under_gossip_the_step_size_stops_at_the_lower_ceiling():
+    ceiling = ADAPT.lr_adapt_max_gossip
+    assert 0 < ceiling < ADAPT.lr_adapt_max
+    log_lr, p = _train(ADAPT, lambda t, p: torch.ones(50), 60, gossip=True)
+    assert log_lr == pytest.approx(ceiling)
+    alone, p_alone = _train(ADAPT, lambda t, p: torch.ones(50), 60)
+    assert alone == pytest.approx(ADAPT.lr_adapt_max)
+    assert float(-p_alone.mean()) > 2 * float(-p.mean())
+    # shrinking is unchanged under gossip
+    log_lr, _ = _train(ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True)
+    assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
+
+
+def test_under_gossip_config():
+    gossip = ADAPT.under_gossip()
+    assert gossip.lr_adapt_max == ADAPT.lr_adapt_max_gossip
+    assert gossip.under_gossip() == gossip  # idempotent
+    plain = NetConfig(output="ortho")  # no adaptation: nothing to change
+    assert plain.under_gossip() is plain
+    high = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0, lr_adapt_max_gossip=2.0)
+    assert high.under_gossip() is high  # the ceiling is already lower
+    old = ADAPT.to_dict()
+    del old["lr_adapt_max_gossip"]  # a checkpoint written before the field existed
+    assert NetConfig.from_dict(old) == ADAPT
+
+
+def test_simulated_workers_step_under_the_gossip_ceiling():
+    """Meta-training's simulator steps as GossipOptimizer's workers do: the ceiling applies
+    to a mixing run and not to a single worker."""
+    from learned_opt.meta_train.inner import inner_step, make_inner_optimizer, new_trajectory
+    from learned_opt.tasks import get_task
+
+    cfg = NetConfig(output="ortho", lr_adapt_rate=1.0, lr_adapt_max_gossip=0.5)
+    net = LearnedOptimizerNet(cfg)
+    task = get_task("logreg_synth")
+    ends = {}
+    for workers, mixing in ((1, "none"), (4, "metropolis")):
+        opt = make_inner_optimizer("learned", net=net, mixing=mixing)
+        traj = new_trajectory(task, workers, "ring", "iid", 1.0, 0, 30)
+        for _ in range(30):
+            inner_step(traj, opt)
+        ends[workers] = float(traj.states["log_lr"].max())
+    assert ends[4] == pytest.approx(0.5)
+    assert ends[1] > 0.5
 
 
 def test_nonfinite_gradient_leaves_the_step_size_alone():
@@ -164,6 +211,7 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_min": 0.5}, "lr_adapt_min"),
         ({"lr_adapt_max": -1.0}, "lr_adapt_max"),
         ({"lr_adapt_brake": 0.0}, "lr_adapt_brake"),
+        ({"lr_adapt_max_gossip": -1.0}, "lr_adapt_max_gossip"),
     ],
 )
 def test_bad_adaptation_settings_are_refused(fields, match):

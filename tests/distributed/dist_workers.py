@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
+from learned_opt.config import NetConfig
 from learned_opt.distributed import (
     GossipError,
     GossipOptimizer,
@@ -20,7 +21,10 @@ from learned_opt.distributed import (
 )
 
 STEPS = 20
-KINDS = {"sgd": "ring", "adam": "one_peer_exponential", "learned": "ring"}
+KINDS = {"sgd": "ring", "adam": "one_peer_exponential", "learned": "ring", "adapt": "ring"}
+#: The kinds whose local optimizer is a LearnedOptimizer (they mix with learned weights);
+#: "adapt" adapts its per-tensor step sizes, with a ceiling under gossip that binds.
+LEARNED_KINDS = ("learned", "adapt")
 
 # ----------------------------------------------------------------------------- time limits
 # CI shares its machine: at a load of 6-8 on 2 cores, starting 4 interpreters that import
@@ -70,9 +74,11 @@ def loss_fn(params: list[torch.Tensor], data) -> torch.Tensor:
     return F.mse_loss(torch.tanh(x @ w1.T + b1) @ w2.T, y)
 
 
-def make_net(seed: int = 0) -> LearnedOptimizerNet:
-    """A network with a random (non-Metropolis) edge head and a mildly random update."""
-    net = LearnedOptimizerNet()
+def make_net(seed: int = 0, adapt: bool = False) -> LearnedOptimizerNet:
+    """A network with a random (non-Metropolis) edge head and a mildly random update;
+    ``adapt``: it adapts per-tensor step sizes, at most e^0.5 under gossip."""
+    cfg = NetConfig(lr_adapt_rate=0.5, lr_adapt_max_gossip=0.5) if adapt else NetConfig()
+    net = LearnedOptimizerNet(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name in ("edge_out.weight", "edge_out.bias", "edge_in.bias"):
@@ -89,7 +95,7 @@ def make_local(kind: str, params, seed: int = 0):
         return torch.optim.SGD(params, lr=0.1)
     if kind == "adam":
         return torch.optim.Adam(params, lr=0.01)
-    return LearnedOptimizer(params, net=make_net(seed))
+    return LearnedOptimizer(params, net=make_net(seed, adapt=kind == "adapt"))
 
 
 def _payload(rank: int, step: int) -> list[torch.Tensor]:
@@ -218,7 +224,7 @@ def equivalence_run(rank: int, n: int, seed: int) -> dict:
     for overlap in (False, True):
         for kind, topo in KINDS.items():
             params = init_params(rank, seed)
-            mixing = "learned" if kind == "learned" else "metropolis"
+            mixing = "learned" if kind in LEARNED_KINDS else "metropolis"
             local = make_local(kind, params, seed)
             opt = GossipOptimizer(local, topo, mixing, timeout=COLLECTIVE_TIMEOUT, overlap=overlap)
             for step in range(STEPS):

@@ -98,8 +98,11 @@ def _simulate(kind, seed, overlap):
     sim = SimulatedCommunicator(topo)
     params = [w.init_params(i, seed) for i in range(N)]
     opts = [w.make_local(kind, params[i], seed) for i in range(N)]
-    rule = "learned" if kind == "learned" else "metropolis"
-    net = opts[0].net if kind == "learned" else None
+    learned = kind in w.LEARNED_KINDS
+    for opt in opts if learned else ():
+        opt.gossip = True  # as GossipOptimizer sets it
+    rule = "learned" if learned else "metropolis"
+    net = opts[0].net if learned else None
     theta = {k: v.detach() for k, v in net.named_parameters()} if net else None
     previous = None
 
@@ -121,7 +124,7 @@ def _simulate(kind, seed, overlap):
         if overlap:
             mix_all(step, previous)
         for i in range(N):
-            if kind == "learned":
+            if learned:
                 opts[i].step(loss=losses[i])
             else:
                 opts[i].step()
