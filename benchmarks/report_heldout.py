@@ -80,6 +80,16 @@ def _summary_line(side: str, s: dict) -> str:
 
 @section("quality_heldout")
 def render_quality_heldout(r: dict) -> str:
+    return _render(r, "quality_heldout")
+
+
+@section("quality_heldout_adapt")
+def render_quality_heldout_adapt(r: dict) -> str:
+    return _render(r, "quality_heldout_adapt")
+
+
+def _render(r: dict, name: str) -> str:
+    """The held-out suite's tables and summary of ``results/NAME.json``."""
     partial = ""
     if not r["complete"]:
         exp = r["expected_rows"]
@@ -116,5 +126,5 @@ def render_quality_heldout(r: dict) -> str:
         f"ended above its start. Seed {r['seed']}. {_measured(r)}{load} Wall time "
         f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
         f"`{r['command']}`. Plot: "
-        "`benchmarks/results/quality_heldout.png`."
+        f"`benchmarks/results/{name}.png`."
     )
