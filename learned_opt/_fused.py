@@ -248,17 +248,21 @@ def fused_step_(
         layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
         (w1, b1), *shared = layers
         step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
-        for j, i in enumerate(live):
-            own = ((w1[j].clone(), b1[j].clone()), *shared)
-            if threads > 1 and params[i].numel() >= PARALLEL_SIZE:
-                with _threads(threads):
-                    threaded_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
-            else:
-                update_fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
-            torch.autograd.graph.increment_version(params[i])  # written through an alias
-            if log_lr is not None:
-                states[i]["log_lr"].copy_(log_lr[j])
-            done[i] = True
+        big = [threads > 1 and params[i].numel() >= PARALLEL_SIZE for i in live]
+        # the large tensors first, under one change of the thread count
+        for use_team in (True, False):
+            todo = [(j, i) for j, i in enumerate(live) if big[j] == use_team]
+            if not todo:
+                continue
+            fn = threaded_fn if use_team else update_fn
+            with _threads(threads) if use_team else contextlib.nullcontext():
+                for j, i in todo:
+                    own = ((w1[j].clone(), b1[j].clone()), *shared)
+                    fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
+                    torch.autograd.graph.increment_version(params[i])  # written via an alias
+                    if log_lr is not None:
+                        states[i]["log_lr"].copy_(log_lr[j])
+                    done[i] = True
     except Exception as e:  # a compiler missing or failing: fall back, once
         if not compiled or not _is_compile_error(e):
             raise
