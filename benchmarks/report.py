@@ -81,6 +81,14 @@ def render_step_overhead(result: dict) -> str:
     ]
     m = result["machine"]
     first = max(r["learned_default_first_step_ms"] for r in result["rows"]) / 1e3
+    cold = result.get("cold_compile")
+    cold_note = (
+        f" In a new process with an empty inductor cache, the first step of the 0.5M "
+        f"transformer took {cold['seconds']:.0f} s ({cold['threads']} threads, load average "
+        f"{cold['load_average_before'][0]:.1f}): the one-time compile of both passes."
+        if cold
+        else ""
+    )
     load = result.get("load_average_before")
     load_note = f", load average {load[0]:.1f} before measuring" if load else ""
     return (
@@ -93,7 +101,8 @@ def render_step_overhead(result: dict) -> str:
         f"them alike (the machine is shared: compare ratios, not times). AdamW with "
         f"`foreach=True`. Compile route: {result['compile_route']}; the first step of the run "
         f"took {first:.0f} s (the one-time compile; inductor's on-disk cache makes later "
-        f"processes faster). Command: `{result['command']}`. Targets: {result['targets']}."
+        f"processes faster).{cold_note} Command: `{result['command']}`. Targets: "
+        f"{result['targets']}."
     )
 
 

@@ -32,6 +32,7 @@ import contextlib
 import functools
 import logging
 import threading
+import weakref
 
 import torch
 from torch import Tensor
@@ -54,27 +55,30 @@ PARALLEL_SIZE = 1 << 15
 MIN_FUSED_SIZE = 16
 
 
-def tensor_sums(p: Tensor, g: Tensor, m: Tensor, v: Tensor, cfg: NetConfig) -> Tensor:
+def tensor_sums(
+    p: Tensor, g: Tensor, m0: Tensor, m1: Tensor, m2: Tensor, v: Tensor, cfg: NetConfig
+) -> Tensor:
     """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
     the mean squares of the 11 features after this step's moment update, and mean(v); when
     ``cfg`` adapts step sizes, ``(17,)``: then ``g . m1`` and ``m1^2`` (the 0.9 momentum
     before the update) and ``g^2``, the sums :func:`~learned_opt.features.adapt_log_lr` reads.
 
-    ``p`` and ``g`` are ``[n]`` in any floating dtype, ``m`` ``[3, n]`` and ``v`` ``[n]`` in
-    the compute dtype; nothing is written. Where the gradient or the parameter holds NaN or
-    Inf, the first entry is 0 (the tensor is skipped; the rest is then meaningless).
+    ``p`` and ``g`` are ``[n]`` in any floating dtype, the momentum rows ``m0, m1, m2`` and
+    ``v`` ``[n]`` in the compute dtype; nothing is written. Where the gradient or the
+    parameter holds NaN or Inf, the first entry is 0 (the tensor is skipped; the rest is
+    then meaningless).
     """
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
     g_ss, p_ss = torch.dot(g_c, g_c), torch.dot(p_c, p_c)
     ok = stepped(g_ss, p_ss)
-    m_new, v_new = update_moments(g_c, m, v)
+    m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
     g_rms = safe_sqrt(g_ss / v.shape[-1])
     rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
     ms = torch.stack([torch.mean(r * r) for r in rows])
     out = [torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)]
     if cfg.adapts_lr:
-        out.append(torch.stack([torch.dot(g_c, m[0]), torch.dot(m[0], m[0]), g_ss]))
+        out.append(torch.stack([torch.dot(g_c, m0), torch.dot(m0, m0), g_ss]))
     return torch.cat(out)
 
 
@@ -94,17 +98,23 @@ def update_tensor_(
     """The update pass of one tensor, in place: read p, g, m and v once; update the
     moments, compute the features, the per-element MLP (``layers`` of the tensor, its
     feature normalisation and context folded in) and the output stage per element; write
-    p, m and v once. The momenta come as their three rows ``m0, m1, m2`` (``[n]`` each),
-    so that the compiled pass writes each in its one loop rather than through a ``[3, n]``
-    buffer. ``g_rms``, ``scale`` (the step scale) and ``step`` are 0-d tensors."""
+    p, m and v once. ``g_rms``, ``scale`` (the step scale) and ``step`` are 0-d tensors.
+
+    The momenta come as their three rows ``m0, m1, m2`` (``[n]`` each) and every formula
+    is applied row by row, so that each op has the shape ``[n]`` and inductor fuses the
+    whole pass into one loop that writes each row directly (a ``[3, n]`` intermediate
+    would cost a loop of its own and a buffer of ``3n`` floats). The compiled caller
+    passes rows that do not share a storage object (:func:`_rows`); rows of one storage
+    would make the compiler treat the three writes as overlapping and copy through
+    buffers."""
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
-    m_new, v_new = update_moments(g_c, torch.stack([m0, m1, m2]), v)
+    m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
     rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
     d, log_mag = element_mlp_rows(layers, rows)
     new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
     p.copy_(new_p)
-    for row, new in zip((m0, m1, m2), m_new.unbind(0)):
+    for row, new in zip((m0, m1, m2), m_new):
         row.copy_(new)
     v.copy_(v_new)
 
@@ -148,8 +158,8 @@ def _compiled_for(cfg: NetConfig):
     with _lock:
         if cfg not in _compiled:
 
-            def sums(p, g, m, v, _cfg=cfg):
-                return tensor_sums(p, g, m, v, _cfg)
+            def sums(p, g, m0, m1, m2, v, _cfg=cfg):
+                return tensor_sums(p, g, m0, m1, m2, v, _cfg)
 
             def update(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
                 update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
@@ -205,10 +215,7 @@ def fused_step_(
             f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
         )
     like = states[0]["v"]
-    flat = [
-        (_alias(p, -1), _alias(g, -1), _alias(s["m"], 3, -1), _alias(s["v"], -1))
-        for p, g, s in zip(params, grads, states)
-    ]
+    flat = [_operands(p, g, s) for p, g, s in zip(params, grads, states)]
     if compiled and _failure:
         raise _failed({})
     if compiled:
@@ -241,19 +248,21 @@ def fused_step_(
         layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
         (w1, b1), *shared = layers
         step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
-        for j, i in enumerate(live):
-            own = ((w1[j].clone(), b1[j].clone()), *shared)
-            p_i, g_i, m_i, v_i = flat[i]
-            rows = (p_i, g_i, *(_alias(m_i[k], -1) for k in range(3)), v_i)
-            if threads > 1 and params[i].numel() >= PARALLEL_SIZE:
-                with _threads(threads):
-                    threaded_fn(own, *rows, sel[j, 1].clone(), scale[j].clone(), step_t)
-            else:
-                update_fn(own, *rows, sel[j, 1].clone(), scale[j].clone(), step_t)
-            torch.autograd.graph.increment_version(params[i])  # written through an alias
-            if log_lr is not None:
-                states[i]["log_lr"].copy_(log_lr[j])
-            done[i] = True
+        big = [threads > 1 and params[i].numel() >= PARALLEL_SIZE for i in live]
+        # the large tensors first, under one change of the thread count
+        for use_team in (True, False):
+            todo = [(j, i) for j, i in enumerate(live) if big[j] == use_team]
+            if not todo:
+                continue
+            fn = threaded_fn if use_team else update_fn
+            with _threads(threads) if use_team else contextlib.nullcontext():
+                for j, i in todo:
+                    own = ((w1[j].clone(), b1[j].clone()), *shared)
+                    fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
+                    torch.autograd.graph.increment_version(params[i])  # written via an alias
+                    if log_lr is not None:
+                        states[i]["log_lr"].copy_(log_lr[j])
+                    done[i] = True
     except Exception as e:  # a compiler missing or failing: fall back, once
         if not compiled or not _is_compile_error(e):
             raise
@@ -270,6 +279,36 @@ def _threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+#: ``id(state["m"]) -> (weakref to m, key, (p, m0, m1, m2, v))``: each tensor's flat
+#: operands, built once (:func:`_operands`); an entry goes when its ``m`` is freed.
+_operand_cache: dict[int, tuple] = {}
+
+
+def _operands(p: Tensor, g: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, ...]:
+    """``(p, g, m0, m1, m2, v)`` of one tensor, each ``[n]`` on the tensor's memory.
+
+    The momentum rows are tensors on storage objects of their own (through DLPack, on the
+    same memory): they do not overlap, and so the compiler may write all three in the
+    update pass's one loop (rows of one storage object are treated as aliases that might
+    overlap, and the writes then go through copies). Built once per tensor and cached
+    while the parameter, ``m`` and ``v`` keep their memory; only ``g`` is aliased anew.
+    """
+    m, v = state["m"], state["v"]
+    key = (p.data_ptr(), m.data_ptr(), v.data_ptr(), id(p), id(v), p.dtype, p.numel())
+    hit = _operand_cache.get(id(m))
+    if hit is None or hit[0]() is not m or hit[1] != key:
+        rows = tuple(torch.from_dlpack(row.detach().reshape(-1)) for row in m.unbind(0))
+        ops = (_alias(p, -1), *rows, _alias(v, -1))
+        _operand_cache[id(m)] = hit = (weakref.ref(m, _forget(id(m))), key, ops)
+    p_flat, m0, m1, m2, v_flat = hit[2]
+    return p_flat, _alias(g, -1), m0, m1, m2, v_flat
+
+
+def _forget(key: int):
+    """The weakref callback that drops the cache entry ``key`` (and the memory it holds)."""
+    return lambda _: _operand_cache.pop(key, None)
 
 
 def _alias(t: Tensor, *shape: int) -> Tensor:

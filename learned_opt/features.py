@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -66,13 +67,27 @@ def stepped(g_sum_squares: Tensor, p_sum_squares: Tensor) -> Tensor:
     return torch.isfinite(g_sum_squares + p_sum_squares)
 
 
-def update_moments(g: Tensor, m: Tensor, v: Tensor, inplace: bool = False) -> tuple[Tensor, Tensor]:
+def update_moments(
+    g: Tensor, m: Tensor | Sequence[Tensor], v: Tensor, inplace: bool = False
+) -> tuple[Tensor | tuple[Tensor, ...], Tensor]:
     """New momenta ``m`` (``[..., 3, n]``, decays :data:`MOMENTUM_DECAYS`) and second moment
     ``v`` (``[..., n]``) after gradient ``g`` (``[..., n]``); written into ``m`` and ``v``
-    when ``inplace``."""
-    weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
-    g_rows = g.unsqueeze(-2)
-    m_new = m.lerp_(g_rows.expand_as(m), weights) if inplace else torch.lerp(m, g_rows, weights)
+    when ``inplace``.
+
+    ``m`` may instead be the three momentum rows (a sequence of ``[..., n]`` tensors); the
+    new momenta are then rows too, each ``lerp(m_k, g, 1 - decay_k)``, the same formula one
+    row at a time. A compiled caller passes rows so that every op has the shape of ``g``
+    and the compiler fuses them all into one loop over the elements."""
+    if not isinstance(m, Tensor):
+        rows = m
+        m_new = tuple(
+            row.lerp_(g, 1.0 - b) if inplace else torch.lerp(row, g, 1.0 - b)
+            for row, b in zip(rows, MOMENTUM_DECAYS)
+        )
+    else:
+        weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
+        g_rows = g.unsqueeze(-2)
+        m_new = m.lerp_(g_rows.expand_as(m), weights) if inplace else torch.lerp(m, g_rows, weights)
     out = v if inplace else None
     v_new = torch.mul(v, SECOND_MOMENT_DECAY, out=out)
     v_new = torch.addcmul(v_new, g, g, value=1.0 - SECOND_MOMENT_DECAY, out=out)
@@ -134,7 +149,7 @@ def sum_squares(x: Tensor) -> Tensor:
 def feature_rows(
     p: Tensor,
     g: Tensor,
-    m: Tensor,
+    m: Tensor | Sequence[Tensor],
     v: Tensor,
     g_rms: Tensor | float,
     cfg: NetConfig,
@@ -145,17 +160,19 @@ def feature_rows(
     Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps),
     rsqrt(v + eps). ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms``
     (broadcastable to ``g``) is the rms over the whole tensor, so the features of a chunk
-    equal those of the full tensor. The rows that are inputs (g, p, m) are returned as
-    they are; the computed rows are written into the matching rows of ``out``
-    (``[..., 11, n]``) when it is given.
+    equal those of the full tensor. ``m`` is ``[..., 3, n]`` or its three rows (see
+    :func:`update_moments`). The rows that are inputs (g, p, m) are returned as they are;
+    the computed rows are written into the matching rows of ``out`` (``[..., 11, n]``) when
+    it is given.
     """
     rows: list = [None] * NUM_ELEMENT_FEATURES if out is None else list(out.unbind(-2))
+    m_rows = m.unbind(-2) if isinstance(m, Tensor) else tuple(m)
     r = torch.rsqrt(torch.add(v, cfg.eps, out=rows[10]), out=rows[10])
     clip_g = torch.div(g, g_rms + TINY, out=rows[1])
     clip_g = torch.clamp(clip_g, -cfg.clip_value, cfg.clip_value, out=rows[1])
-    m_r = torch.mul(m, r.unsqueeze(-2), out=None if out is None else out[..., 6:9, :])
+    m_r = [torch.mul(m_k, r, out=rows[6 + k]) for k, m_k in enumerate(m_rows)]
     g_r = torch.mul(g, r, out=rows[9])
-    return [g, clip_g, p, *m.unbind(-2), *m_r.unbind(-2), g_r, r]
+    return [g, clip_g, p, *m_rows, *m_r, g_r, r]
 
 
 def element_features(

@@ -97,6 +97,27 @@ def _spy(monkeypatch) -> dict:
     return seen
 
 
+def test_cached_operands_follow_the_state_and_are_dropped_with_it():
+    """The momentum rows are cached per tensor on the state's memory; a state replaced (as
+    ``load_state_dict`` does) gets new rows, and a freed state leaves no entry behind."""
+    (p,), (g,), (state,) = _inputs([(6, 5)])
+    p_flat, _, m0, m1, m2, v_flat = _fused._operands(p, g, state)
+    n = p.numel()
+    assert [r.data_ptr() for r in (m0, m1, m2)] == [
+        state["m"].data_ptr() + 4 * k * n for k in range(3)
+    ]
+    assert p_flat.data_ptr() == p.data_ptr() and v_flat.data_ptr() == state["v"].data_ptr()
+    m2.fill_(7.0)  # writes reach the state
+    assert torch.equal(state["m"][2], torch.full_like(p, 7.0))
+    state["m"] = state["m"].clone()
+    rows = _fused._operands(p, g, state)[2:5]
+    assert rows[0].data_ptr() == state["m"].data_ptr()
+    key = id(state["m"])
+    assert key in _fused._operand_cache
+    del state, rows, m0, m1, m2
+    assert key not in _fused._operand_cache
+
+
 def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
     seen = _spy(monkeypatch)
     net = perturbed_net()
