@@ -89,6 +89,9 @@ class ProcessGroupCommunicator(GroupCollectives):
             :mod:`.compression`).
         consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression;
             default: :func:`~.compression.default_consensus_step`, stable for the compressor).
+        drift_correction: ``beta``, the integral step of the compressed mix's drift
+            correction, in [0, ``consensus_step``]; 0 turns it off (only with compression;
+            default: :func:`~.compression.default_drift_correction`, ``R / 20`` for top-k).
         step_deadline: seconds a step waits for a neighbour's tensors (``None``: up to
             ``timeout``). An edge that missed it on either end is skipped for that step by
             both ends (the average stays exact); the neighbour stays in the group. CPU
@@ -111,11 +114,14 @@ class ProcessGroupCommunicator(GroupCollectives):
         store: dist.Store | None = None,
         compression: str | None = None,
         consensus_step: float | None = None,
+        drift_correction: float | None = None,
         step_deadline: float | None = None,
     ):
         super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
         self.compression = compression
-        self._codec = ErrorFeedback(compression, consensus_step) if compression else None
+        self._codec = None
+        if compression:
+            self._codec = ErrorFeedback(compression, consensus_step, drift_correction)
         self.step_deadline = step_deadline
         self._deadline = None
         if step_deadline is not None:
@@ -401,7 +407,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
             if target is not y:
                 target.copy_(y)
-            codec.mix_(target, codec.own[t], [c[t] for c in copies], w)
+            codec.mix_(t, target, [c[t] for c in copies], w)
         return mixed, weights
 
     def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):

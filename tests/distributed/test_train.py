@@ -99,6 +99,11 @@ def test_gossip_refuses_a_checkpoint_that_adapts_step_sizes():
         (["--compression", "topk:2"], "--compression: top-k ratio must be in (0, 1]"),
         (["--compression", "fp4"], "--compression: unknown compression 'fp4'"),
         (["--consensus-step", "0"], "--consensus-step must be in (0, 1]"),
+        (["--drift-correction", "-1"], "--drift-correction must be in [0, 1.0]"),
+        (
+            ["--compression", "topk:0.01", "--drift-correction", "0.1"],
+            "--drift-correction must be in [0, 0.04]",
+        ),
         (["--step-deadline", "0"], "--step-deadline must be in (0, --timeout)"),
         (["--step-deadline", "1", "--overlap"], "--step-deadline goes with neither"),
         (["--kill-rank", "1"], "--kill-rank and --kill-step go together"),
