@@ -96,7 +96,10 @@ def main() -> None:
         "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}"
         + (" (alpha 0.1), " if args.partition == "dirichlet" else ", ")
         + f"{args.steps} steps, {args.optimizer}, consensus_step "
-        f"{args.consensus_step or 'per compressor (default_consensus_step)'} when compressed",
+        f"{args.consensus_step or 'per compressor (default_consensus_step)'} and "
+        "drift_correction "
+        f"{args.drift_correction if args.drift_correction is not None else 'per compressor'} "
+        "(each run's value in its row) when compressed",
         "goal": "topk:0.01 loss_vs_exact <= 1.1 with bytes_reduction_x >= 20",
         "runs": runs,
     }
