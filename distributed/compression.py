@@ -32,7 +32,8 @@ its edge, so ``sum_i z_i = 0`` and the average stays exact; ``z`` starts at zero
 copies (again after a re-form). Measured on 8 ranks of ``digits_mlp`` with Adam
 (``benchmarks/gossip_compression.py``): top-k 1% ends at 1.76x the exact run's loss
 without it, below the exact run's loss with it. The ranks' models stay further apart (the
-consensus distance grows), while their average and each rank's own loss improve.
+consensus distance grows); their average improves, and each rank's own model improves on
+the uncorrected run's but stays worse than the exact run's.
 :func:`default_drift_correction` is ``R / 20`` for top-k and 0 for ``sign`` and ``int8``,
 which send every coordinate every step and gained nothing from it. ``beta`` must stay
 small against how often top-k refreshes a coordinate: ``z`` reacts to stale copies, and
