@@ -100,7 +100,8 @@ class ProcessGroupCommunicator(GroupCollectives):
     Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
     ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
     dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf),
-    ``bytes_sent`` (bytes sent by the last :meth:`mix`) and, with ``step_deadline``,
+    ``bytes_sent`` (bytes sent by the last :meth:`mix`), ``drift_correction`` (the ``beta`` in
+    use, ``None`` without compression) and, with ``step_deadline``,
     ``skipped`` (neighbours skipped in the last step) and ``skipped_total``.
     """
 
@@ -122,6 +123,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         self._codec = None
         if compression:
             self._codec = ErrorFeedback(compression, consensus_step, drift_correction)
+        self.drift_correction = self._codec.beta if self._codec is not None else None
         self.step_deadline = step_deadline
         self._deadline = None
         if step_deadline is not None:

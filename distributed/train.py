@@ -304,6 +304,7 @@ def train(args: argparse.Namespace) -> dict:
         "mixing": args.mixing,
         "topology": args.topology,
         "compression": args.compression,
+        "drift_correction": comm.drift_correction,
         "workers": world,
         "steps": args.steps,
         "survivors": comm.members,

@@ -18,6 +18,8 @@ CONFIGS = [
     ["--optimizer", "sgd", "--mixing", "uniform", "--topology", "exponential"],
     ["--optimizer", "sgd", "--mixing", "allreduce"],
     ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
+    ["--optimizer", "adam", "--compression", "topk:0.1", "--drift-correction", "0.01"],
+    ["--optimizer", "adam", "--compression", "topk:0.1"],
 ]
 
 
@@ -45,6 +47,9 @@ def test_train_entry_point_all_optimizers(tmp_path):
         assert "test_loss=" in format_summary(a)
         assert a["survivors"] == [0, 1] and a["failures"] == []
     assert results[0][3]["consensus_distance"] == pytest.approx(0.0, abs=1e-10)  # allreduce
+    assert results[0][5]["drift_correction"] == 0.01  # passed down to the communicator
+    assert results[0][6]["drift_correction"] == pytest.approx(0.005)  # topk:0.1's default
+    assert results[0][0]["drift_correction"] is None  # exact exchange
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
