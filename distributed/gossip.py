@@ -56,7 +56,7 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     if on_failure is not None and on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
-        for key in ("on_failure", "compression", "step_deadline"):
+        for key in ("on_failure", "compression", "drift_correction", "step_deadline"):
             if options.get(key) is not None and options[key] != getattr(communicator, key, None):
                 raise ValueError(
                     f"{owner}: {key}={options[key]!r} applies to the default communicator; "

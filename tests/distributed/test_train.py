@@ -77,6 +77,8 @@ def test_gossip_optimizer_validates_arguments():
     given = SimpleNamespace(topology=None, on_failure="exclude", compression=None)
     with pytest.raises(ValueError, match="compression='sign' applies to the default"):
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", compression="sign")
+    with pytest.raises(ValueError, match="drift_correction=0.1 applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", drift_correction=0.1)
     with pytest.raises(ValueError, match="on_failure='raise' applies to the default"):
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
 
