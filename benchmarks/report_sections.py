@@ -186,14 +186,17 @@ def render_gossip_compression(r: dict) -> str:
     rows, notes = [], []
     for partition, run in r.items():
         for name, m in run["runs"].items():
-            gamma = m.get("consensus_step")
+            gamma, beta = m.get("consensus_step"), m.get("drift_correction")
             rows.append([
                 partition, name, "-" if gamma is None else f"{gamma:g}",
+                "-" if beta is None else f"{beta:g}",
                 f"{m['averaged_model_train_loss']:.4g}", _x(m["loss_vs_exact"]),
+                f"{m['consensus_distance']:.3g}",
                 f"{m['bytes_per_step']:,.0f}", _x(m["bytes_reduction_x"]),
             ])  # fmt: skip
         notes.append(f"{partition}: {run['setup']}, measured {run['date'][:10]}, {run['machine']}")
-    header = ["partition", "exchange", "consensus step", "averaged-model train loss",
-              "vs exact", "bytes/step", "fewer bytes"]  # fmt: skip
+    header = ["partition", "exchange", "consensus step", "drift correction",
+              "averaged-model train loss", "vs exact", "consensus distance", "bytes/step",
+              "fewer bytes"]  # fmt: skip
     goal = next(iter(r.values()))["goal"]
     return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."

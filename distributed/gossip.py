@@ -36,7 +36,8 @@ def default_communicator(
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
     by name is built for the group's world size. ``options`` (``on_failure``,
-    ``compression``, ``consensus_step``, ``step_deadline``) go to the communicator."""
+    ``compression``, ``consensus_step``, ``drift_correction``, ``step_deadline``) go to the
+    communicator."""
     import torch.distributed as dist
 
     if isinstance(topology, str):
@@ -55,7 +56,7 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     if on_failure is not None and on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
-        for key in ("on_failure", "compression", "step_deadline"):
+        for key in ("on_failure", "compression", "drift_correction", "step_deadline"):
             if options.get(key) is not None and options[key] != getattr(communicator, key, None):
                 raise ValueError(
                     f"{owner}: {key}={options[key]!r} applies to the default communicator; "
@@ -105,6 +106,9 @@ class GossipOptimizer:
             (default communicator only; see :mod:`.compression`).
         consensus_step: the compressed mix's step ``gamma`` in (0, 1]; default: one that is
             stable for the compressor (``min(0.5, 4 R)`` for top-k, 0.5 otherwise).
+        drift_correction: the compressed mix's integral step ``beta`` in [0,
+            ``consensus_step``], which learns each rank's persistent drift from the others
+            (0: off); default ``R / 20`` for top-k, 0 otherwise (see :mod:`.compression`).
         step_deadline: seconds a step waits for a slow neighbour (straggler) before it
             skips that neighbour for the step, on both ends of the edge (the average stays
             exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
@@ -135,6 +139,7 @@ class GossipOptimizer:
         overlap: bool = False,
         compression: str | None = None,
         consensus_step: float | None = None,
+        drift_correction: float | None = None,
         step_deadline: float | None = None,
         metrics_every: int = 10,
         writer=None,
@@ -155,6 +160,7 @@ class GossipOptimizer:
             on_failure=on_failure,
             compression=compression,
             consensus_step=consensus_step,
+            drift_correction=drift_correction,
             step_deadline=step_deadline,
         )
         self.local = local_optimizer

@@ -89,6 +89,9 @@ class ProcessGroupCommunicator(GroupCollectives):
             :mod:`.compression`).
         consensus_step: ``gamma`` of the compressed mix, in (0, 1] (only with compression;
             default: :func:`~.compression.default_consensus_step`, stable for the compressor).
+        drift_correction: ``beta``, the integral step of the compressed mix's drift
+            correction, in [0, ``consensus_step``]; 0 turns it off (only with compression;
+            default: :func:`~.compression.default_drift_correction`, ``R / 20`` for top-k).
         step_deadline: seconds a step waits for a neighbour's tensors (``None``: up to
             ``timeout``). An edge that missed it on either end is skipped for that step by
             both ends (the average stays exact); the neighbour stays in the group. CPU
@@ -97,7 +100,8 @@ class ProcessGroupCommunicator(GroupCollectives):
     Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
     ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
     dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf),
-    ``bytes_sent`` (bytes sent by the last :meth:`mix`) and, with ``step_deadline``,
+    ``bytes_sent`` (bytes sent by the last :meth:`mix`), ``drift_correction`` (the ``beta`` in
+    use, ``None`` without compression) and, with ``step_deadline``,
     ``skipped`` (neighbours skipped in the last step) and ``skipped_total``.
     """
 
@@ -111,11 +115,15 @@ class ProcessGroupCommunicator(GroupCollectives):
         store: dist.Store | None = None,
         compression: str | None = None,
         consensus_step: float | None = None,
+        drift_correction: float | None = None,
         step_deadline: float | None = None,
     ):
         super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
         self.compression = compression
-        self._codec = ErrorFeedback(compression, consensus_step) if compression else None
+        self._codec = None
+        if compression:
+            self._codec = ErrorFeedback(compression, consensus_step, drift_correction)
+        self.drift_correction = self._codec.beta if self._codec is not None else None
         self.step_deadline = step_deadline
         self._deadline = None
         if step_deadline is not None:
@@ -401,7 +409,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
             if target is not y:
                 target.copy_(y)
-            codec.mix_(target, codec.own[t], [c[t] for c in copies], w)
+            codec.mix_(t, target, [c[t] for c in copies], w)
         return mixed, weights
 
     def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):

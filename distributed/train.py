@@ -38,7 +38,7 @@ from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
 from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_tasks
 
 from .averaging import all_reduce_mean_
-from .compression import get_compressor
+from .compression import default_consensus_step, get_compressor
 from .gossip import GossipOptimizer
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -88,6 +88,16 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--compression: {exc}")
     if args.consensus_step is not None and not 0 < args.consensus_step <= 1:
         p.error(f"--consensus-step must be in (0, 1], got {args.consensus_step}")
+    if args.drift_correction is not None:
+        gamma = args.consensus_step
+        if gamma is None and args.compression is not None:
+            gamma = default_consensus_step(args.compression)
+        bound = 1.0 if gamma is None else gamma
+        if not 0 <= args.drift_correction <= bound:
+            p.error(
+                f"--drift-correction must be in [0, {bound}] (at most the consensus step), "
+                f"got {args.drift_correction}"
+            )
     if args.step_deadline is not None:
         if not 0 < args.step_deadline < args.timeout:
             p.error(f"--step-deadline must be in (0, --timeout), got {args.step_deadline}")
@@ -157,6 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="gamma of the compressed mix (default: min(0.5, 4R) for topk:R, else 0.5)",
     )
     p.add_argument(
+        "--drift-correction",
+        type=float,
+        default=None,
+        help="integral step of the compressed mix's drift correction, 0 = off "
+        "(default: R/20 for topk:R, else 0)",
+    )
+    p.add_argument(
         "--step-deadline",
         type=float,
         default=None,
@@ -218,6 +235,7 @@ def train(args: argparse.Namespace) -> dict:
         on_failure=args.on_failure,
         compression=None if args.mixing == "allreduce" else args.compression,
         consensus_step=args.consensus_step,
+        drift_correction=args.drift_correction,
         step_deadline=None if args.mixing == "allreduce" else args.step_deadline,
     )
     local = _local_optimizer(args, params)
@@ -281,6 +299,7 @@ def train(args: argparse.Namespace) -> dict:
         "mixing": args.mixing,
         "topology": args.topology,
         "compression": args.compression,
+        "drift_correction": comm.drift_correction,
         "workers": world,
         "steps": args.steps,
         "survivors": comm.members,

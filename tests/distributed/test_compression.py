@@ -11,6 +11,7 @@ from learned_opt.distributed.compression import (
     Sign,
     TopK,
     default_consensus_step,
+    default_drift_correction,
     get_compressor,
 )
 
@@ -73,26 +74,29 @@ def test_bad_consensus_step_is_refused():
         ErrorFeedback("sign", gamma=0.0)
 
 
-def _ring_run(spec, steps, lr, gamma=None, n=8, dim=200, seed=0, decay=0.0):
+def _ring_run(spec, steps, lr, gamma=None, n=8, dim=200, seed=0, decay=0.0, beta=None):
     """CHOCO-gossip on a ring of ``n`` in one process, through the ranks' ErrorFeedback:
     local gradient steps on f_i(x) = |x - c_i|^2 / 2 (different c_i per rank), then the
-    compressed exchange and mix. Returns the per-step mean of x and the final x."""
+    compressed exchange and mix. Returns the mean of x after each mix, the final x and the
+    optimum; ``means_before`` (the mean after each step's local steps, before the mix) is
+    set as an attribute of the function."""
     gen = torch.Generator().manual_seed(seed)
     targets = torch.randn(n, dim, generator=gen)
     xs = [torch.randn(dim, generator=gen) for _ in range(n)]
-    codecs = [ErrorFeedback(spec, gamma) for _ in range(n)]
-    means = []
+    codecs = [ErrorFeedback(spec, gamma, beta) for _ in range(n)]
+    means, _ring_run.means_before = [], []
     for step in range(steps):
         rate = lr / (1.0 + decay * step)
         for i in range(n):
             xs[i] -= rate * (xs[i] - targets[i])
+        _ring_run.means_before.append(torch.stack(xs).mean(0))
         full = step == 0
         # what goes on the wire is a copy (packed into a buffer)
         payloads = [[t.clone() for t in codecs[i].encode([xs[i]], full)] for i in range(n)]
         for i in range(n):
             peers = sorted({(i - 1) % n, (i + 1) % n})
             copies = [codecs[i].decode(j, payloads[j], full)[0] for j in peers]
-            codecs[i].mix_(xs[i], codecs[i].own[0], copies, [1 / 3] * len(peers))
+            codecs[i].mix_(0, xs[i], copies, [1 / 3] * len(peers))
         means.append(torch.stack(xs).mean(0))
     return means, torch.stack(xs), targets.mean(0)
 
@@ -110,12 +114,24 @@ def _distance(xs, optimum):
 
 @pytest.mark.parametrize("spec", ["topk:0.01", "topk:0.05", "sign", "int8"])
 def test_compressed_gossip_converges_at_the_default_consensus_step(spec):
+    # (and the default drift correction)
     # heterogeneous targets: every rank reaches the optimum of the sum (their mean) only
     # through consensus; a decaying step lets D-SGD converge rather than hover
     _, xs0, optimum = _ring_run(spec, steps=1, lr=0.0, dim=100)
     _, xs, optimum = _ring_run(spec, steps=400, lr=0.05, decay=0.05, dim=100)
     assert torch.isfinite(xs).all()
     assert _distance(xs, optimum) < 0.3 * _distance(xs0, optimum)
+
+
+def test_too_large_a_drift_correction_oscillates_when_the_step_decays():
+    # the integral term reacts to stale copies: at R / 10 it oscillates once the local step
+    # decays (the reason the default is R / 20), and without it the ranks agree less
+    kw = dict(steps=1500, lr=0.05, decay=0.05, dim=100)
+    _, default, optimum = _ring_run("topk:0.01", **kw)
+    _, large, _ = _ring_run("topk:0.01", beta=0.001, **kw)
+    _, plain, _ = _ring_run("topk:0.01", beta=0.0, **kw)
+    assert _distance(large, optimum) > 5 * _distance(default, optimum)
+    assert _distance(default, optimum) < _distance(plain, optimum)
 
 
 def test_top_k_diverges_at_a_large_consensus_step():
@@ -131,3 +147,45 @@ def test_default_consensus_step_shrinks_with_top_k_density():
     assert ErrorFeedback("topk:0.02").gamma == pytest.approx(0.08)
     with pytest.raises(ValueError, match="unknown compression"):
         default_consensus_step("fp4")
+
+
+def test_drift_correction_keeps_the_average_exactly():
+    # with local steps: every mix leaves the mean where the local steps put it
+    means, xs, _ = _ring_run("topk:0.05", steps=200, lr=0.05, dim=100, beta=0.02)
+    assert any(float(x.abs().max()) > 0 for x in (xs - xs.mean(0)))  # the ranks differ
+    for before, after in zip(_ring_run.means_before, means):
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=0)
+
+
+def test_drift_correction_removes_the_heterogeneity_bias():
+    # constant step: plain compressed gossip settles away from the optimum of the sum (each
+    # rank is pulled to its own target), the integral term cancels that pull
+    _, plain, optimum = _ring_run("topk:0.05", steps=1500, lr=0.05, dim=50, beta=0.0)
+    _, corrected, _ = _ring_run("topk:0.05", steps=1500, lr=0.05, dim=50)  # default beta
+    assert torch.isfinite(corrected).all()
+    assert _distance(corrected, optimum) < 0.5 * _distance(plain, optimum)
+
+
+def test_drift_correction_defaults_and_checks():
+    assert default_drift_correction("topk:0.01") == pytest.approx(0.0005)
+    assert default_drift_correction("sign") == default_drift_correction("int8") == 0.0
+    assert ErrorFeedback("topk:0.02").beta == pytest.approx(0.001)
+    assert ErrorFeedback("topk:0.01", gamma=0.0002).beta == pytest.approx(0.0002)  # <= gamma
+    with pytest.raises(ValueError, match="drift correction beta"):
+        ErrorFeedback("topk:0.01", gamma=0.04, beta=0.05)
+    with pytest.raises(ValueError, match="drift correction beta"):
+        ErrorFeedback("topk:0.01", beta=-0.001)
+
+
+def test_drift_correction_starts_over_with_the_copies():
+    ef = ErrorFeedback("topk:0.5", gamma=0.5, beta=0.25)
+    y = torch.ones(4)
+    ef.encode([y], full=True)
+    ef.mix_(0, y, [torch.zeros(4)], [0.5])  # d = -0.5: z = -0.125, y = 1 - 0.25 - 0.125
+    torch.testing.assert_close(ef.drift[0], torch.full((4,), -0.125))
+    torch.testing.assert_close(y, torch.full((4,), 0.625))
+    ef.mix_(0, y, [], [])  # no neighbour this step: z still applies
+    torch.testing.assert_close(y, torch.full((4,), 0.5))
+    ef.encode([y], full=True)  # a (re-)start: z back to zero
+    assert float(ef.drift[0].abs().max()) == 0.0
+    assert ErrorFeedback("sign").drift == []

@@ -18,6 +18,8 @@ CONFIGS = [
     ["--optimizer", "sgd", "--mixing", "uniform", "--topology", "exponential"],
     ["--optimizer", "sgd", "--mixing", "allreduce"],
     ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
+    ["--optimizer", "adam", "--compression", "topk:0.1", "--drift-correction", "0.01"],
+    ["--optimizer", "adam", "--compression", "topk:0.1"],
 ]
 
 
@@ -45,6 +47,9 @@ def test_train_entry_point_all_optimizers(tmp_path):
         assert "test_loss=" in format_summary(a)
         assert a["survivors"] == [0, 1] and a["failures"] == []
     assert results[0][3]["consensus_distance"] == pytest.approx(0.0, abs=1e-10)  # allreduce
+    assert results[0][5]["drift_correction"] == 0.01  # passed down to the communicator
+    assert results[0][6]["drift_correction"] == pytest.approx(0.005)  # topk:0.1's default
+    assert results[0][0]["drift_correction"] is None  # exact exchange
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
@@ -72,6 +77,8 @@ def test_gossip_optimizer_validates_arguments():
     given = SimpleNamespace(topology=None, on_failure="exclude", compression=None)
     with pytest.raises(ValueError, match="compression='sign' applies to the default"):
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", compression="sign")
+    with pytest.raises(ValueError, match="drift_correction=0.1 applies to the default"):
+        GossipOptimizer(sgd, communicator=given, mixing="metropolis", drift_correction=0.1)
     with pytest.raises(ValueError, match="on_failure='raise' applies to the default"):
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
 
@@ -100,6 +107,11 @@ def test_gossip_takes_a_checkpoint_that_adapts_step_sizes():
         (["--compression", "topk:2"], "--compression: top-k ratio must be in (0, 1]"),
         (["--compression", "fp4"], "--compression: unknown compression 'fp4'"),
         (["--consensus-step", "0"], "--consensus-step must be in (0, 1]"),
+        (["--drift-correction", "-1"], "--drift-correction must be in [0, 1.0]"),
+        (
+            ["--compression", "topk:0.01", "--drift-correction", "0.1"],
+            "--drift-correction must be in [0, 0.04]",
+        ),
         (["--step-deadline", "0"], "--step-deadline must be in (0, --timeout)"),
         (["--step-deadline", "1", "--overlap"], "--step-deadline goes with neither"),
         (["--kill-rank", "1"], "--kill-rank and --kill-step go together"),
