@@ -332,3 +332,20 @@ MUTANTS = [
     (check_sparse_rejected, mutant("densifies_sparse")),
     (check_zero_grad, mutant("keeps_grads")),
 ]
+
+
+def spy_layouts(monkeypatch, names=("packed", "stacked", "chunked")) -> dict[str, list]:
+    """Record the shapes each of ``learned_step``'s layouts (``NAME_step_`` in
+    :mod:`learned_opt.functional`) was called with, and still run it."""
+    from learned_opt import functional
+
+    seen: dict[str, list] = {name: [] for name in names}
+    for name in names:
+        real = getattr(functional, f"{name}_step_")
+
+        def spy(theta, cfg, params, *rest, _real=real, _name=name, **kw):
+            seen[_name].append(sorted(tuple(p.shape) for p in params))
+            return _real(theta, cfg, params, *rest, **kw)
+
+        monkeypatch.setattr(functional, f"{name}_step_", spy)
+    return seen

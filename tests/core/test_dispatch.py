@@ -4,28 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from optim_table import perturbed_net
+from optim_table import perturbed_net, spy_layouts
 
 from learned_opt import functional
 from learned_opt.features import init_state
-
-
-def _spy(monkeypatch) -> dict[str, list]:
-    """Record the shapes each layout was called with (and still run it)."""
-    seen: dict[str, list] = {"packed": [], "stacked": [], "chunked": []}
-    for name, attr in (
-        ("packed", "packed_step_"),
-        ("stacked", "stacked_step_"),
-        ("chunked", "chunked_step_"),
-    ):
-        real = getattr(functional, attr)
-
-        def spy(theta, cfg, params, *rest, _real=real, _name=name, **kw):
-            seen[_name].append(sorted(tuple(p.shape) for p in params))
-            return _real(theta, cfg, params, *rest, **kw)
-
-        monkeypatch.setattr(functional, attr, spy)
-    return seen
 
 
 def _step(**kwargs):
@@ -38,7 +20,7 @@ def _step(**kwargs):
 
 
 def test_cpu_default_packs_small_tensors_and_chunks_the_rest(monkeypatch):
-    seen = _spy(monkeypatch)
+    seen = spy_layouts(monkeypatch)
     assert _step(small_tensor_size=100) == [True] * 5
     assert seen == {
         "packed": [[(3, 2), (5,)]],
@@ -48,7 +30,7 @@ def test_cpu_default_packs_small_tensors_and_chunks_the_rest(monkeypatch):
 
 
 def test_stack_same_shape_stacks_tensors_of_one_shape(monkeypatch):
-    seen = _spy(monkeypatch)
+    seen = spy_layouts(monkeypatch)
     assert _step(small_tensor_size=0, stack_same_shape=True) == [True] * 5
     assert sorted(seen["stacked"]) == [[(3, 2)], [(5,)], [(32, 64)], [(64, 32), (64, 32)]]
     assert seen["packed"] == seen["chunked"] == []

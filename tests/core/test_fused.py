@@ -10,7 +10,7 @@ import logging
 
 import pytest
 import torch
-from optim_table import perturbed_net
+from optim_table import perturbed_net, spy_layouts
 
 from learned_opt import LearnedOptimizer, _fused, functional
 from learned_opt.features import init_state
@@ -83,20 +83,6 @@ def test_fused_step_is_bitwise_repeatable():
         assert torch.equal(a, b)
 
 
-def _spy(monkeypatch) -> dict:
-    seen = {"fused": [], "packed": [], "stacked": [], "chunked": []}
-    for name in seen:
-        attr = f"{name}_step_"
-        real = getattr(functional, attr)
-
-        def spy(theta, cfg, params, *rest, _real=real, _name=name, **kw):
-            seen[_name].append(sorted(tuple(p.shape) for p in params))
-            return _real(theta, cfg, params, *rest, **kw)
-
-        monkeypatch.setattr(functional, attr, spy)
-    return seen
-
-
 def test_cached_operands_follow_the_state_and_are_dropped_with_it():
     """The momentum rows are cached per tensor on the state's memory; a state replaced (as
     ``load_state_dict`` does) gets new rows, and a freed state leaves no entry behind."""
@@ -119,7 +105,7 @@ def test_cached_operands_follow_the_state_and_are_dropped_with_it():
 
 
 def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
-    seen = _spy(monkeypatch)
+    seen = spy_layouts(monkeypatch, ("fused", "packed", "stacked", "chunked"))
     net = perturbed_net()
     params, grads, states = _inputs([(64, 32), (32, 64), (5,), (3, 2)])
     oks = functional.learned_step(
@@ -138,7 +124,7 @@ def test_whole_tensor_outputs_still_take_the_stacked_path(monkeypatch):
     """ortho matrices need the whole tensor: never fused; the rest of the tensors are."""
     from learned_opt import LearnedOptimizerNet, NetConfig
 
-    seen = _spy(monkeypatch)
+    seen = spy_layouts(monkeypatch, ("fused", "packed", "stacked", "chunked"))
     net = LearnedOptimizerNet(NetConfig(output="ortho"))
     params, grads, states = _inputs([(64, 32), (4000, 2, 3)])
     functional.learned_step(
