@@ -99,12 +99,12 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
     """Sum of ``x`` (``[..., P]``) over each segment (tensor): ``[..., T]``; differentiable.
 
     Every method is deterministic (bitwise repeatable); all but ``"split"`` take a few
-    kernels whatever the number of segments. Segments of one size (one tensor, or same-shape tensors) are
-    summed by a reshape on every device. ``method``: ``"index_add"`` (the default on CPU,
-    where it adds in order, for one row; on CUDA it adds with atomics, in a varying order),
-    ``"split"`` (a sum per segment, stacked: the default on CPU for more than one row, such
-    as the 11 feature rows, where ``index_add`` along the last dim measured 10x slower),
-    ``"padded"`` (scatter into
+    kernels whatever the number of segments. Segments of one size (one tensor, or
+    same-shape tensors) are summed by a reshape on every device. ``method``:
+    ``"index_add"`` (the default on CPU, where it adds in order, for one row; on CUDA it
+    adds with atomics, in a varying order), ``"split"`` (a sum per segment, stacked: the
+    default on CPU for more than one row, such as the 11 feature rows, where ``index_add``
+    along the last dim measured 10x slower), ``"padded"`` (scatter into
     ``[..., T, longest]`` and sum; the default on accelerators while the padding stays
     below :data:`MAX_PADDING` times ``P``) or ``"blocked"`` (segments padded to whole
     blocks, block sums, then the padded method on the block sums; the default beyond).
