@@ -46,7 +46,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
         + "The output heads are zero, so the local update is ortho_init's (orthogonalised "
         "momentum for 2-D matrices whose smaller dimension is 16 to 256, Adam(lr=1e-3) for "
         "every other tensor), with each tensor's step size adapted: a log multiplier that "
-        "moves by 0.3 * cos(gradient, momentum) per step within [-3, 6], its growth braked "
+        "moves by 0.3 * cos(gradient, momentum) per step within [-4, 7], its growth braked "
         "when gradients fall below a tenth of their running RMS. "
         + _MIXING
         + "The starting point of the adaptive meta-training chain.",
