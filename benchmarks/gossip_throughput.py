@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from learned_opt import LearnedOptimizer
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed import (
     ProcessGroupCommunicator,
     SimulatedCommunicator,
@@ -95,7 +96,7 @@ def _measure(comm, rank: int, numel: int, reps: int, theta, cfg) -> dict:
 
 def _throughput(rank: int, world: int, sizes: dict[str, int], reps: int) -> dict:
     comm = ProcessGroupCommunicator(get_topology("ring", world), timeout=120)
-    opt = LearnedOptimizer([torch.zeros(1)])
+    opt = LearnedOptimizer([torch.zeros(1)], checkpoint=DEFAULT_CHECKPOINT)
     theta, cfg = opt.theta(torch.device("cpu"), torch.float32), opt.config
     return {label: _measure(comm, rank, n, reps, theta, cfg) for label, n in sizes.items()}
 
@@ -111,7 +112,7 @@ def consensus_study(steps: int = 200, workers: int = 8, seed: int = 0) -> dict:
         params = [
             {k: v.clone().requires_grad_(True) for k, v in init.items()} for _ in range(workers)
         ]
-        opts = [LearnedOptimizer(list(p.values())) for p in params]
+        opts = [LearnedOptimizer(list(p.values()), DEFAULT_CHECKPOINT) for p in params]
         theta = opts[0].theta(torch.device("cpu"), torch.float32)
         curve, losses = {}, []
         for step in range(steps):

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)
     s = payload["summary"]
-    print(f"{sides[0]}: median speedup single {s['median_speedup_single']}, decentralized "
+    print(f"{s['side']}: median speedup single {s['median_speedup_single']}, decentralized "
           f"{s['median_speedup_decentralized']}, min {s['min_speedup']}, divergences "
           f"{s['divergences']}; {(time.perf_counter() - start) / 60:.1f} min")  # fmt: skip
     return 0

@@ -68,8 +68,15 @@ def _summary_line(side: str, s: dict) -> str:
         return "-" if v is None else _x(v)
 
     below = ", ".join(s["rows_below_0.8"]) or "none"
+    if "single_side" in s:  # the headline: the shipped default, one rule per setting
+        side = (
+            f"**The shipped default** (`LearnedOptimizer()`: `{s['single_side']}` single-worker, "
+            f"`{s['decentralized_side']}` under gossip)"
+        )
+    else:
+        side = f"`{side}`"
     return (
-        f"`{side}`: median speedup **{num(s['median_speedup_single'])}** single-worker "
+        f"{side}: median speedup **{num(s['median_speedup_single'])}** single-worker "
         f"(wall clock {num(s['median_wall_speedup_single'])}), "
         f"**{num(s['median_speedup_decentralized'])}** decentralized (wall clock "
         f"{num(s['median_wall_speedup_decentralized'])}); minimum {num(s['min_speedup'])} "
@@ -105,7 +112,10 @@ def _render(r: dict, name: str) -> str:
             f" Mean load average while measuring: {r['load_average']:g} (shared machine: the "
             "step times behind the wall-clock speedups are noisy)."
         )
-    summaries = "\n".join(f"- {_summary_line(side, s)}" for side, s in r["summaries"].items())
+    lines = [_summary_line(side, s) for side, s in r["summaries"].items()]
+    if "single_side" in r["summary"]:
+        lines.insert(0, _summary_line("", r["summary"]))
+    summaries = "\n".join(f"- {line}" for line in lines)
     return (
         "Single worker, against AdamW tuned per task and horizon:\n\n"
         + _single_table(r)

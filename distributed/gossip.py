@@ -70,13 +70,22 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     return default_communicator(topology, timeout, **options)
 
 
+def _gossip_net(local_optimizer):
+    """The network a local optimizer steps with under gossip (None without one): see
+    :meth:`learned_opt.LearnedOptimizer.gossip_net`. Changes nothing."""
+    if hasattr(local_optimizer, "gossip_net"):
+        return local_optimizer.gossip_net()[0]
+    return getattr(local_optimizer, "net", None)
+
+
 def _mark_gossip(local_optimizer) -> None:
-    """Tell a learned local optimizer that it steps under gossip: its adapted step sizes
-    then keep below :attr:`NetConfig.lr_adapt_max_gossip
-    <learned_opt.config.NetConfig.lr_adapt_max_gossip>` (see
-    :meth:`~learned_opt.config.NetConfig.under_gossip`)."""
-    if hasattr(local_optimizer, "gossip") and hasattr(local_optimizer, "net"):
-        local_optimizer.gossip = True
+    """Tell a learned local optimizer that it steps under gossip
+    (:meth:`learned_opt.LearnedOptimizer.use_gossip`): its adapted step sizes then keep
+    below :attr:`NetConfig.lr_adapt_max_gossip
+    <learned_opt.config.NetConfig.lr_adapt_max_gossip>`, and one built without a
+    checkpoint takes the shipped decentralized rule."""
+    if hasattr(local_optimizer, "use_gossip"):
+        local_optimizer.use_gossip()
 
 
 class GossipOptimizer:
@@ -146,7 +155,7 @@ class GossipOptimizer:
         logdir: str | os.PathLike | None = None,
     ):
         if mixing is None:
-            has_net = net is not None or getattr(local_optimizer, "net", None) is not None
+            has_net = net is not None or _gossip_net(local_optimizer) is not None
             mixing = "learned" if has_net else "metropolis"
         if mixing not in RULES:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
@@ -167,7 +176,7 @@ class GossipOptimizer:
         self.mixing = mixing
         self.communicator = communicator
         self.topology = communicator.topology
-        self.net = net if net is not None else getattr(local_optimizer, "net", None)
+        self.net = net if net is not None else _gossip_net(local_optimizer)
         if mixing == "learned" and self.net is None:
             raise ValueError(
                 "mixing='learned' needs a LearnedOptimizer as the local optimizer, or net="
@@ -190,6 +199,8 @@ class GossipOptimizer:
         if hasattr(communicator, "check_layout"):
             communicator.check_layout([p.detach() for p in self.params])
         _mark_gossip(local_optimizer)
+        if net is None:  # the network the local optimizer now steps with (theta shared)
+            self.net = getattr(local_optimizer, "net", None)
 
     @property
     def rank(self) -> int:

@@ -11,7 +11,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import (
+    DEFAULT_CHECKPOINT,
+    SINGLE_WORKER_CHECKPOINT,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .features import compute_dtype, init_state
 from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, check_fused, learned_step
 from .network import LearnedOptimizerNet, Theta
@@ -42,7 +48,11 @@ class LearnedOptimizer(Optimizer):
         checkpoint: a shipped name (see :func:`learned_opt.list_pretrained`) or a file path.
             A shipped name wins over a file of that name in the working directory (write
             ``./default`` for the file); ``checkpoint_path`` says which file was loaded.
-            Ignored when ``net`` is given.
+            Ignored when ``net`` is given. Default (None): the shipped rule for where it
+            steps, each the best of the held-out suite there:
+            :data:`~learned_opt.checkpoint.SINGLE_WORKER_CHECKPOINT` alone, and
+            :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT` once a gossip wrapper takes
+            it before its first step (:meth:`use_gossip`).
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
             one-element Tensor (read with ``.item()`` once per group and step); it is
@@ -95,7 +105,7 @@ class LearnedOptimizer(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict],
-        checkpoint: str | os.PathLike = DEFAULT_CHECKPOINT,
+        checkpoint: str | os.PathLike | None = None,
         lr: float = 1.0,
         *,
         net: LearnedOptimizerNet | None = None,
@@ -113,8 +123,11 @@ class LearnedOptimizer(Optimizer):
             raise ValueError(
                 f"Invalid small_tensor_size: {small_tensor_size!r} (must be an int >= 0)"
             )
+        #: built without a checkpoint or net: the shipped rule follows where it steps
+        self.shipped_default = net is None and checkpoint is None
         if net is None:
-            self.checkpoint_path = resolve_checkpoint(checkpoint)
+            name = SINGLE_WORKER_CHECKPOINT if checkpoint is None else checkpoint
+            self.checkpoint_path = resolve_checkpoint(name)
             net, card = load_checkpoint(self.checkpoint_path)
         else:
             self.checkpoint_path, card = None, {}
@@ -134,7 +147,7 @@ class LearnedOptimizer(Optimizer):
     #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
     _PICKLED = (
         "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
-        "fused", "last_loss", "gossip",
+        "fused", "last_loss", "gossip", "shipped_default",
     )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
@@ -180,6 +193,7 @@ class LearnedOptimizer(Optimizer):
             "fused": None,
             "last_loss": None,
             "gossip": False,
+            "shipped_default": False,
             "_theta_cache": {},
         }
         for name, default in defaults.items():
@@ -191,6 +205,27 @@ class LearnedOptimizer(Optimizer):
     def config(self):
         """The network's config (:class:`~learned_opt.config.NetConfig`)."""
         return self.net.config
+
+    def gossip_net(self) -> tuple[LearnedOptimizerNet, os.PathLike | None, dict]:
+        """The network, checkpoint file and card this optimizer steps with under gossip:
+        its own, or, built without a checkpoint and not stepped yet, the shipped
+        decentralized rule (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`)."""
+        if self.shipped_default and not self.state:
+            path = resolve_checkpoint(DEFAULT_CHECKPOINT)
+            net, card = load_checkpoint(path)
+            return net, path, card
+        return self.net, self.checkpoint_path, self.card
+
+    def use_gossip(self) -> None:
+        """Step under gossip from now on (the gossip wrappers call this): adapted step
+        sizes keep below :attr:`~learned_opt.config.NetConfig.lr_adapt_max_gossip`
+        (:attr:`step_config`), and an optimizer built without a checkpoint takes
+        :meth:`gossip_net`."""
+        net, path, card = self.gossip_net()
+        if net is not self.net:
+            self.net, self.checkpoint_path, self.card = net, path, card
+            self.refresh_theta()
+        self.gossip = True
 
     @property
     def step_config(self):

@@ -154,3 +154,21 @@ def test_job_queue_runs_urgent_jobs_first():
     assert ran == ["urgent", "a", "b", "c"]
     with pytest.raises(RuntimeError, match="no executor"):
         JobQueue(None).wait_any()
+
+
+def test_headline_is_the_shipped_default_one_rule_per_setting():
+    from benchmarks.heldout_summary import headline
+
+    def row(side, speedup, **extra):
+        return {"side": side, "task": "t", "horizon": 200, "speedup": speedup,
+                "wall_speedup": speedup, "diverged": False, "lr_mult": {}, **extra}  # fmt: skip
+
+    singles = [row("adapt_init", 1.5), row("default", 0.4)]
+    decs = [row("adapt_init", 0.6, workers=8), row("default", 1.2, workers=8)]
+    top = headline(["adapt_init", "ortho_init", "default"], singles, decs)
+    assert (top["side"], top["single_side"], top["decentralized_side"]) == (
+        "shipped default", "adapt_init", "default")  # fmt: skip
+    assert top["median_speedup_single"] == 1.5 and top["median_speedup_decentralized"] == 1.2
+    assert top["min_speedup"] == 1.2 and top["rows_below_0.8"] == []
+    alone = headline(["adapt_init"], singles, decs)  # one rule measured: that rule
+    assert alone["side"] == "adapt_init" and alone["median_speedup_decentralized"] == 0.6

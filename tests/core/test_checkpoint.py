@@ -16,6 +16,7 @@ from learned_opt import (
     load_checkpoint,
     save_checkpoint,
 )
+from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
 
 
 @pytest.fixture
@@ -66,8 +67,9 @@ def test_list_pretrained_default_first_and_loadable():
     for name in names:
         net, card = load_checkpoint(name)
         assert isinstance(card, dict) and card.get("summary")
-    opt = LearnedOptimizer(make_params())
-    assert opt.card == load_checkpoint("default")[1]
+    opt = LearnedOptimizer(make_params())  # alone: the shipped single-worker rule
+    assert opt.card == load_checkpoint(SINGLE_WORKER_CHECKPOINT)[1]
+    assert opt.checkpoint_path.stem == SINGLE_WORKER_CHECKPOINT
 
 
 def test_shipped_cards_are_honest():

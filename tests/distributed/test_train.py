@@ -1,5 +1,6 @@
 """The torchrun entry point, run through the local launcher (one spawn, several configs)."""
 
+import pickle
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -8,7 +9,7 @@ import dist_workers as w
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer
+from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.distributed.train import format_summary, launched, parse_args
 
@@ -91,6 +92,47 @@ def test_gossip_takes_a_checkpoint_that_adapts_step_sizes():
     assert not local.gossip  # a failed construction leaves the optimizer as it was
     args = parse_args(["--checkpoint", "adapt_init"])
     assert args.checkpoint == "adapt_init"
+
+
+def test_the_shipped_rule_follows_where_the_optimizer_steps():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+    from learned_opt.distributed import ProcessGroupCommunicator, get_topology
+
+    single, gossip = (load_checkpoint(n)[1] for n in (SINGLE_WORKER_CHECKPOINT, DEFAULT_CHECKPOINT))
+    assert single != gossip
+    p = torch.zeros(4, requires_grad=True)
+    fresh, named, stepped = LearnedOptimizer([p]), LearnedOptimizer([p], "adapt_init"), None
+    assert fresh.card == single and fresh.net.config.adapts_lr  # alone: the single-worker rule
+    stepped = LearnedOptimizer([p])
+    p.grad = torch.ones(4)
+    stepped.step()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        GossipOptimizer(fresh, "ring")
+    assert fresh.card == single and not fresh.gossip  # a failed construction changes nothing
+    store, timeout = dist.HashStore(), timedelta(seconds=w.COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    try:
+        comm = ProcessGroupCommunicator(get_topology("ring", 1))
+        wrapped = {
+            name: GossipOptimizer(opt, communicator=comm)
+            for name, opt in (("fresh", fresh), ("named", named), ("stepped", stepped))
+        }
+    finally:
+        dist.destroy_process_group()
+    # built without a checkpoint and not stepped yet: the shipped decentralized rule, whose
+    # edge head the learned mixing shares
+    assert fresh.card == gossip and fresh.gossip and fresh.checkpoint_path.stem == "default"
+    assert wrapped["fresh"].mixing == "learned" and wrapped["fresh"].net is fresh.net
+    # a named checkpoint, or an optimizer that has stepped (its state belongs to its rule),
+    # keeps its network
+    assert named.card == single and named.gossip and wrapped["named"].net is named.net
+    assert stepped.card == single and stepped.gossip
+    clone = pickle.loads(pickle.dumps(LearnedOptimizer([torch.zeros(2)])))
+    assert clone.shipped_default and clone.card == single
 
 
 @pytest.mark.parametrize(
