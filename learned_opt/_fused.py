@@ -33,6 +33,8 @@ import functools
 import logging
 import threading
 import weakref
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,7 +58,15 @@ MIN_FUSED_SIZE = 16
 
 
 def tensor_sums(
-    p: Tensor, g: Tensor, m0: Tensor, m1: Tensor, m2: Tensor, v: Tensor, cfg: NetConfig
+    p: Tensor,
+    g: Tensor,
+    m0: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    v: Tensor,
+    cfg: NetConfig,
+    seg: Tensor | None = None,
+    sizes: Tensor | None = None,
 ) -> Tensor:
     """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
     the mean squares of the 11 features after this step's moment update, and mean(v); when
@@ -67,19 +77,39 @@ def tensor_sums(
     ``v`` ``[n]`` in the compute dtype; nothing is written. Where the gradient or the
     parameter holds NaN or Inf, the first entry is 0 (the tensor is skipped; the rest is
     then meaningless).
+
+    With ``seg`` (``[n]``: the index of each element's tensor) and ``sizes`` (``[T]``: the
+    tensors' sizes, in the compute dtype), the elements are ``T`` small tensors packed
+    (:class:`_Pack`): the same sums per tensor, ``(T, 14)`` (or ``(T, 17)``).
     """
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
-    g_ss, p_ss = torch.dot(g_c, g_c), torch.dot(p_c, p_c)
+    dot, mean, at = _reductions(seg, sizes)
+    count = v.shape[-1] if sizes is None else sizes
+    g_ss, p_ss = dot(g_c, g_c), dot(p_c, p_c)
     ok = stepped(g_ss, p_ss)
     m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
-    g_rms = safe_sqrt(g_ss / v.shape[-1])
-    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
-    ms = torch.stack([torch.mean(r * r) for r in rows])
-    out = [torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)]
+    g_rms = safe_sqrt(g_ss / count)
+    rows = feature_rows(p_c, g_c, m_new, v_new, at(g_rms), cfg)
+    ms = torch.stack([mean(r * r) for r in rows], dim=-1)
+    out = [torch.stack([ok.to(dtype), g_rms], dim=-1), ms, mean(v_new).unsqueeze(-1)]
     if cfg.adapts_lr:
-        out.append(torch.stack([torch.dot(g_c, m0), torch.dot(m0, m0), g_ss]))
-    return torch.cat(out)
+        out.append(torch.stack([dot(g_c, m0), dot(m0, m0), g_ss], dim=-1))
+    return torch.cat(out, dim=-1)
+
+
+def _reductions(seg: Tensor | None, sizes: Tensor | None):
+    """``(dot, mean, at)`` over one tensor (``seg`` None), or per tensor of the packed ones:
+    ``dot(x, y)`` the sum of ``x * y``, ``mean(x)`` and ``at(t)``, which takes per-tensor
+    values (``[..., T]``) to the elements (``[..., n]``). Per tensor the sums are
+    ``index_add`` in element order (on the one thread of the compiled pass: repeatable)."""
+    if seg is None:
+        return torch.dot, torch.mean, lambda t: t
+
+    def total(x: Tensor) -> Tensor:
+        return torch.zeros_like(sizes).index_add(0, seg, x)
+
+    return (lambda x, y: total(x * y)), (lambda x: total(x) / sizes), (lambda t: t[..., seg])
 
 
 def update_tensor_(
@@ -94,6 +124,8 @@ def update_tensor_(
     scale: Tensor,
     step: Tensor,
     cfg: NetConfig,
+    scales: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> None:
     """The update pass of one tensor, in place: read p, g, m and v once; update the
     moments, compute the features, the per-element MLP (``layers`` of the tensor, its
@@ -104,19 +136,57 @@ def update_tensor_(
     is applied row by row, so that each op has the shape ``[n]`` and inductor fuses the
     whole pass into one loop that writes each row directly (a ``[3, n]`` intermediate
     would cost a loop of its own and a buffer of ``3n`` floats). The compiled caller
-    passes rows that do not share a storage object (:func:`_rows`); rows of one storage
+    passes rows that do not share a storage object (:func:`_operands`); rows of one storage
     would make the compiler treat the three writes as overlapping and copy through
-    buffers."""
+    buffers.
+
+    For packed tensors (:func:`update_packed_`) the per-tensor values come per element:
+    ``g_rms``, ``scale`` and ``keep`` (where to write) ``[n]``, the first layer's bias
+    ``(H, n)`` and the feature normalisers ``scales`` (``(11, n)``), which the first layer
+    then does not fold in."""
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
     m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
     rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
+    if scales is not None:
+        rows = [r * s for r, s in zip(rows, scales.unbind(0))]
     d, log_mag = element_mlp_rows(layers, rows)
     new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
+    if keep is not None:  # a packed tensor that is skipped keeps its values
+        new_p = torch.where(keep, new_p, p_c)
+        m_new = [torch.where(keep, new, old) for new, old in zip(m_new, (m0, m1, m2))]
+        v_new = torch.where(keep, v_new, v)
     p.copy_(new_p)
     for row, new in zip((m0, m1, m2), m_new):
         row.copy_(new)
     v.copy_(v_new)
+
+
+def update_packed_(
+    layers: Layers,
+    p: Tensor,
+    g: Tensor,
+    m0: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    v: Tensor,
+    seg: Tensor,
+    g_rms: Tensor,
+    scale: Tensor,
+    scales: Tensor,
+    ok: Tensor,
+    step: Tensor,
+    cfg: NetConfig,
+) -> None:
+    """The update pass (:func:`update_tensor_`) of ``T`` small tensors packed into ``[n]``
+    vectors (:class:`_Pack`), in place. Per-tensor values are tables that ``seg`` (``[n]``)
+    indexes per element: ``g_rms``, ``scale`` and ``ok`` (whether to step) ``[T]``, the
+    feature normalisers ``scales`` ``(11, T)`` and the first layer's bias ``(H, T)`` in
+    ``layers``, whose first weight does not fold the normalisers in."""
+    (w1, b1), *shared = layers
+    at = _reductions(seg, None)[2]
+    own = ((w1, at(b1)), *shared)
+    update_tensor_(own, p, g, m0, m1, m2, v, at(g_rms), at(scale), step, cfg, at(scales), at(ok))
 
 
 class CompileFailed(RuntimeError):
@@ -154,7 +224,9 @@ COMPILE_OPTIONS = {"cpp.threads": 1, "cpp.enable_floating_point_contract_flag": 
 
 
 def _compiled_for(cfg: NetConfig):
-    """The two passes compiled for ``cfg`` (built once per config, dynamic sizes)."""
+    """The passes compiled for ``cfg`` (built once per config, dynamic sizes): the reduction
+    and update passes of one tensor, the update pass on an OpenMP team, and the reduction
+    and update passes of packed small tensors."""
     with _lock:
         if cfg not in _compiled:
 
@@ -167,18 +239,58 @@ def _compiled_for(cfg: NetConfig):
             def update_threaded(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
                 update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
 
-            compiled = [
-                torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS) for fn in (sums, update)
-            ]
+            def sums_packed(p, g, m0, m1, m2, v, seg, sizes, _cfg=cfg):
+                return tensor_sums(p, g, m0, m1, m2, v, _cfg, seg, sizes)
+
+            def update_packed(layers, p, g, m0, m1, m2, v, seg, g_rms, scale, scales, ok, step,
+                              _cfg=cfg):  # fmt: skip
+                update_packed_(layers, p, g, m0, m1, m2, v, seg, g_rms, scale, scales, ok, step,
+                               _cfg)  # fmt: skip
+
+            single = {**COMPILE_OPTIONS}
             threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
-            compiled.append(torch.compile(update_threaded, dynamic=True, options=threaded))
-            _compiled[cfg] = tuple(compiled)
+            _compiled[cfg] = _Passes(
+                *(
+                    torch.compile(fn, dynamic=True, options=opts)
+                    for fn, opts in (
+                        (sums, single), (update, single), (update_threaded, threaded),
+                        (sums_packed, single), (update_packed, single),
+                    )
+                )
+            )  # fmt: skip
         return _compiled[cfg]
+
+
+class _Passes(NamedTuple):
+    """The passes of :func:`fused_step_`, compiled (:func:`_compiled_for`) or not."""
+
+    sums: Callable
+    update: Callable
+    update_threaded: Callable
+    sums_packed: Callable
+    update_packed: Callable
+
+
+def _eager_passes(cfg: NetConfig) -> _Passes:
+    """The same passes uncompiled (``compiled=False``)."""
+
+    def sums_packed(p, g, m0, m1, m2, v, seg, sizes):
+        return tensor_sums(p, g, m0, m1, m2, v, cfg, seg, sizes)
+
+    sums = functools.partial(tensor_sums, cfg=cfg)
+    update = functools.partial(update_tensor_, cfg=cfg)
+    return _Passes(sums, update, update, sums_packed, functools.partial(update_packed_, cfg=cfg))
 
 
 def fusable(p: Tensor) -> bool:
     """Whether :func:`fused_step_` steps ``p`` (large enough, contiguous)."""
     return p.numel() >= MIN_FUSED_SIZE and p.is_contiguous()
+
+
+def packable(p: Tensor) -> bool:
+    """Whether :func:`fused_step_` can step ``p`` packed with other small tensors
+    (contiguous, not empty)."""
+    return p.numel() > 0 and p.is_contiguous()
 
 
 @torch.no_grad()
@@ -193,12 +305,16 @@ def fused_step_(
     *,
     compiled: bool = True,
     threads: int = 1,
+    small_tensor_size: int = 0,
 ) -> list[bool]:
     """The learned step of many tensors, in place: per tensor the reduction pass, then the
     per-tensor stage for all tensors at once, then per tensor the update pass.
 
     ``params`` share a device and a compute dtype (theta's and the states'); each is
-    contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`). Returns,
+    contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`), or has at
+    most ``small_tensor_size`` elements (:func:`packable`): if there are at least two of
+    those, they are packed into one vector (:class:`_Pack`) and each pass steps them all in
+    one call, with per-tensor sums and per-tensor values gathered per element. Returns,
     per tensor, False where the gradient or the parameter was not finite and nothing
     changed. With ``compiled`` the passes are the ``torch.compile``d ones; if compiling
     fails, :class:`CompileFailed` is raised with ``done``: ``{index: flag}`` of the tensors
@@ -214,61 +330,87 @@ def fused_step_(
             f"tensors of shapes {whole} need their whole tensor in the output stage "
             f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
         )
+    small = [i for i, p in enumerate(params) if 0 < p.numel() <= small_tensor_size]
+    small = small if len(small) > 1 and all(packable(params[i]) for i in small) else []
+    large = [i for i in range(len(params)) if i not in set(small)]
     like = states[0]["v"]
-    flat = [_operands(p, g, s) for p, g, s in zip(params, grads, states)]
+    flat = [_operands(params[i], grads[i], states[i]) for i in large]
+    pack = _Pack.of([params[i] for i in small], [states[i] for i in small]) if small else None
     if compiled and _failure:
         raise _failed({})
-    if compiled:
-        sums_fn, update_fn, threaded_fn = _compiled_for(cfg)
-    else:
-        sums_fn = functools.partial(tensor_sums, cfg=cfg)
-        update_fn = threaded_fn = functools.partial(update_tensor_, cfg=cfg)
-    if threads > 1 and any(p.numel() >= PARALLEL_SIZE for p in params):
+    passes = _compiled_for(cfg) if compiled else _eager_passes(cfg)
+    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):
         threads = threads if machine_is_free(threads) else 1
+    order = large + small  # the rows of the per-tensor tables
     done: dict[int, bool] = {}
     try:
-        sums = torch.stack([sums_fn(*f) for f in flat])
-        flags = (sums[:, 0] > 0).tolist()  # one sync
-        done.update((i, False) for i, ok in enumerate(flags) if not ok)
-        live = [i for i, ok in enumerate(flags) if ok]
-        if not live:
+        parts = [torch.stack([passes.sums(*f) for f in flat])] if flat else []
+        if pack is not None:
+            packed = pack.operands([grads[i] for i in small])
+            parts.append(passes.sums_packed(*packed, pack.seg, pack.sizes))
+        sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        oks = (sums[:, 0] > 0).tolist()  # one sync
+        flags = [False] * len(params)
+        for i, ok in zip(order, oks):
+            flags[i] = ok
+        done.update((i, False) for i, ok in zip(order, oks) if not ok)
+        if not any(oks):
             return flags
-        sel = sums[torch.tensor(live, device=sums.device)] if len(live) < len(flat) else sums
         log_lr = None
         if cfg.adapts_lr:  # written to the states as each tensor is stepped
-            old = torch.stack([states[i]["log_lr"] for i in live])
-            numel = torch.tensor([float(params[i].numel()) for i in live], dtype=like.dtype)
+            old = torch.stack([states[i]["log_lr"] for i in order])
+            numel = torch.tensor([float(params[i].numel()) for i in order], dtype=like.dtype)
             log_lr = adapt_log_lr(
-                old, sel[:, 14], sel[:, 16], sel[:, 15], sel[:, 13], numel, step, cfg
+                old, sums[:, 14], sums[:, 16], sums[:, 15], sums[:, 13], numel, step, cfg
             )
+        # every row: a skipped tensor's values stay in its own row, which is never used
         scales, bias, scale = tensor_context(
-            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr,
+            theta, cfg, sums[:, 2:13], sums[:, 13], [params[i].shape for i in order], step, lr,
             log_lr,
         )  # fmt: skip
-        layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
-        (w1, b1), *shared = layers
         step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
-        big = [threads > 1 and params[i].numel() >= PARALLEL_SIZE for i in live]
-        # the large tensors first, under one change of the thread count
-        for use_team in (True, False):
-            todo = [(j, i) for j, i in enumerate(live) if big[j] == use_team]
-            if not todo:
-                continue
-            fn = threaded_fn if use_team else update_fn
-            with _threads(threads) if use_team else contextlib.nullcontext():
-                for j, i in todo:
-                    own = ((w1[j].clone(), b1[j].clone()), *shared)
-                    fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
-                    torch.autograd.graph.increment_version(params[i])  # written via an alias
-                    if log_lr is not None:
-                        states[i]["log_lr"].copy_(log_lr[j])
-                    done[i] = True
+        todo = [(j, i) for j, i in enumerate(large) if oks[j]]
+        if todo:
+            layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
+            _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t,
+                         log_lr, threads, done)  # fmt: skip
+        if pack is not None and any(oks[len(large) :]):
+            rows = slice(len(large), None)
+            layers = element_layers(theta, cfg, like.dtype, bias[rows].T.contiguous())
+            ok = sums[rows, 0] > 0
+            passes.update_packed(layers, *packed, pack.seg, sums[rows, 1].contiguous(),
+                                 scale[rows].contiguous(), scales[rows].T.contiguous(), ok,
+                                 step_t)  # fmt: skip
+            pack.write_back(packed, None if log_lr is None else log_lr[rows], ok,
+                            [states[i] for i in small])  # fmt: skip
+            done.update((i, flags[i]) for i in small)
     except Exception as e:  # a compiler missing or failing: fall back, once
         if not compiled or not _is_compile_error(e):
             raise
         _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise _failed(done) from e
     return flags
+
+
+def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t, log_lr,
+                 threads, done) -> None:  # fmt: skip
+    """The update pass of each large tensor ``i`` (row ``j``) in ``todo``: those of at
+    least :data:`PARALLEL_SIZE` elements first, under one change of the thread count."""
+    (w1, b1), *shared = layers
+    big = {j: threads > 1 and params[i].numel() >= PARALLEL_SIZE for j, i in todo}
+    for use_team in (True, False):
+        now = [(j, i) for j, i in todo if big[j] == use_team]
+        if not now:
+            continue
+        fn = passes.update_threaded if use_team else passes.update
+        with _threads(threads) if use_team else contextlib.nullcontext():
+            for j, i in now:
+                own = ((w1[j].clone(), b1[j].clone()), *shared)
+                fn(own, *flat[j], sums[j, 1].clone(), scale[j].clone(), step_t)
+                torch.autograd.graph.increment_version(params[i])  # written via an alias
+                if log_lr is not None:
+                    states[i]["log_lr"].copy_(log_lr[j])
+                done[i] = True
 
 
 @contextlib.contextmanager
@@ -304,6 +446,61 @@ def _operands(p: Tensor, g: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, .
         _operand_cache[id(m)] = hit = (weakref.ref(m, _forget(id(m))), key, ops)
     p_flat, m0, m1, m2, v_flat = hit[2]
     return p_flat, _alias(g, -1), m0, m1, m2, v_flat
+
+
+class _Pack:
+    """Small tensors packed for :func:`fused_step_`: each operand as one ``[n]`` vector, the
+    segment index of each element (``seg``) and the tensors' sizes (``sizes``).
+
+    Built once per set of tensors (:meth:`of`) and cached while their parameters and states
+    keep their memory (the flat views that the results are copied back into hold it);
+    each step then copies the tensors in (:meth:`operands`) and back (:meth:`write_back`)
+    with a few calls whatever their number."""
+
+    def __init__(self, params: list[Tensor], states: list[dict[str, Tensor]]):
+        like = states[0]["v"]
+        self.dtype, self.numels = like.dtype, [p.numel() for p in params]
+        counts = torch.tensor(self.numels, device=like.device)
+        self.seg = torch.arange(len(params), device=like.device).repeat_interleave(counts)
+        self.sizes = counts.to(like.dtype)
+        self.params = [p.detach().view(-1) for p in params]
+        self.rows = [[s["m"][k].view(-1) for s in states] for k in range(3)]
+        self.v = [s["v"].view(-1) for s in states]
+
+    @classmethod
+    def of(cls, params: list[Tensor], states: list[dict[str, Tensor]]) -> _Pack:
+        key = tuple(
+            (p.data_ptr(), p.numel(), p.dtype, s["m"].data_ptr(), s["v"].data_ptr())
+            for p, s in zip(params, states)
+        )
+        pack = _packs.get(key)
+        if pack is None:
+            while len(_packs) >= MAX_PACKS:
+                _packs.pop(next(iter(_packs)))
+            pack = _packs[key] = cls(params, states)
+        return pack
+
+    def operands(self, grads: list[Tensor]) -> tuple[Tensor, ...]:
+        """``(p, g, m0, m1, m2, v)`` packed, in the compute dtype (copies; the momentum rows
+        each on a storage of its own)."""
+        p = torch.cat(self.params).to(self.dtype)
+        g = torch.cat([g.reshape(-1) for g in grads]).to(self.dtype)
+        return (p, g, *(torch.cat(row) for row in self.rows), torch.cat(self.v))
+
+    def write_back(self, packed, log_lr: Tensor | None, ok: Tensor, states) -> None:
+        """Copy the stepped ``packed`` operands back into the tensors and states, and
+        ``log_lr`` (``[T]``) into the states of the tensors stepped (``ok``)."""
+        dst = [*self.params, *(t for row in self.rows for t in row), *self.v]
+        src = [t for x in (packed[0], *packed[2:]) for t in x.split(self.numels)]
+        if log_lr is not None:
+            dst += [s["log_lr"] for s in states]
+            src += list(torch.where(ok, log_lr, torch.stack(dst[-len(states) :])).unbind())
+        torch._foreach_copy_(dst, src)
+
+
+#: At most this many sets of packed tensors are cached (:class:`_Pack`).
+MAX_PACKS = 4
+_packs: dict[tuple, _Pack] = {}
 
 
 def _forget(key: int):

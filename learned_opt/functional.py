@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ._chunked import DEFAULT_CHUNK, chunked_step_
-from ._fused import CompileFailed, announce, compile_failure, fusable, fused_step_
+from ._fused import CompileFailed, announce, compile_failure, fusable, fused_step_, packable
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
@@ -145,17 +145,13 @@ def learned_step(
     theta_for = theta if callable(theta) else _cast(theta)
     index = {id(s): i for i, s in enumerate(states)}
     ok = [True] * len(params)
-    groups: dict[tuple, list] = {}  # by (small, device, compute dtype)
+    groups: dict[tuple, list] = {}  # by (device, compute dtype)
     for item in zip(params, grads, states):
-        small = 0 < item[0].numel() <= small_tensor_size
-        groups.setdefault((small, item[0].device, item[2]["v"].dtype), []).append(item)
-    for (small, device, dtype), items in groups.items():
+        groups.setdefault((item[0].device, item[2]["v"].dtype), []).append(item)
+    for (device, dtype), items in groups.items():
         theta_d = theta_for(device, dtype)
-        if small:
-            with _one_thread(device):
-                flags = packed_step_(theta_d, cfg, *zip(*items), step, lr)
-            _record(ok, index, items, flags)
-            continue
+        small = [it for it in items if 0 < it[0].numel() <= small_tensor_size]
+        items = [it for it in items if not 0 < it[0].numel() <= small_tensor_size]
         cpu = device.type == "cpu"
         stack = stack_same_shape if stack_same_shape is not None else not cpu
         # tensors whose output stage reduces over the whole tensor are always stacked
@@ -167,7 +163,14 @@ def learned_step(
         if mode is not None:
             threads = torch.get_num_threads()
             with _one_thread(device):
-                items = _fused_part(theta_d, cfg, items, step, lr, mode, device, ok, index, threads)
+                items, small = _fused_part(
+                    theta_d, cfg, items, small, step, lr, mode, device, ok, index, threads,
+                    small_tensor_size,
+                )  # fmt: skip
+        if small:
+            with _one_thread(device):
+                flags = packed_step_(theta_d, cfg, *zip(*small), step, lr)
+            _record(ok, index, small, flags)
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
         whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
         shape_stacks += whole_stacks + [[it] for it in too_large]
@@ -199,25 +202,33 @@ def _one_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
-def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index, threads) -> list:
-    """Step the fusable ``items`` with the fused layout; return the others (and, if
+def _fused_part(theta, cfg, items, small, step, lr, mode, device, ok, index, threads, size):
+    """Step the fusable ``items`` and the packable ``small`` ones (of at most ``size``
+    elements, packed together) with the fused layout; return the others of each (and, if
     compiling failed, the ones not stepped yet)."""
-    fuse = [it for it in items if fusable(it[0])]
+    pack = [it for it in small if packable(it[0]) and not needs_whole_tensor(cfg, it[0].shape)]
+    pack = pack if len(pack) > 1 else []
+    fuse = [it for it in items if fusable(it[0])] + pack
     if not fuse:
-        return items
+        return items, small
     rest = [it for it in items if not fusable(it[0])]
+    packed = {id(it[2]) for it in pack}
+    small = [it for it in small if id(it[2]) not in packed]
     try:
         flags = fused_step_(
-            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads
-        )
+            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads,
+            small_tensor_size=size if pack else 0,
+        )  # fmt: skip
     except CompileFailed as e:
         announce("eager", device, why=f"torch.compile failed: {e}")
         _record(ok, index, [fuse[i] for i in e.done], list(e.done.values()))
-        return rest + [it for i, it in enumerate(fuse) if i not in e.done]
+        left = [it for i, it in enumerate(fuse) if i not in e.done]
+        small += [it for it in left if id(it[2]) in packed]
+        return rest + [it for it in left if id(it[2]) not in packed], small
     if mode == "compiled":
         announce("fused", device)
     _record(ok, index, fuse, flags)
-    return rest
+    return rest, small
 
 
 def _record(ok: list[bool], index: dict, items, flags) -> None:

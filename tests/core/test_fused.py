@@ -105,6 +105,7 @@ def test_cached_operands_follow_the_state_and_are_dropped_with_it():
 
 
 def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
+    """Small tensors join the fused step, packed (two or more); a lone one is packed alone."""
     seen = spy_layouts(monkeypatch, ("fused", "packed", "stacked", "chunked"))
     net = perturbed_net()
     params, grads, states = _inputs([(64, 32), (32, 64), (5,), (3, 2)])
@@ -113,11 +114,16 @@ def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
     )
     assert oks == [True] * 4
     assert seen == {
-        "fused": [[(32, 64), (64, 32)]],
-        "packed": [[(3, 2), (5,)]],
+        "fused": [[(3, 2), (5,), (32, 64), (64, 32)]],
+        "packed": [],
         "stacked": [],
         "chunked": [],
     }
+    params, grads, states = _inputs([(64, 32), (5,)])
+    functional.learned_step(
+        net.theta(), net.config, params, grads, states, 1, small_tensor_size=100, fused="eager"
+    )
+    assert seen["fused"][1:] == [[(64, 32)]] and seen["packed"] == [[(5,)]]
 
 
 def test_whole_tensor_outputs_still_take_the_stacked_path(monkeypatch):
@@ -157,7 +163,7 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
         def fn(*args):
             raise InductorError("no working C++ compiler")
 
-        return fn, fn, fn  # the reduction pass and the update passes
+        return _fused._Passes(fn, fn, fn, fn, fn)  # every pass fails
 
     monkeypatch.setattr(_fused, "_compiled_for", broken)
     monkeypatch.setattr(_fused, "_failure", [])
