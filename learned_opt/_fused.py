@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -55,6 +56,12 @@ PARALLEL_SIZE = 1 << 15
 #: Tensors with fewer elements take the other layouts (and the compiled code never sees
 #: sizes 0 and 1, which torch.compile would specialise on).
 MIN_FUSED_SIZE = 16
+#: Tensors of at most this many elements are packed together (:class:`_Pack`) by the
+#: dispatcher; larger ones take a call of each pass. A packed element costs more than one
+#: of a tensor of its own (per-tensor sums by ``index_add``, per-tensor values gathered per
+#: element, copies in and out); a call costs about 50 us, the time of a few thousand
+#: packed elements.
+PACK_SIZE = 1 << 10
 
 
 def tensor_sums(
@@ -249,16 +256,98 @@ def _compiled_for(cfg: NetConfig):
 
             single = {**COMPILE_OPTIONS}
             threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
+            n, scalar, static = ("n",), (), (None, None)
+            rows = (n,) * 6  # p, g, m0, m1, m2, v
+            layers = (static,) * 6  # w1, b1, the hidden and the output layer
+            one = (*layers, *rows, scalar, scalar, scalar)  # g_rms, scale, step
             _compiled[cfg] = _Passes(
-                *(
-                    torch.compile(fn, dynamic=True, options=opts)
-                    for fn, opts in (
-                        (sums, single), (update, single), (update_threaded, threaded),
-                        (sums_packed, single), (update_packed, single),
-                    )
-                )
+                _Pass(sums, single, rows),
+                _Pass(update, single, one, layered=True),
+                _Pass(update_threaded, threaded, one, layered=True),
+                _Pass(sums_packed, single, (*rows, n, ("T",))),  # seg, sizes
+                _Pass(
+                    update_packed, single, layered=True,
+                    dims=(static, (None, "T"), *layers[2:], *rows, n, ("T",), ("T",), (None, "T"),
+                          ("T",), scalar),  # seg, g_rms, scale, scales, ok, step
+                ),
             )  # fmt: skip
         return _compiled[cfg]
+
+
+class _Pass:
+    """One pass of :func:`fused_step_`, compiled on its first call for each device type and
+    argument dtypes, with symbolic sizes: a new size, step or lr never compiles again.
+
+    On CPU the pass is traced to a graph (``make_fx``) and compiled by inductor's
+    ``standalone_compile``; the result is called directly, without the frame evaluation
+    and guard checks of ``torch.compile``, which cost about 30 us a call (the compiled call
+    itself about 25 us). So nothing checks at a call what the graph assumed, and the graph
+    is traced on stand-in arguments that let it assume nothing it should not: ``dims``
+    names, per argument and dim, the sizes that vary (``"n"``: elements, ``"T"``: packed
+    tensors; None: a size fixed by ``cfg``), and the stand-ins give them primes above every
+    fixed size, so no varying size is taken for another or for a constant. Inductor's generated code still checks every fixed size and stride. Dtypes
+    and the device type are part of the key. Elsewhere (GPU) the pass goes through
+    ``torch.compile(dynamic=True)``, whose guards check it all. ``layered``: the first
+    argument is the MLP's layers (pairs of tensors), passed on as flat tensors.
+    """
+
+    def __init__(self, fn: Callable, options: dict, dims: tuple, layered: bool = False):
+        self.fn, self.options, self.dims, self.layered = fn, options, dims, layered
+        self.pairs = 0  # the number of layers (set by the first layered call)
+        self.built: dict[tuple, Callable] = {}
+
+    def __call__(self, *args):
+        if self.layered:
+            layers, *rest = args
+            self.pairs = len(layers)
+            args = (*(t for pair in layers for t in pair), *rest)
+        key = (args[0].device.type, self.pairs, *(a.dtype for a in args))
+        run = self.built.get(key)
+        if run is None:
+            with _lock:
+                run = self.built.get(key) or self._build(key, args)
+        return run(*args)[0]
+
+    def flat(self, *args) -> list[Tensor]:
+        """The pass on flat tensors (the layers' tensors first); returns ``[its output]``,
+        or ``[0-d tensor]`` for a pass that only writes (a compiled graph returns tensors)."""
+        if self.layered:
+            k = 2 * self.pairs
+            out = self.fn(tuple(zip(args[0:k:2], args[1:k:2])), *args[k:])
+        else:
+            out = self.fn(*args)
+        return [args[-1].new_zeros(()) if out is None else out]
+
+    def _build(self, key: tuple, args: tuple) -> Callable:
+        if key[0] != "cpu":
+            run = torch.compile(self.flat, dynamic=True, options=self.options)
+        else:
+            from torch.fx.experimental.proxy_tensor import make_fx
+
+            if len(args) != len(self.dims):
+                raise ValueError(f"{len(args)} arguments for a pass of {len(self.dims)}")
+            fixed = [s for a, dims in zip(args, self.dims) for d, s in zip(dims, a.shape) if not d]
+            sizes = {"T": _prime_above(max(fixed, default=16))}
+            sizes["n"] = _prime_above(4 * sizes["T"])
+            stand_ins = [
+                torch.zeros([sizes.get(d, s) for d, s in zip(dims, a.shape)], dtype=a.dtype)
+                for a, dims in zip(args, self.dims)
+            ]
+            graph = make_fx(self.flat, tracing_mode="symbolic")(*stand_ins)
+            run = torch._inductor.standalone_compile(
+                graph, stand_ins, dynamic_shapes="from_graph",
+                options={"config_patches": self.options},
+            )  # fmt: skip
+        self.built[key] = run
+        return run
+
+
+def _prime_above(k: int) -> int:
+    """The smallest prime above ``k``."""
+    k += 1
+    while any(k % d == 0 for d in range(2, math.isqrt(k) + 1)):
+        k += 1
+    return k
 
 
 class _Passes(NamedTuple):
@@ -347,7 +436,7 @@ def fused_step_(
         parts = [torch.stack([passes.sums(*f) for f in flat])] if flat else []
         if pack is not None:
             packed = pack.operands([grads[i] for i in small])
-            parts.append(passes.sums_packed(*packed, pack.seg, pack.sizes))
+            parts.append(passes.sums_packed(*packed[:6], pack.seg, pack.sizes))
         sums = torch.cat(parts) if len(parts) > 1 else parts[0]
         oks = (sums[:, 0] > 0).tolist()  # one sync
         flags = [False] * len(params)
@@ -378,7 +467,7 @@ def fused_step_(
             rows = slice(len(large), None)
             layers = element_layers(theta, cfg, like.dtype, bias[rows].T.contiguous())
             ok = sums[rows, 0] > 0
-            passes.update_packed(layers, *packed, pack.seg, sums[rows, 1].contiguous(),
+            passes.update_packed(layers, *packed[:6], pack.seg, sums[rows, 1].contiguous(),
                                  scale[rows].contiguous(), scales[rows].T.contiguous(), ok,
                                  step_t)  # fmt: skip
             pack.write_back(packed, None if log_lr is None else log_lr[rows], ok,
@@ -464,7 +553,7 @@ class _Pack:
         self.seg = torch.arange(len(params), device=like.device).repeat_interleave(counts)
         self.sizes = counts.to(like.dtype)
         self.params = [p.detach().view(-1) for p in params]
-        self.rows = [[s["m"][k].view(-1) for s in states] for k in range(3)]
+        self.m = [s["m"].view(3, -1) for s in states]
         self.v = [s["v"].view(-1) for s in states]
 
     @classmethod
@@ -481,17 +570,20 @@ class _Pack:
         return pack
 
     def operands(self, grads: list[Tensor]) -> tuple[Tensor, ...]:
-        """``(p, g, m0, m1, m2, v)`` packed, in the compute dtype (copies; the momentum rows
-        each on a storage of its own)."""
+        """``(p, g, m0, m1, m2, v, m)`` packed, in the compute dtype (copies); the momentum
+        rows each on a storage of its own (as :func:`_operands`), on the memory of ``m``
+        (``[3, n]``)."""
         p = torch.cat(self.params).to(self.dtype)
         g = torch.cat([g.reshape(-1) for g in grads]).to(self.dtype)
-        return (p, g, *(torch.cat(row) for row in self.rows), torch.cat(self.v))
+        m = torch.cat(self.m, dim=1)
+        return (p, g, *(torch.from_dlpack(row) for row in m.unbind(0)), torch.cat(self.v), m)
 
     def write_back(self, packed, log_lr: Tensor | None, ok: Tensor, states) -> None:
         """Copy the stepped ``packed`` operands back into the tensors and states, and
         ``log_lr`` (``[T]``) into the states of the tensors stepped (``ok``)."""
-        dst = [*self.params, *(t for row in self.rows for t in row), *self.v]
-        src = [t for x in (packed[0], *packed[2:]) for t in x.split(self.numels)]
+        p, v, m = packed[0], packed[5], packed[6]  # m: the memory of the rows
+        dst = [*self.params, *self.m, *self.v]
+        src = [*p.split(self.numels), *m.split(self.numels, 1), *v.split(self.numels)]
         if log_lr is not None:
             dst += [s["log_lr"] for s in states]
             src += list(torch.where(ok, log_lr, torch.stack(dst[-len(states) :])).unbind())

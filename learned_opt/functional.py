@@ -29,7 +29,15 @@ import torch
 from torch import Tensor
 
 from ._chunked import DEFAULT_CHUNK, chunked_step_
-from ._fused import CompileFailed, announce, compile_failure, fusable, fused_step_, packable
+from ._fused import (
+    PACK_SIZE,
+    CompileFailed,
+    announce,
+    compile_failure,
+    fusable,
+    fused_step_,
+    packable,
+)
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
@@ -206,18 +214,24 @@ def _fused_part(theta, cfg, items, small, step, lr, mode, device, ok, index, thr
     """Step the fusable ``items`` and the packable ``small`` ones (of at most ``size``
     elements, packed together) with the fused layout; return the others of each (and, if
     compiling failed, the ones not stepped yet)."""
-    pack = [it for it in small if packable(it[0]) and not needs_whole_tensor(cfg, it[0].shape)]
+    cap = min(size, PACK_SIZE)
+    whole = [needs_whole_tensor(cfg, it[0].shape) for it in small]
+    pack = [it for it, w in zip(small, whole) if it[0].numel() <= cap and packable(it[0]) and not w]
     pack = pack if len(pack) > 1 else []
-    fuse = [it for it in items if fusable(it[0])] + pack
+    packed = {id(it[2]) for it in pack}
+    alone = [
+        it for it, w in zip(small, whole) if id(it[2]) not in packed and fusable(it[0]) and not w
+    ]
+    taken = packed | {id(it[2]) for it in alone}
+    fuse = [it for it in items if fusable(it[0])] + alone + pack
     if not fuse:
         return items, small
     rest = [it for it in items if not fusable(it[0])]
-    packed = {id(it[2]) for it in pack}
-    small = [it for it in small if id(it[2]) not in packed]
+    small = [it for it in small if id(it[2]) not in taken]
     try:
         flags = fused_step_(
             theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads,
-            small_tensor_size=size if pack else 0,
+            small_tensor_size=cap if pack else 0,
         )  # fmt: skip
     except CompileFailed as e:
         announce("eager", device, why=f"torch.compile failed: {e}")
