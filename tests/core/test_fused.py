@@ -192,19 +192,31 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
-    """Compiled once per dtype: new sizes, steps and lrs reuse the code; the result equals
-    the uncompiled math to 1e-5 of the update and repeats bitwise."""
-    from torch._dynamo.utils import counters
-
+    """Compiled once per dtype: new sizes (of tensors, and of packs of small tensors),
+    steps and lrs reuse the code; the result equals the uncompiled math to 1e-5 of the
+    update and repeats bitwise; a tensor with a NaN gradient, packed or not, is skipped."""
     net = perturbed_net()
     theta = net.theta()
-    counters.clear()
-    for k, shapes in enumerate([[(64, 32), (300,)], [(100, 7), (33, 3, 3)]]):
+    passes = _fused._compiled_for(net.config)
+    built = {name: len(getattr(passes, name).built) for name in passes._fields}
+    cases = [
+        [(64, 32), (300,), (5,), (7, 3)],
+        [(100, 7), (33, 3, 3), (11,), (2,), (3,), (40,)],
+        [(17,), (2, 2), (8, 8), *[(11,)] * 12],
+    ]
+    for k, shapes in enumerate(cases):
         params, grads, states = _inputs(shapes, dtype, seed=k)
+        bad = {1: 2, 2: 1}.get(k)  # a packed tensor, then a tensor of its own
+        if bad is not None:
+            grads[bad].view(-1)[0] = float("nan")
         runs = []
         for compiled in (False, True, True):
             p, s = _clone(params, states)
-            _fused.fused_step_(theta, net.config, p, grads, s, 3 + k, 0.5 + k, compiled=compiled)
+            flags = _fused.fused_step_(
+                theta, net.config, p, grads, s, 3 + k, 0.5 + k, compiled=compiled,
+                small_tensor_size=64,
+            )  # fmt: skip
+            assert flags == [i != bad for i in range(len(shapes))]
             runs.append((p, s))
         for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
             assert torch.equal(b, c)
@@ -212,8 +224,15 @@ def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
                 torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
             else:
                 torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
-    # the reduction pass and the update pass, each compiled once (per dtype)
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+        for a, b in zip(runs[0][1], runs[1][1]):
+            torch.testing.assert_close(b["m"], a["m"], rtol=1e-5, atol=1e-8)
+            torch.testing.assert_close(b["v"], a["v"], rtol=1e-5, atol=1e-10)
+        assert torch.equal(runs[1][0][bad or 0], params[bad or 0]) or bad is None
+    # the reduction and update passes, of one tensor and of packed ones: each compiled once
+    # (packed ones in the compute dtype: float32 for bf16 parameters too)
+    grown = {name: len(getattr(passes, name).built) - n for name, n in built.items()}
+    assert grown["sums"] == grown["update"] == 1 and grown["update_threaded"] == 0, grown
+    assert grown["sums_packed"] == grown["update_packed"] <= 1, grown
 
 
 @pytest.mark.slow
