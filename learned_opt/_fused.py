@@ -486,6 +486,10 @@ def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t
     """The update pass of each large tensor ``i`` (row ``j``) in ``todo``: those of at
     least :data:`PARALLEL_SIZE` elements first, under one change of the thread count."""
     (w1, b1), *shared = layers
+    # per row: views on CPU (the standalone-compiled passes take any offset), copies for
+    # torch.compile elsewhere (a view of a batch would be guarded on the batch's size)
+    w1, b1, g_rms, scale = (t.unbind(0) for t in (w1, b1, sums[:, 1], scale))
+    own = (lambda t: t) if sums.device.type == "cpu" else torch.clone
     big = {j: threads > 1 and params[i].numel() >= PARALLEL_SIZE for j, i in todo}
     for use_team in (True, False):
         now = [(j, i) for j, i in todo if big[j] == use_team]
@@ -494,8 +498,8 @@ def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t
         fn = passes.update_threaded if use_team else passes.update
         with _threads(threads) if use_team else contextlib.nullcontext():
             for j, i in now:
-                own = ((w1[j].clone(), b1[j].clone()), *shared)
-                fn(own, *flat[j], sums[j, 1].clone(), scale[j].clone(), step_t)
+                layers = ((own(w1[j]), own(b1[j])), *shared)
+                fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), step_t)
                 torch.autograd.graph.increment_version(params[i])  # written via an alias
                 if log_lr is not None:
                     states[i]["log_lr"].copy_(log_lr[j])
