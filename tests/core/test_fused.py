@@ -12,7 +12,7 @@ import pytest
 import torch
 from optim_table import perturbed_net, spy_layouts
 
-from learned_opt import LearnedOptimizer, _fused, functional
+from learned_opt import LearnedOptimizer, _compiled, _fused, _operands, functional
 from learned_opt.features import init_state
 from learned_opt.flat import tensor_step
 from learned_opt.network import element_layers, element_mlp, element_mlp_rows
@@ -87,7 +87,7 @@ def test_cached_operands_follow_the_state_and_are_dropped_with_it():
     """The momentum rows are cached per tensor on the state's memory; a state replaced (as
     ``load_state_dict`` does) gets new rows, and a freed state leaves no entry behind."""
     (p,), (g,), (state,) = _inputs([(6, 5)])
-    p_flat, _, m0, m1, m2, v_flat = _fused._operands(p, g, state)
+    p_flat, _, m0, m1, m2, v_flat = _operands.operands(p, g, state)
     n = p.numel()
     assert [r.data_ptr() for r in (m0, m1, m2)] == [
         state["m"].data_ptr() + 4 * k * n for k in range(3)
@@ -96,12 +96,12 @@ def test_cached_operands_follow_the_state_and_are_dropped_with_it():
     m2.fill_(7.0)  # writes reach the state
     assert torch.equal(state["m"][2], torch.full_like(p, 7.0))
     state["m"] = state["m"].clone()
-    rows = _fused._operands(p, g, state)[2:5]
+    rows = _operands.operands(p, g, state)[2:5]
     assert rows[0].data_ptr() == state["m"].data_ptr()
     key = id(state["m"])
-    assert key in _fused._operand_cache
+    assert key in _operands._operand_cache
     del state, rows, m0, m1, m2
-    assert key not in _fused._operand_cache
+    assert key not in _operands._operand_cache
 
 
 def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
@@ -163,7 +163,7 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
         def fn(*args):
             raise InductorError("no working C++ compiler")
 
-        return _fused._Passes(fn, fn, fn, fn, fn)  # every pass fails
+        return _compiled.Passes(fn, fn, fn, fn, fn)  # every pass fails
 
     monkeypatch.setattr(_fused, "_compiled_for", broken)
     monkeypatch.setattr(_fused, "_failure", [])
@@ -197,7 +197,7 @@ def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
     update and repeats bitwise; a tensor with a NaN gradient, packed or not, is skipped."""
     net = perturbed_net()
     theta = net.theta()
-    passes = _fused._compiled_for(net.config)
+    passes = _compiled.compiled_for(net.config)
     built = {name: len(getattr(passes, name).built) for name in passes._fields}
     cases = [
         [(64, 32), (300,), (5,), (7, 3)],

@@ -102,7 +102,9 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
     net, _ = load_checkpoint(checkpoint)
     inputs = golden_inputs()
     whole = any(needs_whole_tensor(net.config, t["p"].shape) for t in inputs.values())
-    if path in ("chunked", "fused", "fused_packed") and whole:  # the dispatcher never sends such tensors there
+    if (
+        path in ("chunked", "fused", "fused_packed") and whole
+    ):  # the dispatcher never sends such tensors there
         with pytest.raises(ValueError, match="cannot step them"):
             PATHS[path](net.theta(), net.config, inputs)
         return
