@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._passes import tensor_sums, update_packed_, update_tensor_
+from ._passes import tensor_sums, tensor_tables, update_packed_, update_tensor_
 from .config import NetConfig
 
 _lock = threading.Lock()
@@ -34,6 +34,9 @@ def compiled_for(cfg: NetConfig):
             def sums(p, g, m0, m1, m2, v, _cfg=cfg):
                 return tensor_sums(p, g, m0, m1, m2, v, _cfg)
 
+            def tables(theta, sums, stats, log_lr, numel, step, lr, _cfg=cfg):
+                return tensor_tables(theta, sums, stats, log_lr, numel, step, lr, _cfg)
+
             def update(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
                 update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
 
@@ -50,67 +53,86 @@ def compiled_for(cfg: NetConfig):
 
             single = {**COMPILE_OPTIONS}
             threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
-            n, scalar, static = ("n",), (), (None, None)
+            n, t, scalar, static = ("n",), ("T",), (), (None, None)
             rows = (n,) * 6  # p, g, m0, m1, m2, v
             layers = (static,) * 6  # w1, b1, the hidden and the output layer
             one = (*layers, *rows, scalar, scalar, scalar)  # g_rms, scale, step
             _compiled[cfg] = Passes(
                 CompiledPass(sums, single, rows),
-                CompiledPass(update, single, one, layered=True),
-                CompiledPass(update_threaded, threaded, one, layered=True),
-                CompiledPass(sums_packed, single, (*rows, n, ("T",))),  # seg, sizes
                 CompiledPass(
-                    update_packed, single, layered=True,
-                    dims=(static, (None, "T"), *layers[2:], *rows, n, ("T",), ("T",), (None, "T"),
-                          ("T",), scalar),  # seg, g_rms, scale, scales, ok, step
+                    tables, single, head="theta",
+                    dims=(("T", None), ("T", None), t, t, scalar, scalar),
+                ),  # sums, stats, log_lr, numel, step, lr
+                CompiledPass(update, single, one, head="layers"),
+                CompiledPass(update_threaded, threaded, one, head="layers"),
+                CompiledPass(sums_packed, single, (*rows, n, t)),  # seg, sizes
+                CompiledPass(
+                    update_packed, single, head="layers",
+                    dims=(static, (None, "T"), *layers[2:], *rows, n, t, t, (None, "T"), t,
+                          scalar),  # seg, g_rms, scale, scales, ok, step
                 ),
             )  # fmt: skip
         return _compiled[cfg]
 
 
 class CompiledPass:
-    """One pass of :func:`~learned_opt._fused.fused_step_`, compiled on its first call for each device type and
-    argument dtypes, with symbolic sizes: a new size, step or lr never compiles again.
+    """One pass of :func:`~learned_opt._fused.fused_step_`, compiled on its first call for
+    each device type and argument dtypes, with symbolic sizes: a new size, step or lr
+    never compiles it again.
 
     On CPU the pass is traced to a graph (``make_fx``) and compiled by inductor's
     ``standalone_compile``; the result is called directly, without the frame evaluation
-    and guard checks of ``torch.compile``, which cost about 30 us a call (the compiled call
-    itself about 25 us). So nothing checks at a call what the graph assumed, and the graph
-    is traced on stand-in arguments that let it assume nothing it should not: ``dims``
-    names, per argument and dim, the sizes that vary (``"n"``: elements, ``"T"``: packed
-    tensors; None: a size fixed by ``cfg``), and the stand-ins give them primes above every
-    fixed size, so no varying size is taken for another or for a constant. Inductor's generated code still checks every fixed size and stride. Dtypes
-    and the device type are part of the key. Elsewhere (GPU) the pass goes through
-    ``torch.compile(dynamic=True)``, whose guards check it all. ``layered``: the first
-    argument is the MLP's layers (pairs of tensors), passed on as flat tensors.
+    and guard checks of ``torch.compile``, which cost about 30 us a call (the compiled
+    call itself about 25 us). So nothing checks at a call what the graph assumed, and the
+    graph is traced on stand-in arguments that let it assume nothing it should not:
+    ``dims`` names, per argument and dim, the sizes that vary (``"n"``: elements, ``"T"``:
+    tensors; None: a size fixed by the config), and the stand-ins give them primes above
+    every fixed size, so no varying size is taken for another or for a constant.
+    Inductor's generated code still checks every fixed size and stride; dtypes and the
+    device type are part of the key. Elsewhere (GPU) the pass goes through
+    ``torch.compile(dynamic=True)``, whose guards check it all.
+
+    ``head``: the first argument is the MLP's layers (``"layers"``: pairs of tensors,
+    passed on as flat tensors, which ``dims`` then starts with) or theta (``"theta"``: a
+    dict of tensors of fixed sizes, passed on as its values; ``dims`` covers the rest).
     """
 
-    def __init__(self, fn: Callable, options: dict, dims: tuple, layered: bool = False):
-        self.fn, self.options, self.dims, self.layered = fn, options, dims, layered
-        self.pairs = 0  # the number of layers (set by the first layered call)
+    def __init__(self, fn: Callable, options: dict, dims: tuple, head: str | None = None):
+        self.fn, self.options, self.dims, self.head = fn, options, dims, head
+        self.names: tuple = ()  # the layers' count, or theta's names (set at each call)
         self.built: dict[tuple, Callable] = {}
 
     def __call__(self, *args):
-        if self.layered:
+        if self.head == "layers":
             layers, *rest = args
-            self.pairs = len(layers)
+            self.names = (len(layers),)
             args = (*(t for pair in layers for t in pair), *rest)
-        key = (args[0].device.type, self.pairs, *(a.dtype for a in args))
+        elif self.head == "theta":
+            theta, *rest = args
+            self.names = tuple(theta)
+            args = (*theta.values(), *rest)
+        key = (args[0].device.type, self.names, *(a.dtype for a in args))
         run = self.built.get(key)
         if run is None:
             with _lock:
                 run = self.built.get(key) or self._build(key, args)
-        return run(*args)[0]
+        out = run(*args)
+        return out[0] if len(out) == 1 else out
 
     def flat(self, *args) -> list[Tensor]:
-        """The pass on flat tensors (the layers' tensors first); returns ``[its output]``,
-        or ``[0-d tensor]`` for a pass that only writes (a compiled graph returns tensors)."""
-        if self.layered:
-            k = 2 * self.pairs
+        """The pass on flat tensors (the head's first); returns its outputs as a list, or
+        ``[0-d tensor]`` for a pass that only writes (a compiled graph returns tensors)."""
+        if self.head == "layers":
+            k = 2 * self.names[0]
             out = self.fn(tuple(zip(args[0:k:2], args[1:k:2])), *args[k:])
+        elif self.head == "theta":
+            k = len(self.names)
+            out = self.fn(dict(zip(self.names, args[:k])), *args[k:])
         else:
             out = self.fn(*args)
-        return [args[-1].new_zeros(()) if out is None else out]
+        if out is None:
+            return [args[-1].new_zeros(())]
+        return list(out) if isinstance(out, tuple) else [out]
 
     def _build(self, key: tuple, args: tuple) -> Callable:
         if key[0] != "cpu":
@@ -118,16 +140,21 @@ class CompiledPass:
         else:
             from torch.fx.experimental.proxy_tensor import make_fx
 
-            if len(args) != len(self.dims):
-                raise ValueError(f"{len(args)} arguments for a pass of {len(self.dims)}")
-            fixed = [s for a, dims in zip(args, self.dims) for d, s in zip(dims, a.shape) if not d]
+            dims = self.dims
+            if self.head == "theta":  # theta's sizes are fixed
+                dims = tuple((None,) * a.dim() for a in args[: len(self.names)]) + dims
+            if len(args) != len(dims):
+                raise ValueError(f"{len(args)} arguments for a pass of {len(dims)}")
+            fixed = [s for a, ds in zip(args, dims) for d, s in zip(ds, a.shape) if not d]
             sizes = {"T": _prime_above(max(fixed, default=16))}
             sizes["n"] = _prime_above(4 * sizes["T"])
             stand_ins = [
-                torch.zeros([sizes.get(d, s) for d, s in zip(dims, a.shape)], dtype=a.dtype)
-                for a, dims in zip(args, self.dims)
+                torch.zeros([sizes.get(d, s) for d, s in zip(ds, a.shape)], dtype=a.dtype)
+                for a, ds in zip(args, dims)
             ]
-            graph = make_fx(self.flat, tracing_mode="symbolic")(*stand_ins)
+            graph = make_fx(self.flat, tracing_mode="symbolic", _allow_non_fake_inputs=True)(
+                *stand_ins
+            )  # constants (features.constant) are real tensors
             run = torch._inductor.standalone_compile(
                 graph, stand_ins, dynamic_shapes="from_graph",
                 options={"config_patches": self.options},
@@ -145,9 +172,10 @@ def _prime_above(k: int) -> int:
 
 
 class Passes(NamedTuple):
-    """The passes of :func:`~learned_opt._fused.fused_step_`, compiled (:func:`_compiled_for`) or not."""
+    """The passes of :func:`~learned_opt._fused.fused_step_`, compiled (:func:`compiled_for`) or not."""
 
     sums: Callable
+    tables: Callable
     update: Callable
     update_threaded: Callable
     sums_packed: Callable
@@ -161,5 +189,7 @@ def eager_passes(cfg: NetConfig) -> Passes:
         return tensor_sums(p, g, m0, m1, m2, v, cfg, seg, sizes)
 
     sums = functools.partial(tensor_sums, cfg=cfg)
+    tables = functools.partial(tensor_tables, cfg=cfg)
     update = functools.partial(update_tensor_, cfg=cfg)
-    return Passes(sums, update, update, sums_packed, functools.partial(update_packed_, cfg=cfg))
+    packed = functools.partial(update_packed_, cfg=cfg)
+    return Passes(sums, tables, update, update, sums_packed, packed)

@@ -44,10 +44,9 @@ from ._compiled import compiled_for as _compiled_for
 from ._compiled import eager_passes
 from ._operands import Pack, operands
 from .config import NetConfig
-from .features import adapt_log_lr
+from .features import shape_stats
 from .network import Theta, element_layers
 from .orthogonal import needs_whole_tensor
-from .stages import tensor_context
 from .workers import machine_is_free
 
 log = logging.getLogger("learned_opt")
@@ -168,19 +167,16 @@ def fused_step_(
         done.update((i, False) for i, ok in zip(order, oks) if not ok)
         if not any(oks):
             return flags
-        log_lr = None
-        if cfg.adapts_lr:  # written to the states as each tensor is stepped
-            old = torch.stack([states[i]["log_lr"] for i in order])
-            numel = torch.tensor([float(params[i].numel()) for i in order], dtype=like.dtype)
-            log_lr = adapt_log_lr(
-                old, sums[:, 14], sums[:, 16], sums[:, 15], sums[:, 13], numel, step, cfg
-            )
         # every row: a skipped tensor's values stay in its own row, which is never used
-        scales, bias, scale = tensor_context(
-            theta, cfg, sums[:, 2:13], sums[:, 13], [params[i].shape for i in order], step, lr,
-            log_lr,
-        )  # fmt: skip
-        step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
+        step_t, lr_t = (torch.tensor(float(x), dtype=torch.float64) for x in (step, lr))
+        step_t, lr_t = step_t.to(like.device), lr_t.to(like.device)
+        stats = shape_stats([params[i].shape for i in order], like)
+        log_lr, numel = sums[:, 0], sums[:, 0]  # not read unless the config adapts log_lr
+        if cfg.adapts_lr:  # written to the states as each tensor is stepped
+            log_lr = torch.stack([states[i]["log_lr"] for i in order])
+            numel = torch.tensor([float(params[i].numel()) for i in order], dtype=like.dtype)
+        scales, bias, scale, log_lr = passes.tables(theta, sums, stats, log_lr, numel, step_t, lr_t)
+        log_lr = log_lr if cfg.adapts_lr else None
         todo = [(j, i) for j, i in enumerate(large) if oks[j]]
         if todo:
             layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)

@@ -2,6 +2,7 @@
 
 * :func:`tensor_sums`, the reduction pass: reads p, g and the state, and returns the
   masking flag, rms(g), the feature mean squares and mean(v) (nothing is written);
+* :func:`tensor_tables`, between them: the per-tensor stage for all tensors at once;
 * :func:`update_tensor_`, the update pass: reads p, g and the state once, updates the
   moments, computes the features, the per-element MLP and the output stage per element,
   and writes p and the state once.
@@ -18,9 +19,9 @@ import torch
 from torch import Tensor
 
 from .config import NetConfig
-from .features import feature_rows, safe_sqrt, stepped, update_moments
-from .network import Layers, element_mlp_rows
-from .stages import apply_update
+from .features import adapt_log_lr, feature_rows, safe_sqrt, stepped, update_moments
+from .network import Layers, Theta, element_mlp_rows
+from .stages import apply_update, tensor_context
 
 
 def tensor_sums(
@@ -153,3 +154,29 @@ def update_packed_(
     at = _reductions(seg, None)[2]
     own = ((w1, at(b1)), *shared)
     update_tensor_(own, p, g, m0, m1, m2, v, at(g_rms), at(scale), step, cfg, at(scales), at(ok))
+
+
+def tensor_tables(
+    theta: Theta,
+    sums: Tensor,
+    stats: Tensor,
+    log_lr: Tensor,
+    numel: Tensor,
+    step: Tensor,
+    lr: Tensor,
+    cfg: NetConfig,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The per-tensor stage of ``T`` tensors from their reduction-pass rows ``sums``
+    (``(T, 14)`` or ``(T, 17)``, :func:`tensor_sums`): ``(scales, bias, scale, log_lr)``,
+    those of :func:`~learned_opt.stages.tensor_context` and the adapted log step
+    multipliers (:func:`~learned_opt.features.adapt_log_lr`; ``log_lr`` as given when
+    ``cfg`` does not adapt them, and then ``log_lr`` and ``numel``, the tensors' sizes, are
+    not read). ``stats``: the tensors' :func:`~learned_opt.features.shape_stats`; ``step``
+    and ``lr``: 0-d tensors. A skipped tensor's row is computed too, and never used."""
+    if cfg.adapts_lr:
+        log_lr = adapt_log_lr(
+            log_lr, sums[:, 14], sums[:, 16], sums[:, 15], sums[:, 13], numel, step, cfg
+        )
+    ms, v_mean = sums[:, 2:13], sums[:, 13]
+    scales, bias, scale = tensor_context(theta, cfg, ms, v_mean, stats, step, lr, log_lr)
+    return scales, bias, scale, log_lr

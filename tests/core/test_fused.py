@@ -163,7 +163,7 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
         def fn(*args):
             raise InductorError("no working C++ compiler")
 
-        return _compiled.Passes(fn, fn, fn, fn, fn)  # every pass fails
+        return _compiled.Passes(*[fn] * len(_compiled.Passes._fields))  # every pass fails
 
     monkeypatch.setattr(_fused, "_compiled_for", broken)
     monkeypatch.setattr(_fused, "_failure", [])
