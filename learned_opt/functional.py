@@ -7,10 +7,12 @@ same math (:mod:`learned_opt.features`, :mod:`learned_opt.network`,
 :mod:`learned_opt.stages`):
 
 * small tensors (biases, norms) packed into one flat vector
-  (:func:`learned_opt._stacked.packed_step_`);
+  (:func:`learned_opt._stacked.packed_step_`), or, with the fused layout, into one call
+  of each of its passes (those of at most :data:`~learned_opt._fused.PACK_SIZE`
+  elements; the rest of the small tensors take a call each);
 * large tensors of one shape stacked as rows (:func:`learned_opt._stacked.stacked_step_`),
   the default on accelerators, where the step is bound by kernel launches;
-* every other tensor in one fused pass each, compiled by ``torch.compile``
+* every other tensor in one fused pass each, compiled with inductor
   (:func:`learned_opt._fused.fused_step_`), the default on CPU;
 * or, where that is turned off or cannot compile, in cache-sized chunks on worker threads
   (:func:`learned_opt._chunked.chunked_step_`).
@@ -134,7 +136,8 @@ def learned_step(
         states: :func:`~learned_opt.features.init_state` dicts, one per tensor.
         step: the 1-based step count after this update; ``lr``: the step multiplier.
         chunk_size: elements per chunk of the chunked layout on CPU.
-        small_tensor_size: tensors of at most this many elements are packed together.
+        small_tensor_size: tensors of at most this many elements are packed together (by
+            the fused layout, those of at most :data:`~learned_opt._fused.PACK_SIZE`).
         stack_same_shape: stack large same-shape tensors; ``None``: on accelerators only.
         runner: worker threads for the chunked layout on CPU.
         fused: step each large tensor in one fused pass compiled by ``torch.compile``
