@@ -155,6 +155,28 @@ def test_bad_environment_value_is_refused(monkeypatch):
         )
 
 
+def test_compiled_pass_hands_its_head_on_as_flat_tensors():
+    """What a compiled pass traces: the layers or theta flattened, then rebuilt for the pass
+    (no compile here)."""
+    seen = []
+
+    def fn(head, x):
+        seen.append(head)
+        return x + 1, x
+
+    pairs = ((torch.ones(2, 3), torch.zeros(2, 1)), (torch.ones(1, 2), torch.zeros(1, 1)))
+    layered = _compiled.CompiledPass(fn, {}, dims=(), head="layers")
+    layered.names = (2,)
+    out = layered.flat(*[t for pair in pairs for t in pair], torch.zeros(3))
+    assert seen[0] == pairs and len(out) == 2 and torch.equal(out[0], torch.ones(3))
+    theta = {"a": torch.ones(2), "b": torch.zeros(1)}
+    by_name = _compiled.CompiledPass(fn, {}, dims=((None,),), head="theta")
+    by_name.names = tuple(theta)
+    by_name.flat(*theta.values(), torch.zeros(3))
+    assert seen[1] == theta
+    assert _compiled._prime_above(32) == 37 and _compiled._prime_above(37) == 41
+
+
 def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeypatch, caplog):
     class InductorError(RuntimeError):  # what inductor raises when no C++ compiler works
         __module__ = "torch._inductor.exc"
