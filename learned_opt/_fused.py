@@ -242,8 +242,9 @@ def _failed(done: dict) -> CompileFailed:
 
 
 def _is_compile_error(e: Exception) -> bool:
-    """Errors that torch.compile raises while building code (not the step's own errors)."""
+    """Errors that tracing and compiling raise while building code (not the step's own
+    errors): torch.compile's, inductor's, and make_fx's with its fake tensors."""
     names = {"BackendCompilerFailed", "InductorError", "CppCompileError", "TorchRuntimeError"}
     return type(e).__name__ in names or type(e).__module__.startswith(
-        ("torch._dynamo", "torch._inductor")
+        ("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses", "torch._functorch")
     )
