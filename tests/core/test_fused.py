@@ -177,6 +177,22 @@ def test_compiled_pass_hands_its_head_on_as_flat_tensors():
     assert _compiled._prime_above(32) == 37 and _compiled._prime_above(37) == 41
 
 
+def test_constants_built_while_a_pass_is_traced_are_not_cached():
+    """A compiled pass is traced by make_fx; a constant first built then must not stay in
+    the cache as the tracer's placeholder (every eager step after it would read it)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from learned_opt.features import constant
+
+    values = (1.25, -3.5, 7.0)  # in no other test
+    cpu = torch.device("cpu")
+    make_fx(lambda x: x * constant(values, torch.float32, cpu), tracing_mode="symbolic")(
+        torch.ones(3)
+    )
+    c = constant(values, torch.float32, cpu)
+    assert type(c) is torch.Tensor and c.tolist() == list(values)
+
+
 def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeypatch, caplog):
     class InductorError(RuntimeError):  # what inductor raises when no C++ compiler works
         __module__ = "torch._inductor.exc"
