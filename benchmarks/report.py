@@ -85,7 +85,7 @@ def render_step_overhead(result: dict) -> str:
     cold_note = (
         f" In a new process with an empty inductor cache, the first step of the 0.5M "
         f"transformer took {cold['seconds']:.0f} s ({cold['threads']} threads, load average "
-        f"{cold['load_average_before'][0]:.1f}): the one-time compile of both passes."
+        f"{cold['load_average_before'][0]:.1f}): the one-time compile of the passes."
         if cold
         else ""
     )

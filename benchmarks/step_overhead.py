@@ -370,13 +370,15 @@ def main(argv: list[str] | None = None) -> None:
             "repeats": args.repeats,
             "width": 8,
             "flops_per_element": flops_per_element(8),
-            "compile_route": "torch.compile(dynamic=True), inductor C++ on CPU: per tensor a "
-            "reduction pass and an update pass, each one loop over the elements (the momentum "
-            "rows handed over as separate tensors, so the update pass writes p, the three "
-            "momenta and v in its one loop), on the calling thread (the update pass of tensors "
-            "of 32K elements or more on an OpenMP team when the load average leaves free "
-            "cores); compiled once per network config and dtype, reused for every tensor "
-            "size, step and lr",
+            "compile_route": "inductor C++ on CPU (standalone_compile of make_fx graphs with "
+            "symbolic sizes, called without torch.compile's per-call guard checks): per tensor "
+            "a reduction pass and an update pass, each one loop over the elements (the "
+            "momentum rows handed over as separate tensors, so the update pass writes p, the "
+            "three momenta and v in its one loop), the tensors of at most 1024 elements packed "
+            "into one call of each pass, and the per-tensor stage one call for all tensors; on "
+            "the calling thread (the update pass of tensors of 32K elements or more on an "
+            "OpenMP team when the load average leaves free cores); compiled once per network "
+            "config and dtype, reused for every tensor size, step and lr",
             "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
             "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy "
             "processes",

@@ -1,47 +1,52 @@
-"""The fused layout of the learned step: two compiled passes per tensor.
+"""The fused layout of the learned step: two compiled passes per tensor, or per pack.
 
 The same formulas (:mod:`learned_opt.features`), network (:mod:`learned_opt.network`) and
 stages (:mod:`learned_opt.stages`) as :func:`learned_opt.flat.flat_step`, for each tensor
 seen flat, in three steps:
 
-1. :func:`tensor_sums`, the reduction pass: reads p, g and the state, and returns the
+1. the reduction pass (:func:`~learned_opt._passes.tensor_sums`) of each tensor: the
    masking flag, rms(g), the feature mean squares and mean(v) (nothing is written);
 2. the per-tensor stage (:func:`~learned_opt.stages.tensor_context`) once for all tensors,
    which folds each tensor's feature normalisation and context into its first layer;
-3. :func:`update_tensor_`, the update pass: reads p, g and the state once, updates the
-   moments, computes the features, the per-element MLP and the output stage per element,
-   and writes p and the state once.
+3. the update pass (:func:`~learned_opt._passes.update_tensor_`) of each tensor: reads p,
+   g and the state once, updates the moments, computes the features, the per-element MLP
+   and the output stage per element, and writes p and the state once.
+
+Small tensors (biases, norms: at most :data:`PACK_SIZE` elements) are packed into one
+vector (:class:`~learned_opt._operands.Pack`), and each pass steps them all in one call,
+with per-tensor sums and per-tensor values gathered per element: the calls per step do
+not grow with the number of small tensors.
 
 The MLP is evaluated as straight-line math per element
-(:func:`~learned_opt.network.element_mlp_rows`), so that ``torch.compile`` (inductor: C++ on
-CPU, Triton on GPU) turns each pass into one loop over the elements that keeps features
-and activations in registers: nothing of size ``F x n`` or ``H x n`` is materialised.
+(:func:`~learned_opt.network.element_mlp_rows`), so that inductor (C++ on CPU, Triton on
+GPU) turns each pass into one loop over the elements that keeps features and activations
+in registers: nothing of size ``F x n`` or ``H x n`` is materialised.
 
-Both passes are compiled once per network config, with dynamic sizes and the step and
-scales passed as tensors: a new tensor size, step or lr never recompiles them (a new
-parameter dtype does, once). On CPU the kernels run on the calling thread
-(:data:`COMPILE_OPTIONS`): no OpenMP team that a busy core could stall. Uncompiled
-(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling
-fails, the dispatcher (:func:`learned_opt.functional.learned_step`) logs why, once, and
-steps with the eager layouts instead.
+The passes are compiled once per network config (:mod:`learned_opt._compiled`), with
+symbolic sizes and the step and scales passed as tensors: a new tensor size, step or lr
+never compiles them again (a new parameter dtype does, once). On CPU they are called
+without ``torch.compile``'s per-call guard checks, and the kernels run on the calling
+thread: no OpenMP team that a busy core could stall. Uncompiled (``compiled=False``) it
+is the same math, slow, which the fast tests run. If compiling fails, the dispatcher
+(:func:`learned_opt.functional.learned_step`) logs why, once, and steps with the eager
+layouts instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import threading
-import weakref
 
 import torch
 from torch import Tensor
 
+from ._compiled import compiled_for as _compiled_for
+from ._compiled import eager_passes
+from ._operands import Pack, operands
 from .config import NetConfig
-from .features import adapt_log_lr, feature_rows, safe_sqrt, stepped, update_moments
-from .network import Layers, Theta, element_layers, element_mlp_rows
+from .features import shape_stats
+from .network import Theta, element_layers
 from .orthogonal import needs_whole_tensor
-from .stages import apply_update, tensor_context
 from .workers import machine_is_free
 
 log = logging.getLogger("learned_opt")
@@ -50,81 +55,21 @@ log = logging.getLogger("learned_opt")
 #: caller's threads when the machine is not busy (:func:`machine_is_free`); it is purely
 #: elementwise, so the result is bitwise the same either way.
 PARALLEL_SIZE = 1 << 15
-#: Tensors with fewer elements take the other layouts (and the compiled code never sees
-#: sizes 0 and 1, which torch.compile would specialise on).
+#: Tensors with fewer elements are not stepped alone (the compiled code never sees sizes 0
+#: and 1, which a compiler specialises on); small ones are packed.
 MIN_FUSED_SIZE = 16
-
-
-def tensor_sums(
-    p: Tensor, g: Tensor, m0: Tensor, m1: Tensor, m2: Tensor, v: Tensor, cfg: NetConfig
-) -> Tensor:
-    """The reduction pass of one tensor: ``(14,)`` = whether it is stepped (1 or 0), rms(g),
-    the mean squares of the 11 features after this step's moment update, and mean(v); when
-    ``cfg`` adapts step sizes, ``(17,)``: then ``g . m1`` and ``m1^2`` (the 0.9 momentum
-    before the update) and ``g^2``, the sums :func:`~learned_opt.features.adapt_log_lr` reads.
-
-    ``p`` and ``g`` are ``[n]`` in any floating dtype, the momentum rows ``m0, m1, m2`` and
-    ``v`` ``[n]`` in the compute dtype; nothing is written. Where the gradient or the
-    parameter holds NaN or Inf, the first entry is 0 (the tensor is skipped; the rest is
-    then meaningless).
-    """
-    dtype = v.dtype
-    p_c, g_c = p.to(dtype), g.to(dtype)
-    g_ss, p_ss = torch.dot(g_c, g_c), torch.dot(p_c, p_c)
-    ok = stepped(g_ss, p_ss)
-    m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
-    g_rms = safe_sqrt(g_ss / v.shape[-1])
-    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
-    ms = torch.stack([torch.mean(r * r) for r in rows])
-    out = [torch.stack([ok.to(dtype), g_rms]), ms, v_new.mean().unsqueeze(0)]
-    if cfg.adapts_lr:
-        out.append(torch.stack([torch.dot(g_c, m0), torch.dot(m0, m0), g_ss]))
-    return torch.cat(out)
-
-
-def update_tensor_(
-    layers: Layers,
-    p: Tensor,
-    g: Tensor,
-    m0: Tensor,
-    m1: Tensor,
-    m2: Tensor,
-    v: Tensor,
-    g_rms: Tensor,
-    scale: Tensor,
-    step: Tensor,
-    cfg: NetConfig,
-) -> None:
-    """The update pass of one tensor, in place: read p, g, m and v once; update the
-    moments, compute the features, the per-element MLP (``layers`` of the tensor, its
-    feature normalisation and context folded in) and the output stage per element; write
-    p, m and v once. ``g_rms``, ``scale`` (the step scale) and ``step`` are 0-d tensors.
-
-    The momenta come as their three rows ``m0, m1, m2`` (``[n]`` each) and every formula
-    is applied row by row, so that each op has the shape ``[n]`` and inductor fuses the
-    whole pass into one loop that writes each row directly (a ``[3, n]`` intermediate
-    would cost a loop of its own and a buffer of ``3n`` floats). The compiled caller
-    passes rows that do not share a storage object (:func:`_rows`); rows of one storage
-    would make the compiler treat the three writes as overlapping and copy through
-    buffers."""
-    dtype = v.dtype
-    p_c, g_c = p.to(dtype), g.to(dtype)
-    m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
-    rows = feature_rows(p_c, g_c, m_new, v_new, g_rms, cfg)
-    d, log_mag = element_mlp_rows(layers, rows)
-    new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
-    p.copy_(new_p)
-    for row, new in zip((m0, m1, m2), m_new):
-        row.copy_(new)
-    v.copy_(v_new)
+#: The dispatcher packs tensors of at most this many elements together
+#: (:class:`~learned_opt._operands.Pack`); larger ones take a call of each pass. A packed
+#: element costs more than one of a tensor of its own (per-tensor sums by ``index_add``,
+#: per-tensor values gathered per element, copies in and out), and a call costs about
+#: 25 us on CPU, about the time of a thousand packed elements.
+PACK_SIZE = 1 << 10
 
 
 class CompileFailed(RuntimeError):
     """torch.compile could not build the fused step; the eager layouts take over."""
 
 
-_lock = threading.Lock()
-_compiled: dict[NetConfig, object] = {}
 _failure: list[str] = []  # why compilation failed, once it did
 _announced: set[tuple] = set()
 
@@ -148,37 +93,15 @@ def announce(path: str, device: torch.device, why: str = "") -> None:
     log.log(level, "learned_opt: %s on %s%s", text, key[1], f" ({why})" if why else "")
 
 
-#: Inductor options: kernels run on the calling thread (no OpenMP team whose barriers
-#: would wait for a core that another process holds), and multiply-adds contract to FMAs.
-COMPILE_OPTIONS = {"cpp.threads": 1, "cpp.enable_floating_point_contract_flag": "fast"}
-
-
-def _compiled_for(cfg: NetConfig):
-    """The two passes compiled for ``cfg`` (built once per config, dynamic sizes)."""
-    with _lock:
-        if cfg not in _compiled:
-
-            def sums(p, g, m0, m1, m2, v, _cfg=cfg):
-                return tensor_sums(p, g, m0, m1, m2, v, _cfg)
-
-            def update(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
-                update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
-
-            def update_threaded(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg=cfg):
-                update_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, step, _cfg)
-
-            compiled = [
-                torch.compile(fn, dynamic=True, options=COMPILE_OPTIONS) for fn in (sums, update)
-            ]
-            threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
-            compiled.append(torch.compile(update_threaded, dynamic=True, options=threaded))
-            _compiled[cfg] = tuple(compiled)
-        return _compiled[cfg]
-
-
 def fusable(p: Tensor) -> bool:
     """Whether :func:`fused_step_` steps ``p`` (large enough, contiguous)."""
     return p.numel() >= MIN_FUSED_SIZE and p.is_contiguous()
+
+
+def packable(p: Tensor) -> bool:
+    """Whether :func:`fused_step_` can step ``p`` packed with other small tensors
+    (contiguous, not empty)."""
+    return p.numel() > 0 and p.is_contiguous()
 
 
 @torch.no_grad()
@@ -193,12 +116,16 @@ def fused_step_(
     *,
     compiled: bool = True,
     threads: int = 1,
+    small_tensor_size: int = 0,
 ) -> list[bool]:
     """The learned step of many tensors, in place: per tensor the reduction pass, then the
     per-tensor stage for all tensors at once, then per tensor the update pass.
 
     ``params`` share a device and a compute dtype (theta's and the states'); each is
-    contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`). Returns,
+    contiguous with at least :data:`MIN_FUSED_SIZE` elements (:func:`fusable`), or has at
+    most ``small_tensor_size`` elements (:func:`packable`): if there are at least two of
+    those, they are packed into one vector (:class:`~learned_opt._operands.Pack`) and each pass steps them all in
+    one call, with per-tensor sums and per-tensor values gathered per element. Returns,
     per tensor, False where the gradient or the parameter was not finite and nothing
     changed. With ``compiled`` the passes are the ``torch.compile``d ones; if compiling
     fails, :class:`CompileFailed` is raised with ``done``: ``{index: flag}`` of the tensors
@@ -214,61 +141,88 @@ def fused_step_(
             f"tensors of shapes {whole} need their whole tensor in the output stage "
             f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
         )
+    small = [i for i, p in enumerate(params) if 0 < p.numel() <= small_tensor_size]
+    small = small if len(small) > 1 and all(packable(params[i]) for i in small) else []
+    large = [i for i in range(len(params)) if i not in set(small)]
     like = states[0]["v"]
-    flat = [_operands(p, g, s) for p, g, s in zip(params, grads, states)]
+    flat = [operands(params[i], grads[i], states[i]) for i in large]
+    pack = Pack.of([params[i] for i in small], [states[i] for i in small]) if small else None
     if compiled and _failure:
         raise _failed({})
-    if compiled:
-        sums_fn, update_fn, threaded_fn = _compiled_for(cfg)
-    else:
-        sums_fn = functools.partial(tensor_sums, cfg=cfg)
-        update_fn = threaded_fn = functools.partial(update_tensor_, cfg=cfg)
-    if threads > 1 and any(p.numel() >= PARALLEL_SIZE for p in params):
+    passes = _compiled_for(cfg) if compiled else eager_passes(cfg)
+    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):
         threads = threads if machine_is_free(threads) else 1
+    order = large + small  # the rows of the per-tensor tables
     done: dict[int, bool] = {}
     try:
-        sums = torch.stack([sums_fn(*f) for f in flat])
-        flags = (sums[:, 0] > 0).tolist()  # one sync
-        done.update((i, False) for i, ok in enumerate(flags) if not ok)
-        live = [i for i, ok in enumerate(flags) if ok]
-        if not live:
+        parts = [torch.stack([passes.sums(*f) for f in flat])] if flat else []
+        if pack is not None:
+            packed = pack.operands([grads[i] for i in small])
+            parts.append(passes.sums_packed(*packed[:6], pack.seg, pack.sizes))
+        sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        oks = (sums[:, 0] > 0).tolist()  # one sync
+        flags = [False] * len(params)
+        for i, ok in zip(order, oks):
+            flags[i] = ok
+        done.update((i, False) for i, ok in zip(order, oks) if not ok)
+        if not any(oks):
             return flags
-        sel = sums[torch.tensor(live, device=sums.device)] if len(live) < len(flat) else sums
-        log_lr = None
+        # every row: a skipped tensor's values stay in its own row, which is never used
+        step_t, lr_t = (torch.tensor(float(x), dtype=torch.float64) for x in (step, lr))
+        step_t, lr_t = step_t.to(like.device), lr_t.to(like.device)
+        stats = shape_stats([params[i].shape for i in order], like)
+        log_lr, numel = sums[:, 0], sums[:, 0]  # not read unless the config adapts log_lr
         if cfg.adapts_lr:  # written to the states as each tensor is stepped
-            old = torch.stack([states[i]["log_lr"] for i in live])
-            numel = torch.tensor([float(params[i].numel()) for i in live], dtype=like.dtype)
-            log_lr = adapt_log_lr(
-                old, sel[:, 14], sel[:, 16], sel[:, 15], sel[:, 13], numel, step, cfg
-            )
-        scales, bias, scale = tensor_context(
-            theta, cfg, sel[:, 2:13], sel[:, 13], [params[i].shape for i in live], step, lr,
-            log_lr,
-        )  # fmt: skip
-        layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
-        (w1, b1), *shared = layers
-        step_t = torch.tensor(float(step), dtype=torch.float64, device=like.device)
-        big = [threads > 1 and params[i].numel() >= PARALLEL_SIZE for i in live]
-        # the large tensors first, under one change of the thread count
-        for use_team in (True, False):
-            todo = [(j, i) for j, i in enumerate(live) if big[j] == use_team]
-            if not todo:
-                continue
-            fn = threaded_fn if use_team else update_fn
-            with _threads(threads) if use_team else contextlib.nullcontext():
-                for j, i in todo:
-                    own = ((w1[j].clone(), b1[j].clone()), *shared)
-                    fn(own, *flat[i], sel[j, 1].clone(), scale[j].clone(), step_t)
-                    torch.autograd.graph.increment_version(params[i])  # written via an alias
-                    if log_lr is not None:
-                        states[i]["log_lr"].copy_(log_lr[j])
-                    done[i] = True
+            log_lr = torch.stack([states[i]["log_lr"] for i in order])
+            numel = torch.tensor([float(params[i].numel()) for i in order], dtype=like.dtype)
+        scales, bias, scale, log_lr = passes.tables(theta, sums, stats, log_lr, numel, step_t, lr_t)
+        log_lr = log_lr if cfg.adapts_lr else None
+        todo = [(j, i) for j, i in enumerate(large) if oks[j]]
+        if todo:
+            layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
+            _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t,
+                         log_lr, threads, done)  # fmt: skip
+        if pack is not None and any(oks[len(large) :]):
+            rows = slice(len(large), None)
+            layers = element_layers(theta, cfg, like.dtype, bias[rows].T.contiguous())
+            ok = sums[rows, 0] > 0
+            passes.update_packed(layers, *packed[:6], pack.seg, sums[rows, 1].contiguous(),
+                                 scale[rows].contiguous(), scales[rows].T.contiguous(), ok,
+                                 step_t)  # fmt: skip
+            pack.write_back(packed, None if log_lr is None else log_lr[rows], ok,
+                            [states[i] for i in small])  # fmt: skip
+            done.update((i, flags[i]) for i in small)
     except Exception as e:  # a compiler missing or failing: fall back, once
         if not compiled or not _is_compile_error(e):
             raise
         _failure.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         raise _failed(done) from e
     return flags
+
+
+def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t, log_lr,
+                 threads, done) -> None:  # fmt: skip
+    """The update pass of each large tensor ``i`` (row ``j``) in ``todo``: those of at
+    least :data:`PARALLEL_SIZE` elements first, under one change of the thread count."""
+    (w1, b1), *shared = layers
+    # per row: views on CPU (the standalone-compiled passes take any offset), copies for
+    # torch.compile elsewhere (a view of a batch would be guarded on the batch's size)
+    w1, b1, g_rms, scale = (t.unbind(0) for t in (w1, b1, sums[:, 1], scale))
+    own = (lambda t: t) if sums.device.type == "cpu" else torch.clone
+    big = {j: threads > 1 and params[i].numel() >= PARALLEL_SIZE for j, i in todo}
+    for use_team in (True, False):
+        now = [(j, i) for j, i in todo if big[j] == use_team]
+        if not now:
+            continue
+        fn = passes.update_threaded if use_team else passes.update
+        with _threads(threads) if use_team else contextlib.nullcontext():
+            for j, i in now:
+                layers = ((own(w1[j]), own(b1[j])), *shared)
+                fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), step_t)
+                torch.autograd.graph.increment_version(params[i])  # written via an alias
+                if log_lr is not None:
+                    states[i]["log_lr"].copy_(log_lr[j])
+                done[i] = True
 
 
 @contextlib.contextmanager
@@ -281,50 +235,6 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-#: ``id(state["m"]) -> (weakref to m, key, (p, m0, m1, m2, v))``: each tensor's flat
-#: operands, built once (:func:`_operands`); an entry goes when its ``m`` is freed.
-_operand_cache: dict[int, tuple] = {}
-
-
-def _operands(p: Tensor, g: Tensor, state: dict[str, Tensor]) -> tuple[Tensor, ...]:
-    """``(p, g, m0, m1, m2, v)`` of one tensor, each ``[n]`` on the tensor's memory.
-
-    The momentum rows are tensors on storage objects of their own (through DLPack, on the
-    same memory): they do not overlap, and so the compiler may write all three in the
-    update pass's one loop (rows of one storage object are treated as aliases that might
-    overlap, and the writes then go through copies). Built once per tensor and cached
-    while the parameter, ``m`` and ``v`` keep their memory; only ``g`` is aliased anew.
-    """
-    m, v = state["m"], state["v"]
-    key = (p.data_ptr(), m.data_ptr(), v.data_ptr(), id(p), id(v), p.dtype, p.numel())
-    hit = _operand_cache.get(id(m))
-    if hit is None or hit[0]() is not m or hit[1] != key:
-        rows = tuple(torch.from_dlpack(row.detach().reshape(-1)) for row in m.unbind(0))
-        ops = (_alias(p, -1), *rows, _alias(v, -1))
-        _operand_cache[id(m)] = hit = (weakref.ref(m, _forget(id(m))), key, ops)
-    p_flat, m0, m1, m2, v_flat = hit[2]
-    return p_flat, _alias(g, -1), m0, m1, m2, v_flat
-
-
-def _forget(key: int):
-    """The weakref callback that drops the cache entry ``key`` (and the memory it holds)."""
-    return lambda _: _operand_cache.pop(key, None)
-
-
-def _alias(t: Tensor, *shape: int) -> Tensor:
-    """``t`` reshaped to ``shape`` as a new tensor on the same memory, not a view: the
-    compiled code would otherwise guard on the rank of the view's base and compile again
-    for every rank. A non-contiguous ``t`` (a gradient) is copied."""
-    t = t.detach()
-    if not t.is_contiguous():
-        return t.reshape(shape)
-    shape = tuple(t.numel() // 3 if (d == -1 and len(shape) == 2) else d for d in shape)
-    shape = (t.numel(),) if shape == (-1,) else shape
-    strides = (shape[1], 1) if len(shape) == 2 else (1,)
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
-    return out.set_(t.untyped_storage(), t.storage_offset(), shape, strides)
-
-
 def _failed(done: dict) -> CompileFailed:
     err = CompileFailed(_failure[0])
     err.done = done
@@ -332,8 +242,9 @@ def _failed(done: dict) -> CompileFailed:
 
 
 def _is_compile_error(e: Exception) -> bool:
-    """Errors that torch.compile raises while building code (not the step's own errors)."""
+    """Errors that tracing and compiling raise while building code (not the step's own
+    errors): torch.compile's, inductor's, and make_fx's with its fake tensors."""
     names = {"BackendCompilerFailed", "InductorError", "CppCompileError", "TorchRuntimeError"}
     return type(e).__name__ in names or type(e).__module__.startswith(
-        ("torch._dynamo", "torch._inductor")
+        ("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses", "torch._functorch")
     )

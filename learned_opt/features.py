@@ -32,8 +32,10 @@ TINY = 1e-12
 def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A cached tensor of ``values`` (nested tuples) on ``device``: building it again on
     every call would cost an accelerator a host-to-device copy each time. Never modify it.
-    (Under ``torch.compile`` the tensor is built in the graph, where it is a constant.)"""
-    if torch.compiler.is_compiling():
+    (Under ``torch.compile``, or while a dispatch mode is active, such as ``make_fx``'s
+    tracing of a fused pass, the tensor is built in the graph, where it is a constant: a
+    cached one would be the tracer's placeholder, wrong for every later caller.)"""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return torch.tensor(values, dtype=dtype, device=device)
     return _cached_constant(values, dtype, device)
 

@@ -7,10 +7,12 @@ same math (:mod:`learned_opt.features`, :mod:`learned_opt.network`,
 :mod:`learned_opt.stages`):
 
 * small tensors (biases, norms) packed into one flat vector
-  (:func:`learned_opt._stacked.packed_step_`);
+  (:func:`learned_opt._stacked.packed_step_`), or, with the fused layout, into one call
+  of each of its passes (those of at most :data:`~learned_opt._fused.PACK_SIZE`
+  elements; the rest of the small tensors take a call each);
 * large tensors of one shape stacked as rows (:func:`learned_opt._stacked.stacked_step_`),
   the default on accelerators, where the step is bound by kernel launches;
-* every other tensor in one fused pass each, compiled by ``torch.compile``
+* every other tensor in one fused pass each, compiled with inductor
   (:func:`learned_opt._fused.fused_step_`), the default on CPU;
 * or, where that is turned off or cannot compile, in cache-sized chunks on worker threads
   (:func:`learned_opt._chunked.chunked_step_`).
@@ -29,7 +31,15 @@ import torch
 from torch import Tensor
 
 from ._chunked import DEFAULT_CHUNK, chunked_step_
-from ._fused import CompileFailed, announce, compile_failure, fusable, fused_step_
+from ._fused import (
+    PACK_SIZE,
+    CompileFailed,
+    announce,
+    compile_failure,
+    fusable,
+    fused_step_,
+    packable,
+)
 from ._stacked import packed_step_, stacked_step_
 from .config import NetConfig
 from .network import Theta
@@ -126,7 +136,8 @@ def learned_step(
         states: :func:`~learned_opt.features.init_state` dicts, one per tensor.
         step: the 1-based step count after this update; ``lr``: the step multiplier.
         chunk_size: elements per chunk of the chunked layout on CPU.
-        small_tensor_size: tensors of at most this many elements are packed together.
+        small_tensor_size: tensors of at most this many elements are packed together (by
+            the fused layout, those of at most :data:`~learned_opt._fused.PACK_SIZE`).
         stack_same_shape: stack large same-shape tensors; ``None``: on accelerators only.
         runner: worker threads for the chunked layout on CPU.
         fused: step each large tensor in one fused pass compiled by ``torch.compile``
@@ -145,17 +156,13 @@ def learned_step(
     theta_for = theta if callable(theta) else _cast(theta)
     index = {id(s): i for i, s in enumerate(states)}
     ok = [True] * len(params)
-    groups: dict[tuple, list] = {}  # by (small, device, compute dtype)
+    groups: dict[tuple, list] = {}  # by (device, compute dtype)
     for item in zip(params, grads, states):
-        small = 0 < item[0].numel() <= small_tensor_size
-        groups.setdefault((small, item[0].device, item[2]["v"].dtype), []).append(item)
-    for (small, device, dtype), items in groups.items():
+        groups.setdefault((item[0].device, item[2]["v"].dtype), []).append(item)
+    for (device, dtype), items in groups.items():
         theta_d = theta_for(device, dtype)
-        if small:
-            with _one_thread(device):
-                flags = packed_step_(theta_d, cfg, *zip(*items), step, lr)
-            _record(ok, index, items, flags)
-            continue
+        small = [it for it in items if 0 < it[0].numel() <= small_tensor_size]
+        items = [it for it in items if not 0 < it[0].numel() <= small_tensor_size]
         cpu = device.type == "cpu"
         stack = stack_same_shape if stack_same_shape is not None else not cpu
         # tensors whose output stage reduces over the whole tensor are always stacked
@@ -167,7 +174,14 @@ def learned_step(
         if mode is not None:
             threads = torch.get_num_threads()
             with _one_thread(device):
-                items = _fused_part(theta_d, cfg, items, step, lr, mode, device, ok, index, threads)
+                items, small = _fused_part(
+                    theta_d, cfg, items, small, step, lr, mode, device, ok, index, threads,
+                    small_tensor_size,
+                )  # fmt: skip
+        if small:
+            with _one_thread(device):
+                flags = packed_step_(theta_d, cfg, *zip(*small), step, lr)
+            _record(ok, index, small, flags)
         shape_stacks, items = stacks(items, STACK_ELEMENTS) if stack else ([], items)
         whole_stacks, too_large = stacks(whole, STACK_ELEMENTS)
         shape_stacks += whole_stacks + [[it] for it in too_large]
@@ -199,25 +213,39 @@ def _one_thread(device: torch.device):
         torch.set_num_threads(threads)
 
 
-def _fused_part(theta, cfg, items, step, lr, mode, device, ok, index, threads) -> list:
-    """Step the fusable ``items`` with the fused layout; return the others (and, if
+def _fused_part(theta, cfg, items, small, step, lr, mode, device, ok, index, threads, size):
+    """Step the fusable ``items`` and the packable ``small`` ones (of at most ``size``
+    elements, packed together) with the fused layout; return the others of each (and, if
     compiling failed, the ones not stepped yet)."""
-    fuse = [it for it in items if fusable(it[0])]
+    cap = min(size, PACK_SIZE)
+    whole = [needs_whole_tensor(cfg, it[0].shape) for it in small]
+    pack = [it for it, w in zip(small, whole) if it[0].numel() <= cap and packable(it[0]) and not w]
+    pack = pack if len(pack) > 1 else []
+    packed = {id(it[2]) for it in pack}
+    alone = [
+        it for it, w in zip(small, whole) if id(it[2]) not in packed and fusable(it[0]) and not w
+    ]
+    taken = packed | {id(it[2]) for it in alone}
+    fuse = [it for it in items if fusable(it[0])] + alone + pack
     if not fuse:
-        return items
+        return items, small
     rest = [it for it in items if not fusable(it[0])]
+    small = [it for it in small if id(it[2]) not in taken]
     try:
         flags = fused_step_(
-            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads
-        )
+            theta, cfg, *zip(*fuse), step, lr, compiled=mode == "compiled", threads=threads,
+            small_tensor_size=cap if pack else 0,
+        )  # fmt: skip
     except CompileFailed as e:
         announce("eager", device, why=f"torch.compile failed: {e}")
         _record(ok, index, [fuse[i] for i in e.done], list(e.done.values()))
-        return rest + [it for i, it in enumerate(fuse) if i not in e.done]
+        left = [it for i, it in enumerate(fuse) if i not in e.done]
+        small += [it for it in left if id(it[2]) in packed]
+        return rest + [it for it in left if id(it[2]) not in packed], small
     if mode == "compiled":
         announce("fused", device)
     _record(ok, index, fuse, flags)
-    return rest
+    return rest, small
 
 
 def _record(ok: list[bool], index: dict, items, flags) -> None:

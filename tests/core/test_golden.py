@@ -87,6 +87,9 @@ PATHS = {
     ),
     # the fused pass uncompiled (compiled: test_fused.py, slow), every tensor one call
     "fused": _in_place(lambda th, c, *a: fused_step_(th, c, *a, STEP, LR, compiled=False)),
+    "fused_packed": _in_place(  # the small tensors packed into one pass
+        lambda th, c, *a: fused_step_(th, c, *a, STEP, LR, compiled=False, small_tensor_size=300)
+    ),
     "learned_step_fused": _in_place(
         lambda th, c, *a: learned_step(th, c, *a, STEP, LR, small_tensor_size=8, fused="eager")
     ),
@@ -99,7 +102,9 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
     net, _ = load_checkpoint(checkpoint)
     inputs = golden_inputs()
     whole = any(needs_whole_tensor(net.config, t["p"].shape) for t in inputs.values())
-    if path in ("chunked", "fused") and whole:  # the dispatcher never sends such tensors there
+    if (
+        path in ("chunked", "fused", "fused_packed") and whole
+    ):  # the dispatcher never sends such tensors there
         with pytest.raises(ValueError, match="cannot step them"):
             PATHS[path](net.theta(), net.config, inputs)
         return

@@ -77,6 +77,7 @@ LAYOUTS = {
     "packed": dict(small_tensor_size=10_000),
     "stacked": dict(small_tensor_size=0, stack_same_shape=True, fused=False),
     "fused": dict(small_tensor_size=0, fused="eager"),  # uncompiled; compiled: test_fused.py
+    "fused-packed": dict(small_tensor_size=10_000, fused="eager"),  # the small ones packed
 }
 
 
