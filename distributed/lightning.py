@@ -229,6 +229,8 @@ class GossipStrategy(DDPStrategy):
         if self.mixing == "allreduce":
             return
         for opt in self.optimizers:
+            if hasattr(opt, "use_gossip"):  # a LearnedOptimizer: its rule and step config
+                opt.use_gossip()  # for gossip (GossipOptimizer sees it behind _LocalStep)
             net = getattr(opt, "net", None)
             mixing = self.mixing or ("learned" if net is not None else "metropolis")
             if mixing == "learned" and net is None:

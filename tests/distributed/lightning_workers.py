@@ -173,6 +173,8 @@ def parity_and_resume(rank, world, root, epochs):
     full = Digits()
     trainer(f"{root}/full", world, epochs).fit(full, loader(rank, world), val_loader())
     out["full"] = _averaged_train_loss(full)
+    opt = full.trainer.optimizers[0]  # built without a checkpoint: the shipped gossip rule
+    out["full_rule"] = (opt.card.get("name"), opt.gossip)
     out["full_params"] = [p.detach().clone() for p in full.parameters()]
     out["val_params"] = full.val_params
 

@@ -28,6 +28,7 @@ def results(tmp_path_factory):
 def test_matches_the_torchrun_entry_point(results):
     for r in results:
         assert r["full"] == pytest.approx(r["entry"], rel=0.05)  # the bar
+        assert r["full_rule"] == ("default", True)  # the shipped rule under gossip, capped
         assert r["full"] == pytest.approx(results[0]["full"])  # the averaged model, on every rank
     assert results[0]["full"] < 0.1  # it trained (digits_mlp starts near log(10))
 
