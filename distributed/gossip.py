@@ -154,9 +154,9 @@ class GossipOptimizer:
         writer=None,
         logdir: str | os.PathLike | None = None,
     ):
+        mixing_net = net if net is not None else _gossip_net(local_optimizer)
         if mixing is None:
-            has_net = net is not None or _gossip_net(local_optimizer) is not None
-            mixing = "learned" if has_net else "metropolis"
+            mixing = "learned" if mixing_net is not None else "metropolis"
         if mixing not in RULES:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
@@ -176,7 +176,7 @@ class GossipOptimizer:
         self.mixing = mixing
         self.communicator = communicator
         self.topology = communicator.topology
-        self.net = net if net is not None else _gossip_net(local_optimizer)
+        self.net = mixing_net
         if mixing == "learned" and self.net is None:
             raise ValueError(
                 "mixing='learned' needs a LearnedOptimizer as the local optimizer, or net="
