@@ -208,9 +208,9 @@ class LearnedOptimizer(Optimizer):
 
     def gossip_net(self) -> tuple[LearnedOptimizerNet, os.PathLike | None, dict]:
         """The network, checkpoint file and card this optimizer steps with under gossip:
-        its own, or, built without a checkpoint and not stepped yet, the shipped
-        decentralized rule (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`)."""
-        if self.shipped_default and not self.state:
+        its own, or, built without a checkpoint and neither stepped nor under gossip yet,
+        the shipped decentralized rule (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`)."""
+        if self.shipped_default and not self.gossip and not self.state:
             path = resolve_checkpoint(DEFAULT_CHECKPOINT)
             net, card = load_checkpoint(path)
             return net, path, card
