@@ -35,7 +35,15 @@ STEPS = [
     ["-m", "benchmarks.meta_train_throughput"],
     ["-m", "benchmarks.quality_single"],
     ["-m", "benchmarks.quality_decentralized"],
-    ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init", "ortho_init", "default"],
+    [
+        "-m",
+        "benchmarks.quality_heldout",
+        "--checkpoint",
+        "adapt_init",
+        "ortho_init",
+        "default",
+        "--record-cards",
+    ],
     ["benchmarks/report.py"],
 ]
 
