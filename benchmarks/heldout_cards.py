@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from learned_opt.checkpoint import (
-    is_explicit_path,
     list_pretrained,
     load_checkpoint,
     resolve_checkpoint,
@@ -48,7 +47,7 @@ def record_cards(payload: dict) -> list[Path]:
     shipped = set(list_pretrained())
     written = []
     for side in payload["sides"]:
-        if is_explicit_path(side) or side not in shipped:
+        if side not in shipped:  # a file or a factory
             continue
         path = resolve_checkpoint(side)
         net, card = load_checkpoint(path)

@@ -114,7 +114,7 @@ def _render(r: dict, name: str) -> str:
         )
     lines = [_summary_line(side, s) for side, s in r["summaries"].items()]
     if "single_side" in r["summary"]:
-        lines.insert(0, _summary_line("", r["summary"]))
+        lines.insert(0, _summary_line(r["summary"]["side"], r["summary"]))
     summaries = "\n".join(f"- {line}" for line in lines)
     return (
         "Single worker, against AdamW tuned per task and horizon:\n\n"

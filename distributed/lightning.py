@@ -41,7 +41,7 @@ from torch import Tensor
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 
 from .averaging import all_reduce_mean_
-from .gossip import GossipOptimizer
+from .gossip import GossipOptimizer, _mark_gossip
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES
 from .topology import Topology, get_topology, list_topologies
@@ -229,8 +229,7 @@ class GossipStrategy(DDPStrategy):
         if self.mixing == "allreduce":
             return
         for opt in self.optimizers:
-            if hasattr(opt, "use_gossip"):  # a LearnedOptimizer: its rule and step config
-                opt.use_gossip()  # for gossip (GossipOptimizer sees it behind _LocalStep)
+            _mark_gossip(opt)  # told here: GossipOptimizer sees it behind _LocalStep
             net = getattr(opt, "net", None)
             mixing = self.mixing or ("learned" if net is not None else "metropolis")
             if mixing == "learned" and net is None:
