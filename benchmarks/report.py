@@ -47,6 +47,16 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _load_cell(r: dict) -> str:
+    if r["load"] == "as is":
+        return "as is"
+    blocks = r.get("blocks")
+    if not blocks:
+        return "2 busy processes beside"
+    each = ", ".join(f"{b:.2f}x" for b in blocks)
+    return f"2 busy processes beside (median of {len(blocks)} blocks: {each})"
+
+
 @section("step_overhead")
 def render_step_overhead(result: dict) -> str:
     def ratio(r, key):
@@ -68,7 +78,7 @@ def render_step_overhead(result: dict) -> str:
             r["workload"],
             f"{r['params']:,} ({r['tensors']})",
             r.get("threads", 2),
-            "2 busy processes beside" if r["load"] != "as is" else "as is",
+            _load_cell(r),
             f"{r['adamw_foreach_step_ms']:.1f}",
             f"**{ratio(r, 'learned_default_step_ratio')}**",
             ratio(r, "learned_eager_step_ratio"),

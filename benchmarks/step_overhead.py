@@ -12,7 +12,8 @@ take turns step by step, so a busy machine slows them alike: only ratios measure
 by side are reported. The learned optimizer runs twice: on its default path (the fused
 pass compiled by ``torch.compile`` on CPU) and with ``fused=False`` (the eager chunked
 path). AdamW runs with ``foreach=True`` (and ``fused=True`` on a GPU). Then the same is
-measured with two busy background processes (``python -c "while True: pass"``).
+measured with two busy background processes (``python -c "while True: pass"``), in
+``--contention-blocks`` blocks with fresh processes each, and the median reported.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
 from learned_opt.config import NUM_ELEMENT_FEATURES
+from learned_opt.features import init_state
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 THREADS = 2
@@ -161,16 +163,20 @@ def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
 
 def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
     """``{name: {part: median ms}}`` of callables ``steps[name]() -> {part: seconds}``,
-    taking turns; the first call of each is also reported (``first``, ms)."""
+    taking turns in an order that rotates each round; the first call of each is also
+    reported (``first``, ms)."""
     times: dict = {name: {} for name in steps}
     first = {}
     for name, fn in steps.items():
         t0 = time.perf_counter()
         fn()
         first[name] = 1e3 * (time.perf_counter() - t0)
+    names = list(steps)
     for k in range(warmup + repeats):
-        for name, fn in steps.items():
-            for part, sec in fn().items():
+        # the order turns each round: no optimizer always follows the same one (whose
+        # threads, caches or allocations would otherwise slow it alike every round)
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            for part, sec in steps[name]().items():
                 if k >= warmup:
                     times[name].setdefault(part, []).append(1e3 * sec)
     return {
@@ -253,6 +259,17 @@ def measure(names, device, warmup, repeats, label="", rows=None, save=None):
     return rows
 
 
+def median_row(block_rows: list[dict]) -> dict:
+    """One row from the rows of several blocks of the same workload: each time and ratio
+    the median over the blocks, and each block's step ratio under ``blocks``."""
+    row = dict(block_rows[0])
+    for key, value in row.items():
+        if key.endswith(("_ms", "_ratio")) and isinstance(value, float):
+            row[key] = round(statistics.median(r[key] for r in block_rows), 2)
+    row["blocks"] = [r["learned_default_step_ratio"] for r in block_rows]
+    return row
+
+
 def busy_processes(count: int = 2) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
@@ -292,6 +309,37 @@ def cold_compile_seconds(threads: int) -> float:
     return float(out.stdout.split()[-1])
 
 
+def team_speedup(threads: int, numel: int = 1 << 20, repeats: int = 15) -> dict:
+    """The fused update pass of one ``numel``-element tensor on the calling thread against
+    the same pass on an OpenMP team of ``threads`` (median ms of each, taking turns): a
+    ratio near 1 means the team does not run in parallel. Measured through the dispatcher's
+    ``fused_step_`` (the reduction pass and the per-tensor stage, the same in both, are
+    included), with the load check turned off for the team's turns."""
+    from learned_opt import _fused
+
+    net = LearnedOptimizerNet(NetConfig(width=8))
+    theta, cfg = net.theta(), net.config
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(numel, generator=gen)
+    g = torch.randn(numel, generator=gen)
+    state = init_state(p)
+    times: dict = {1: [], threads: []}
+    free = _fused.machine_is_free
+    try:
+        _fused.machine_is_free = lambda n: True
+        for k in range(3 + repeats):
+            for n in times:
+                t0 = time.perf_counter()
+                _fused.fused_step_(theta, cfg, [p], [g], [state], k + 1, threads=n)
+                if k >= 3:
+                    times[n].append(1e3 * (time.perf_counter() - t0))
+    finally:
+        _fused.machine_is_free = free
+    one, team = (statistics.median(times[n]) for n in (1, threads))
+    return {"numel": numel, "threads": threads, "one_thread_ms": round(one, 2),
+            "team_ms": round(team, 2), "speedup": round(one / team, 2)}  # fmt: skip
+
+
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -324,6 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument(
+        "--contention-blocks", type=int, default=3,
+        help="blocks measured with two busy processes, each with fresh ones (the median is "
+        "reported: under load, how the scheduler slices a short and a long step swings "
+        "from block to block)",
+    )  # fmt: skip
     ap.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
     ap.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -385,21 +439,35 @@ def main(argv: list[str] | None = None) -> None:
             "wall_seconds": round((old or {}).get("wall_seconds", 0) + time.perf_counter() - t0, 1),
             "rows": (old or {}).get("rows", []) + rows,
         }
+        if team is not None or (old or {}).get("team"):
+            result["team"] = team or old["team"]
         if not args.no_write:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    team = None
+    if args.threads > 1:
+        team = team_speedup(args.threads)
+        print(f"update pass of {team['numel']:,} elements: {team['one_thread_ms']} ms on one "
+              f"thread, {team['team_ms']} ms on {team['threads']} ({team['speedup']}x)")  # fmt: skip
     measure(names, device, args.warmup, args.repeats, "as is", rows, save)
     if not args.no_contention:
-        busy = busy_processes(2)
-        try:
-            time.sleep(1.0)
-            contended = [n for n in CONTENDED if n in names]
-            measure(contended, device, args.warmup, args.repeats, "+2 busy", rows, save)
-        finally:
-            for proc in busy:
-                proc.kill()
-                proc.wait()
+        contended = [n for n in CONTENDED if n in names]
+        blocks = []
+        for _ in range(args.contention_blocks):  # fresh busy processes for each block
+            busy = busy_processes(2)
+            try:
+                time.sleep(1.0)
+                blocks.append(measure(contended, device, args.warmup, args.repeats, "+2 busy"))
+            finally:
+                for proc in busy:
+                    proc.kill()
+                    proc.wait()
+        rows += [median_row(list(same)) for same in zip(*blocks)]
+        save()
+        for r in rows[-len(contended) :]:
+            print(f"{r['workload']}: +2 busy, median of {len(r['blocks'])} blocks: step "
+                  f"{r['learned_default_step_ratio']}x (blocks {r['blocks']})")  # fmt: skip
     if not args.no_write:
         print(f"wrote {args.out}")
 

@@ -52,7 +52,10 @@ def compiled_for(cfg: NetConfig):
                                _cfg)  # fmt: skip
 
             single = {**COMPILE_OPTIONS}
-            threaded = {**COMPILE_OPTIONS, "cpp.threads": -1}  # the caller's thread count
+            # the team's loop is parallel whatever the size hint of the symbolic size (the
+            # small stand-ins would make inductor judge it too short to split) and takes the
+            # caller's thread count at each call
+            threaded = {**COMPILE_OPTIONS, "cpp.threads": -1, "cpp.dynamic_threads": True}
             n, t, scalar, static = ("n",), ("T",), (), (None, None)
             rows = (n,) * 6  # p, g, m0, m1, m2, v
             layers = (static,) * 6  # w1, b1, the hidden and the output layer

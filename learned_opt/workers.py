@@ -32,14 +32,59 @@ import torch
 MIN_THREADED_TASKS = 4
 
 
-def machine_is_free(threads: int) -> bool:
-    """Whether ``threads`` threads would find free cores: the 1-minute load average (which
-    counts this process) leaves room for them. On a busy machine a thread that waits for
-    a core another process holds stalls the whole step."""
+#: Where Linux counts the threads runnable right now (the ``procs_running`` line), and
+#: where it lists this process's threads with their states.
+PROC_STAT, OWN_TASKS = "/proc/stat", "/proc/self/task"
+
+
+def runnable_threads(path: str = PROC_STAT) -> int | None:
+    """The number of threads on the machine runnable at this instant (running or waiting
+    for a core; the caller's own included), or None where the system does not say."""
     try:
-        return threads > 1 and os.getloadavg()[0] <= (os.cpu_count() or 1) + 0.5
+        with open(path, "rb") as f:
+            for line in f:
+                if line.startswith(b"procs_running "):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def own_runnable_threads(tasks: str = OWN_TASKS) -> int:
+    """How many of this process's threads are runnable at this instant (at least the
+    caller): an OpenMP team that just finished a parallel region busy-waits for a while,
+    and is not another process's load."""
+    count = 0
+    try:
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue  # the thread ended meanwhile
+            count += state == b"R"
+    except OSError:
+        pass
+    return max(count, 1)
+
+
+def machine_is_free(threads: int) -> bool:
+    """Whether ``threads`` threads would find free cores. Both must leave room for them:
+    the 1-minute load average (which counts this process), and the other processes'
+    threads runnable at this instant (:func:`runnable_threads` less
+    :func:`own_runnable_threads`; the load average lags a minute behind processes that
+    just started). On a busy machine a thread that waits for a core another process holds
+    stalls the whole step."""
+    if threads < 2:
+        return False
+    cores = os.cpu_count() or 1
+    try:
+        if os.getloadavg()[0] > cores + 0.5:
+            return False
     except OSError:  # no load average on this platform
         return False
+    now = runnable_threads()
+    return now is None or max(now - own_runnable_threads(), 0) + threads <= cores
 
 
 def worth_threads(runner: ChunkRunner, tasks: int) -> bool:

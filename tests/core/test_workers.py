@@ -9,7 +9,7 @@ import pytest
 import torch
 from optim_table import perturbed_net
 
-from learned_opt import LearnedOptimizer
+from learned_opt import LearnedOptimizer, workers
 from learned_opt._chunked import chunked_step_
 from learned_opt.features import init_state
 from learned_opt.flat import tensor_step
@@ -121,3 +121,46 @@ def test_multi_tensor_step_skips_only_the_nonfinite_tensor():
     assert not states[2]["m"].any() and not states[2]["v"].any()
     for i in (0, 1, 4):
         torch.testing.assert_close(params[i], expected[i], rtol=1e-5, atol=1e-7)
+
+
+def test_runnable_threads_reads_procs_running(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nctxt 99\nprocs_running 3\nprocs_blocked 0\n")
+    assert workers.runnable_threads(str(stat)) == 3
+    stat.write_text("cpu  1 2 3\n")  # the line missing
+    assert workers.runnable_threads(str(stat)) is None
+    stat.write_text("procs_running many\n")  # malformed
+    assert workers.runnable_threads(str(stat)) is None
+    assert workers.runnable_threads(str(tmp_path / "absent")) is None
+
+
+def test_own_runnable_threads_counts_this_process_threads_in_state_r(tmp_path):
+    for tid, state in [(10, "R"), (11, "S"), (12, "R")]:
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "stat").write_text(f"{tid} (py thr) {state} 1 2 3\n")
+    (tmp_path / "13").mkdir()  # a thread that ended while the folder was read
+    assert workers.own_runnable_threads(str(tmp_path)) == 2
+    assert workers.own_runnable_threads(str(tmp_path / "absent")) == 1  # at least the caller
+    assert workers.own_runnable_threads() >= 1  # this process, for real
+
+
+@pytest.mark.parametrize(
+    ("load", "running", "own", "threads", "free"),
+    [
+        (0.5, 1, 1, 2, True),  # only the caller runs: room for a second thread
+        (0.5, 2, 2, 2, True),  # our own OpenMP team still spinning is no other load
+        (0.5, 3, 1, 2, False),  # two other threads just started: the load average lags
+        (3.5, 1, 1, 2, False),  # busy for the last minute
+        (0.5, None, 1, 2, True),  # no instant count: the load average decides
+        (0.5, 1, 1, 3, False),  # more threads than cores
+        (0.0, 1, 1, 1, False),  # one thread needs no team
+    ],
+)
+def test_machine_is_free_needs_the_load_and_the_instant_count_to_leave_room(
+    monkeypatch, load, running, own, threads, free
+):
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(workers.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(workers, "runnable_threads", lambda: running)
+    monkeypatch.setattr(workers, "own_runnable_threads", lambda: own)
+    assert workers.machine_is_free(threads) is free
