@@ -26,7 +26,8 @@ The passes are compiled once per network config (:mod:`learned_opt._compiled`), 
 symbolic sizes and the step and scales passed as tensors: a new tensor size, step or lr
 never compiles them again (a new parameter dtype does, once). On CPU they are called
 without ``torch.compile``'s per-call guard checks, and the kernels run on the calling
-thread: no OpenMP team that a busy core could stall. Uncompiled (``compiled=False``) it
+thread, except the update pass of a large tensor (:data:`PARALLEL_SIZE`), which takes an
+OpenMP team only while :func:`~learned_opt.workers.machine_is_free`. Uncompiled (``compiled=False``) it
 is the same math, slow, which the fast tests run. If compiling fails, the dispatcher
 (:func:`learned_opt.functional.learned_step`) logs why, once, and steps with the eager
 layouts instead.
