@@ -72,6 +72,8 @@ def render_step_overhead(result: dict) -> str:
         "(eager chunked)",
         "training step / AdamW (default: fused)",
         "(eager chunked)",
+        "shipped rule (`adapt_init`): step / AdamW",
+        "training step / AdamW",
     ]
     rows = [
         [
@@ -86,6 +88,8 @@ def render_step_overhead(result: dict) -> str:
             if "learned_default_train_ratio" in r
             else "(step only)",
             ratio(r, "learned_eager_train_ratio"),
+            ratio(r, "learned_shipped_step_ratio"),
+            ratio(r, "learned_shipped_train_ratio"),
         ]
         for r in result["rows"]
     ]

@@ -135,7 +135,10 @@ NO_EAGER = ["shapes-100M"]
 
 
 def optimizers(params_of, device: str, eager: bool = True) -> dict:
-    """Every optimizer compared, each on its own copy of the parameters."""
+    """Every optimizer compared, each on its own copy of the parameters: AdamW; the
+    default network config (width 8, the Adam-form output) on the default path and on the
+    eager one; and the shipped single-worker rule, ``LearnedOptimizer(params)`` without a
+    checkpoint (``adapt_init``: orthogonalised matrices, adapted step sizes)."""
     net = LearnedOptimizerNet(NetConfig(width=8))
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
@@ -143,6 +146,7 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     opts["learned_default"] = LearnedOptimizer(params_of(), net=net)
     if eager:
         opts["learned_eager"] = LearnedOptimizer(params_of(), net=net, fused=False)
+    opts["learned_shipped"] = LearnedOptimizer(params_of())
     return opts
 
 
@@ -360,6 +364,8 @@ def print_row(r: dict) -> None:
         f"{r['workload']:>17} {r['load']:>6} {r['params']:>11,} "
         f"step {get('learned_default_step_ratio'):>6}x (eager {get('learned_eager_step_ratio')}x) "
         f"train {get('learned_default_train_ratio'):>6}x (eager {get('learned_eager_train_ratio')}x) "
+        f"shipped step {get('learned_shipped_step_ratio')}x train "
+        f"{get('learned_shipped_train_ratio')}x "
         f"AdamW step {get('adamw_foreach_step_ms')} ms",
         flush=True,
     )

@@ -12,7 +12,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._passes import tensor_sums, tensor_tables, update_packed_, update_tensor_
+from ._passes import (
+    direction_tensor_,
+    tensor_sums,
+    tensor_tables,
+    update_packed_,
+    update_tensor_,
+)
 from .config import NetConfig
 
 _lock = threading.Lock()
@@ -26,8 +32,9 @@ COMPILE_OPTIONS = {"cpp.threads": 1, "cpp.enable_floating_point_contract_flag": 
 
 def compiled_for(cfg: NetConfig):
     """The passes compiled for ``cfg`` (built once per config, dynamic sizes): the reduction
-    and update passes of one tensor, the update pass on an OpenMP team, and the reduction
-    and update passes of packed small tensors."""
+    and update passes of one tensor, the update pass on an OpenMP team, the reduction
+    and update passes of packed small tensors, and the direction pass of an "ortho" matrix
+    (on the calling thread and on a team). A pass is compiled on its first call."""
     with _lock:
         if cfg not in _compiled:
 
@@ -51,6 +58,15 @@ def compiled_for(cfg: NetConfig):
                 update_packed_(layers, p, g, m0, m1, m2, v, seg, g_rms, scale, scales, ok, step,
                                _cfg)  # fmt: skip
 
+            def direction(layers, p, g, m0, m1, m2, v, g_rms, scale, m1_ms, z, mag, _cfg=cfg):
+                direction_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, m1_ms, z, mag,
+                                  _cfg)  # fmt: skip
+
+            def direction_threaded(layers, p, g, m0, m1, m2, v, g_rms, scale, m1_ms, z, mag,
+                                   _cfg=cfg):  # fmt: skip
+                direction_tensor_(layers, p, g, m0, m1, m2, v, g_rms, scale, m1_ms, z, mag,
+                                  _cfg)  # fmt: skip
+
             single = {**COMPILE_OPTIONS}
             # the team's loop is parallel whatever the size hint of the symbolic size (the
             # small stand-ins would make inductor judge it too short to split) and takes the
@@ -60,6 +76,7 @@ def compiled_for(cfg: NetConfig):
             rows = (n,) * 6  # p, g, m0, m1, m2, v
             layers = (static,) * 6  # w1, b1, the hidden and the output layer
             one = (*layers, *rows, scalar, scalar, scalar)  # g_rms, scale, step
+            ortho = (*layers, *rows, scalar, scalar, scalar, n, n)  # g_rms, scale, m1_ms, z, mag
             _compiled[cfg] = Passes(
                 CompiledPass(sums, single, rows),
                 CompiledPass(
@@ -74,6 +91,8 @@ def compiled_for(cfg: NetConfig):
                     dims=(static, (None, "T"), *layers[2:], *rows, n, t, t, (None, "T"), t,
                           scalar),  # seg, g_rms, scale, scales, ok, step
                 ),
+                CompiledPass(direction, single, ortho, head="layers"),
+                CompiledPass(direction_threaded, threaded, ortho, head="layers"),
             )  # fmt: skip
         return _compiled[cfg]
 
@@ -183,6 +202,8 @@ class Passes(NamedTuple):
     update_threaded: Callable
     sums_packed: Callable
     update_packed: Callable
+    direction: Callable
+    direction_threaded: Callable
 
 
 def eager_passes(cfg: NetConfig) -> Passes:
@@ -195,4 +216,5 @@ def eager_passes(cfg: NetConfig) -> Passes:
     tables = functools.partial(tensor_tables, cfg=cfg)
     update = functools.partial(update_tensor_, cfg=cfg)
     packed = functools.partial(update_packed_, cfg=cfg)
-    return Passes(sums, tables, update, update, sums_packed, packed)
+    direction = functools.partial(direction_tensor_, cfg=cfg)
+    return Passes(sums, tables, update, update, sums_packed, packed, direction, direction)

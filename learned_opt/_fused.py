@@ -47,7 +47,7 @@ from ._operands import Pack, operands
 from .config import NetConfig
 from .features import shape_stats
 from .network import Theta, element_layers
-from .orthogonal import needs_whole_tensor
+from .orthogonal import is_matrix, needs_whole_tensor, ortho_direction
 from .workers import machine_is_free
 
 log = logging.getLogger("learned_opt")
@@ -136,13 +136,16 @@ def fused_step_(
     """
     if not params:
         return []
-    whole = [tuple(p.shape) for p in params if needs_whole_tensor(cfg, p.shape)]
+    whole = [tuple(p.shape) for p in params if not fuses_whole(cfg, p.shape)]
     if whole:
         raise ValueError(
             f"tensors of shapes {whole} need their whole tensor in the output stage "
             f"(output={cfg.output!r}, normalize={cfg.normalize}); the fused pass cannot step them"
         )
-    small = [i for i, p in enumerate(params) if 0 < p.numel() <= small_tensor_size]
+    small = [
+        i for i, p in enumerate(params)
+        if 0 < p.numel() <= small_tensor_size and not is_matrix(tuple(p.shape), cfg)
+    ]  # fmt: skip
     small = small if len(small) > 1 and all(packable(params[i]) for i in small) else []
     large = [i for i in range(len(params)) if i not in set(small)]
     like = states[0]["v"]
@@ -151,7 +154,7 @@ def fused_step_(
     if compiled and _failure:
         raise _failed({})
     passes = _compiled_for(cfg) if compiled else eager_passes(cfg)
-    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):
+    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):  # a team?
         threads = threads if machine_is_free(threads) else 1
     order = large + small  # the rows of the per-tensor tables
     done: dict[int, bool] = {}
@@ -181,7 +184,7 @@ def fused_step_(
         todo = [(j, i) for j, i in enumerate(large) if oks[j]]
         if todo:
             layers = element_layers(theta, cfg, like.dtype, bias.unsqueeze(-1), scales)
-            _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t,
+            _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, step_t,
                          log_lr, threads, done)  # fmt: skip
         if pack is not None and any(oks[len(large) :]):
             rows = slice(len(large), None)
@@ -201,14 +204,23 @@ def fused_step_(
     return flags
 
 
-def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t, log_lr,
-                 threads, done) -> None:  # fmt: skip
+def fuses_whole(cfg: NetConfig, shape) -> bool:
+    """Whether :func:`fused_step_` can step a tensor of ``shape`` under ``cfg``: every
+    tensor but those whose output stage needs the whole tensor, except "ortho" matrices
+    (their direction pass, then Newton-Schulz on the whole matrix)."""
+    return not needs_whole_tensor(cfg, shape) or is_matrix(tuple(shape), cfg)
+
+
+def _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, step_t,
+                 log_lr, threads, done) -> None:  # fmt: skip
     """The update pass of each large tensor ``i`` (row ``j``) in ``todo``: those of at
-    least :data:`PARALLEL_SIZE` elements first, under one change of the thread count."""
+    least :data:`PARALLEL_SIZE` elements first, under one change of the thread count. An
+    "ortho" matrix takes the direction pass, and then (with the others of its shape, in one
+    batch, before the thread count changes back) Newton-Schulz and its step."""
     (w1, b1), *shared = layers
     # per row: views on CPU (the standalone-compiled passes take any offset), copies for
     # torch.compile elsewhere (a view of a batch would be guarded on the batch's size)
-    w1, b1, g_rms, scale = (t.unbind(0) for t in (w1, b1, sums[:, 1], scale))
+    w1, b1, g_rms, scale, m1_ms = (t.unbind(0) for t in (w1, b1, sums[:, 1], scale, sums[:, -1]))
     own = (lambda t: t) if sums.device.type == "cpu" else torch.clone
     big = {j: threads > 1 and params[i].numel() >= PARALLEL_SIZE for j, i in todo}
     for use_team in (True, False):
@@ -216,14 +228,39 @@ def _update_each(passes, layers, todo, flat, params, states, sums, scale, step_t
         if not now:
             continue
         fn = passes.update_threaded if use_team else passes.update
+        matrix_fn = passes.direction_threaded if use_team else passes.direction
+        matrices: dict[tuple, list] = {}  # shape -> [(i, j, z, magnitude)]
         with _threads(threads) if use_team else contextlib.nullcontext():
             for j, i in now:
                 layers = ((own(w1[j]), own(b1[j])), *shared)
+                shape = tuple(params[i].shape)
+                if is_matrix(shape, cfg):
+                    z, magnitude = torch.empty_like(flat[j][5]), torch.empty_like(flat[j][5])
+                    matrix_fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), own(m1_ms[j]),
+                              z, magnitude)  # fmt: skip
+                    matrices.setdefault(shape, []).append((i, j, z, magnitude))
+                    continue
                 fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), step_t)
-                torch.autograd.graph.increment_version(params[i])  # written via an alias
-                if log_lr is not None:
-                    states[i]["log_lr"].copy_(log_lr[j])
-                done[i] = True
+                _stepped(params, states, log_lr, i, j, done)
+            # the matrices whose state this loop wrote: stepped before another pass could
+            # fail to compile (a fallback then steps only the tensors not ``done``)
+            for shape, batch in matrices.items():
+                directions = ortho_direction(cfg, shape, torch.stack([b[2] for b in batch]))
+                for (i, j, _, magnitude), direction in zip(batch, directions):
+                    p = flat[j][0]
+                    if p.dtype == direction.dtype:
+                        p.addcmul_(direction, magnitude)
+                    else:
+                        p.copy_(torch.addcmul(p.to(direction.dtype), direction, magnitude))
+                    _stepped(params, states, log_lr, i, j, done)
+
+
+def _stepped(params, states, log_lr, i: int, j: int, done: dict) -> None:
+    """Tensor ``i`` (row ``j``) was written: its version, its adapted log step size."""
+    torch.autograd.graph.increment_version(params[i])  # written via an alias
+    if log_lr is not None:
+        states[i]["log_lr"].copy_(log_lr[j])
+    done[i] = True
 
 
 @contextlib.contextmanager

@@ -5,7 +5,11 @@
 * :func:`tensor_tables`, between them: the per-tensor stage for all tensors at once;
 * :func:`update_tensor_`, the update pass: reads p, g and the state once, updates the
   moments, computes the features, the per-element MLP and the output stage per element,
-  and writes p and the state once.
+  and writes p and the state once;
+* :func:`direction_tensor_`, the update pass of an "ortho" matrix: the same up to the
+  MLP, then it writes the state and, instead of p, what the matrix's orthogonalised
+  direction is built from (the Newton-Schulz step itself needs the whole matrix and runs
+  after it, :func:`learned_opt.orthogonal.ortho_direction`).
 
 Each pass serves one tensor, or many small tensors packed into one vector
 (:func:`update_packed_`; :class:`learned_opt._operands.Pack`), whose per-tensor sums and
@@ -21,6 +25,7 @@ from torch import Tensor
 from .config import NetConfig
 from .features import adapt_log_lr, feature_rows, safe_sqrt, stepped, update_moments
 from .network import Layers, Theta, element_mlp_rows
+from .orthogonal import ortho_input
 from .stages import apply_update, tensor_context
 
 
@@ -39,6 +44,8 @@ def tensor_sums(
     the mean squares of the 11 features after this step's moment update, and mean(v); when
     ``cfg`` adapts step sizes, ``(17,)``: then ``g . m1`` and ``m1^2`` (the 0.9 momentum
     before the update) and ``g^2``, the sums :func:`~learned_opt.features.adapt_log_lr` reads.
+    With ``cfg.output == "ortho"`` one more, last: the mean square of the 0.9 momentum after
+    the update, which :func:`direction_tensor_` scales it by.
 
     ``p`` and ``g`` are ``[n]`` in any floating dtype, the momentum rows ``m0, m1, m2`` and
     ``v`` ``[n]`` in the compute dtype; nothing is written. Where the gradient or the
@@ -62,6 +69,8 @@ def tensor_sums(
     out = [torch.stack([ok.to(dtype), g_rms], dim=-1), ms, mean(v_new).unsqueeze(-1)]
     if cfg.adapts_lr:
         out.append(torch.stack([dot(g_c, m0), dot(m0, m0), g_ss], dim=-1))
+    if cfg.output == "ortho":
+        out.append(mean(m_new[0] * m_new[0]).unsqueeze(-1))
     return torch.cat(out, dim=-1)
 
 
@@ -111,6 +120,48 @@ def update_tensor_(
     ``g_rms``, ``scale`` and ``keep`` (where to write) ``[n]``, the first layer's bias
     ``(H, n)`` and the feature normalisers ``scales`` (``(11, n)``), which the first layer
     then does not fold in."""
+    p_c, m_new, v_new, d, log_mag = _element_outputs(layers, p, g, m0, m1, m2, v, g_rms,
+                                                     cfg, scales)  # fmt: skip
+    new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
+    if keep is not None:  # a packed tensor that is skipped keeps its values
+        new_p = torch.where(keep, new_p, p_c)
+        m_new = [torch.where(keep, new, old) for new, old in zip(m_new, (m0, m1, m2))]
+        v_new = torch.where(keep, v_new, v)
+    p.copy_(new_p)
+    _write_state(m0, m1, m2, v, m_new, v_new)
+
+
+def direction_tensor_(
+    layers: Layers,
+    p: Tensor,
+    g: Tensor,
+    m0: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    v: Tensor,
+    g_rms: Tensor,
+    scale: Tensor,
+    m1_ms: Tensor,
+    z: Tensor,
+    magnitude: Tensor,
+    cfg: NetConfig,
+) -> None:
+    """The update pass of one "ortho" matrix (:func:`~learned_opt.orthogonal.is_matrix`),
+    in place, but for p: everything :func:`update_tensor_` does up to the per-element MLP,
+    then it writes the state, the matrix's :func:`~learned_opt.orthogonal.ortho_input` into
+    ``z`` and the per-element step magnitude ``exp(log_mag) * scale`` into ``magnitude``
+    (both ``[n]`` in the compute dtype). The caller then steps p by
+    ``ortho_direction(z) * magnitude`` (:func:`~learned_opt.stages.apply_update`'s formula
+    for a matrix). ``m1_ms`` is the last entry of the tensor's :func:`tensor_sums`."""
+    p_c, m_new, v_new, d, log_mag = _element_outputs(layers, p, g, m0, m1, m2, v, g_rms, cfg)
+    z.copy_(ortho_input(m_new[0], m1_ms, d))
+    magnitude.copy_(torch.exp(log_mag) * scale)
+    _write_state(m0, m1, m2, v, m_new, v_new)
+
+
+def _element_outputs(layers, p, g, m0, m1, m2, v, g_rms, cfg, scales=None):
+    """``(p, m_new, v_new, d, log_mag)`` of the update passes: p in the compute dtype, the
+    updated moments and the per-element MLP's outputs."""
     dtype = v.dtype
     p_c, g_c = p.to(dtype), g.to(dtype)
     m_new, v_new = update_moments(g_c, (m0, m1, m2), v)
@@ -118,12 +169,10 @@ def update_tensor_(
     if scales is not None:
         rows = [r * s for r, s in zip(rows, scales.unbind(0))]
     d, log_mag = element_mlp_rows(layers, rows)
-    new_p = apply_update(cfg, p_c, d, log_mag, m_new[0], v_new, step, scale)
-    if keep is not None:  # a packed tensor that is skipped keeps its values
-        new_p = torch.where(keep, new_p, p_c)
-        m_new = [torch.where(keep, new, old) for new, old in zip(m_new, (m0, m1, m2))]
-        v_new = torch.where(keep, v_new, v)
-    p.copy_(new_p)
+    return p_c, m_new, v_new, d, log_mag
+
+
+def _write_state(m0, m1, m2, v, m_new, v_new) -> None:
     for row, new in zip((m0, m1, m2), m_new):
         row.copy_(new)
     v.copy_(v_new)

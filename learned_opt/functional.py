@@ -38,6 +38,7 @@ from ._fused import (
     compile_failure,
     fusable,
     fused_step_,
+    fuses_whole,
     packable,
 )
 from ._stacked import packed_step_, stacked_step_
@@ -165,12 +166,15 @@ def learned_step(
         items = [it for it in items if not 0 < it[0].numel() <= small_tensor_size]
         cpu = device.type == "cpu"
         stack = stack_same_shape if stack_same_shape is not None else not cpu
-        # tensors whose output stage reduces over the whole tensor are always stacked
+        mode = _fused_mode(fused, device)
+        # tensors whose output stage reduces over the whole tensor are stacked, but for
+        # the "ortho" matrices that the fused step takes
         whole, rest = [], []
         for it in items:
-            (whole if needs_whole_tensor(cfg, it[0].shape) else rest).append(it)
+            stacked = needs_whole_tensor(cfg, it[0].shape)
+            stacked = stacked and (mode is None or not fuses_whole(cfg, it[0].shape))
+            (whole if stacked else rest).append(it)
         items = rest
-        mode = _fused_mode(fused, device)
         if mode is not None:
             threads = torch.get_num_threads()
             with _one_thread(device):
@@ -178,6 +182,9 @@ def learned_step(
                     theta_d, cfg, items, small, step, lr, mode, device, ok, index, threads,
                     small_tensor_size,
                 )  # fmt: skip
+            # those it left (not contiguous, or compiling failed): stacked too
+            whole += [it for it in items if needs_whole_tensor(cfg, it[0].shape)]
+            items = [it for it in items if not needs_whole_tensor(cfg, it[0].shape)]
         if small:
             with _one_thread(device):
                 flags = packed_step_(theta_d, cfg, *zip(*small), step, lr)
@@ -223,8 +230,9 @@ def _fused_part(theta, cfg, items, small, step, lr, mode, device, ok, index, thr
     pack = pack if len(pack) > 1 else []
     packed = {id(it[2]) for it in pack}
     alone = [
-        it for it, w in zip(small, whole) if id(it[2]) not in packed and fusable(it[0]) and not w
-    ]
+        it for it in small
+        if id(it[2]) not in packed and fusable(it[0]) and fuses_whole(cfg, it[0].shape)
+    ]  # fmt: skip
     taken = packed | {id(it[2]) for it in alone}
     fuse = [it for it in items if fusable(it[0])] + alone + pack
     if not fuse:

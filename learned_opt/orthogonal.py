@@ -54,6 +54,21 @@ def unit_rms(x: Tensor, dim=-1) -> Tensor:
     return x * torch.rsqrt(ms + _TINY)
 
 
+def ortho_input(m1: Tensor, m1_ms: Tensor, d: Tensor) -> Tensor:
+    """What a matrix's direction orthogonalises: the 0.9 momentum ``m1`` at unit RMS
+    (``m1_ms``: its mean square over the tensor, broadcastable) plus the MLP's direction
+    output ``d``, elementwise (so a fused pass computes it per element)."""
+    return m1 * torch.rsqrt(m1_ms + _TINY) + d
+
+
+def ortho_direction(cfg: NetConfig, shape, z: Tensor) -> Tensor:
+    """The step direction of matrices of ``shape`` from their :func:`ortho_input` ``z``
+    (``[..., numel]``, leading dims stack matrices): Newton-Schulz, then unit RMS per
+    matrix, relative to the Adam form's ``step_mult``."""
+    o = newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps)
+    return (cfg.ortho_step_mult / cfg.step_mult) * unit_rms(o.reshape(z.shape))
+
+
 def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
     """Whether a tensor of ``shape`` takes the orthogonalised step under ``cfg``."""
     if cfg.output != "ortho" or len(shape) != 2:
@@ -80,14 +95,13 @@ def shape_direction(cfg: NetConfig, shapes, direction: Tensor, m1: Tensor, d: Te
     matrices = [is_matrix(tuple(s), cfg) for s in shapes]
     if not cfg.normalize and not any(matrices):
         return direction
-    ratio = cfg.ortho_step_mult / cfg.step_mult
     starts = [0, *itertools.accumulate(numels)]
     pieces = []
     for shape, matrix, lo, hi in zip(shapes, matrices, starts, starts[1:]):
         if matrix:
-            z = unit_rms(m1[..., lo:hi]) + d[..., lo:hi]
-            o = newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps)
-            pieces.append(ratio * unit_rms(o.reshape(z.shape)))
+            m = m1[..., lo:hi]
+            z = ortho_input(m, m.square().mean(dim=-1, keepdim=True), d[..., lo:hi])
+            pieces.append(ortho_direction(cfg, shape, z))
         elif cfg.normalize:
             pieces.append(unit_rms(direction[..., lo:hi]))
         else:

@@ -126,17 +126,75 @@ def test_dispatch_fuses_large_tensors_and_packs_small_ones(monkeypatch):
     assert seen["fused"][1:] == [[(64, 32)]] and seen["packed"] == [[(5,)]]
 
 
-def test_whole_tensor_outputs_still_take_the_stacked_path(monkeypatch):
-    """ortho matrices need the whole tensor: never fused; the rest of the tensors are."""
+def _ortho_net(seed: int = 0):
+    """The shipped single-worker rule's config (``adapt_init``: orthogonalised matrices,
+    adapted step sizes) with a perturbed theta, so every head is non-trivial."""
+    from learned_opt import LearnedOptimizerNet, NetConfig
+
+    cfg = NetConfig(output="ortho", ortho_min_dim=16, max_log_scale=3.0, lr_adapt_rate=0.3)
+    net = LearnedOptimizerNet(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return net
+
+
+def _ortho_inputs(shapes, dtype=torch.float32, seed=0):
+    params, grads, states = _inputs(shapes, dtype, seed)
+    for k, s in enumerate(states):
+        s["log_lr"] = torch.full((), 0.1 * k - 0.2)
+    return params, grads, states
+
+
+def test_ortho_matrices_are_fused_and_other_whole_tensor_outputs_stacked(monkeypatch):
+    """ "ortho" matrices take the fused step (direction pass, then Newton-Schulz); a
+    non-contiguous one, and the other tensors of a config that normalises whole tensors,
+    the stacked path."""
     from learned_opt import LearnedOptimizerNet, NetConfig
 
     seen = spy_layouts(monkeypatch, ("fused", "packed", "stacked", "chunked"))
     net = LearnedOptimizerNet(NetConfig(output="ortho"))
+    params, grads, states = _inputs([(64, 32), (4000, 2, 3), (32, 64)])
+    params[2] = params[2].t()  # a (64, 32) view, not contiguous
+    grads[2] = grads[2].t()
+    states[2] = {k: v.transpose(-1, -2) if v.dim() else v for k, v in states[2].items()}
+    functional.learned_step(
+        net.theta(), net.config, params, grads, states, 1, small_tensor_size=0, fused="eager"
+    )
+    assert seen["fused"] == [[(64, 32), (4000, 2, 3)]] and seen["stacked"] == [[(64, 32)]]
+    net = LearnedOptimizerNet(NetConfig(output="ortho", normalize=True))
     params, grads, states = _inputs([(64, 32), (4000, 2, 3)])
     functional.learned_step(
         net.theta(), net.config, params, grads, states, 1, small_tensor_size=0, fused="eager"
     )
-    assert seen["stacked"] == [[(64, 32)]] and seen["fused"] == [[(4000, 2, 3)]]
+    # a matrix's direction is orthogonalised whatever ``normalize`` says
+    assert seen["fused"][1:] == [[(64, 32)]] and seen["stacked"][1:] == [[(4000, 2, 3)]]
+    with pytest.raises(ValueError, match="need their whole tensor"):
+        _fused.fused_step_(net.theta(), net.config, params, grads, states, 1, compiled=False)
+
+
+def test_fused_ortho_step_matches_the_pure_step():
+    """Matrices (stacked same shapes among them), vectors, a kernel: each to 1e-5 of its
+    update, with the adapted step sizes; a matrix with a NaN gradient is skipped."""
+    net = _ortho_net()
+    theta, cfg = net.theta(), net.config
+    shapes = [(64, 32), (40, 17), (300,), (7, 3, 5), (64, 32), (20, 16), (16, 16)]
+    params, grads, states = _ortho_inputs(shapes)
+    grads[5].view(-1)[3] = float("nan")
+    new_p, new_s = _clone(params, states)
+    flags = _fused.fused_step_(theta, cfg, new_p, grads, new_s, 7, 0.6, compiled=False)
+    assert flags == [i != 5 for i in range(len(shapes))]
+    for p, g, s, p1, s1 in zip(params, grads, states, new_p, new_s):
+        ref_p, ref_m, ref_v, ref_lr = tensor_step(
+            theta, cfg, p, g, s["m"], s["v"], 7, 0.6, s["log_lr"]
+        )
+        update = (ref_p - p).abs().max()
+        assert (p1 - ref_p).abs().max() <= 1e-5 * update or update == 0
+        torch.testing.assert_close(s1["m"], ref_m, rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(s1["v"], ref_v, rtol=1e-5, atol=1e-10)
+        torch.testing.assert_close(s1["log_lr"], ref_lr, rtol=1e-6, atol=1e-7)
+    assert torch.equal(new_p[5], params[5]) and torch.equal(new_s[5]["m"], states[5]["m"])
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, 0.5])
@@ -288,3 +346,33 @@ def test_threaded_update_pass_is_bitwise_the_single_threaded_one(monkeypatch):
         assert torch.equal(a, b)
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a["m"], b["m"]) and torch.equal(a["v"], b["v"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_ortho_step_matches_eager_and_repeats(dtype, monkeypatch):
+    """The compiled direction pass (on one thread and on a team): the same as the
+    uncompiled math to 1e-5 of the update, bitwise repeatable, compiled once."""
+    monkeypatch.setattr(_fused, "machine_is_free", lambda threads: True)
+    net = _ortho_net(1)
+    theta, cfg = net.theta(), net.config
+    passes = _compiled.compiled_for(cfg)
+    shapes = [(64, 32), (40, 17), (300,), (64, 32), (256, 160), (9,)]
+    params, grads, states = _ortho_inputs(shapes, dtype)
+    runs = []
+    for compiled, threads in ((False, 1), (True, 2), (True, 2)):
+        p, s = _clone(params, states)
+        flags = _fused.fused_step_(theta, cfg, p, grads, s, 5, 0.7, compiled=compiled,
+                                   threads=threads, small_tensor_size=64)  # fmt: skip
+        assert flags == [True] * len(shapes)
+        runs.append((p, s))
+    for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
+        assert torch.equal(b, c)
+        if dtype == torch.float32:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
+        else:
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(b["m"], a["m"], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(b["log_lr"], a["log_lr"], rtol=1e-6, atol=1e-7)
+    assert len(passes.direction.built) == len(passes.direction_threaded.built) >= 1
