@@ -131,21 +131,9 @@ def update_tensor_(
     _write_state(m0, m1, m2, v, m_new, v_new)
 
 
-def direction_tensor_(
-    layers: Layers,
-    p: Tensor,
-    g: Tensor,
-    m0: Tensor,
-    m1: Tensor,
-    m2: Tensor,
-    v: Tensor,
-    g_rms: Tensor,
-    scale: Tensor,
-    m1_ms: Tensor,
-    z: Tensor,
-    magnitude: Tensor,
-    cfg: NetConfig,
-) -> None:
+def direction_tensor_(layers: Layers, p: Tensor, g: Tensor, m0: Tensor, m1: Tensor,
+                      m2: Tensor, v: Tensor, g_rms: Tensor, scale: Tensor, m1_ms: Tensor,
+                      z: Tensor, magnitude: Tensor, cfg: NetConfig) -> None:  # fmt: skip
     """The update pass of one "ortho" matrix (:func:`~learned_opt.orthogonal.is_matrix`),
     in place, but for p: everything :func:`update_tensor_` does up to the per-element MLP,
     then it writes the state, the matrix's :func:`~learned_opt.orthogonal.ortho_input` into

@@ -285,6 +285,20 @@ def test_a_failing_compile_falls_back_to_the_eager_path_with_one_warning(monkeyp
 
 
 # ------------------------------------------------------------------------- compiled (slow)
+def _assert_compiled_runs_agree(runs, params, dtype):
+    """``runs``: ``(params, states)`` uncompiled, then compiled twice: the compiled runs
+    are bitwise the same, and equal the uncompiled one to 1e-5 of the update (float32)."""
+    for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
+        assert torch.equal(b, c)
+        if dtype == torch.float32:
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
+        else:
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(b["m"], a["m"], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(b["v"], a["v"], rtol=1e-5, atol=1e-10)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
@@ -314,15 +328,7 @@ def test_compiled_fused_step_matches_eager_without_recompiling(dtype):
             )  # fmt: skip
             assert flags == [i != bad for i in range(len(shapes))]
             runs.append((p, s))
-        for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
-            assert torch.equal(b, c)
-            if dtype == torch.float32:
-                torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
-            else:
-                torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
-        for a, b in zip(runs[0][1], runs[1][1]):
-            torch.testing.assert_close(b["m"], a["m"], rtol=1e-5, atol=1e-8)
-            torch.testing.assert_close(b["v"], a["v"], rtol=1e-5, atol=1e-10)
+        _assert_compiled_runs_agree(runs, params, dtype)
         assert torch.equal(runs[1][0][bad or 0], params[bad or 0]) or bad is None
     # the reduction and update passes, of one tensor and of packed ones: each compiled once
     # (packed ones in the compute dtype: float32 for bf16 parameters too)
@@ -366,13 +372,7 @@ def test_compiled_ortho_step_matches_eager_and_repeats(dtype, monkeypatch):
                                    threads=threads, small_tensor_size=64)  # fmt: skip
         assert flags == [True] * len(shapes)
         runs.append((p, s))
-    for a, b, c, p0 in zip(runs[0][0], runs[1][0], runs[2][0], params):
-        assert torch.equal(b, c)
-        if dtype == torch.float32:
-            torch.testing.assert_close(b, a, rtol=0, atol=1e-5 * (a - p0).abs().max())
-        else:
-            torch.testing.assert_close(b.float(), a.float(), rtol=1e-2, atol=1e-4)
+    _assert_compiled_runs_agree(runs, params, dtype)
     for a, b in zip(runs[0][1], runs[1][1]):
-        torch.testing.assert_close(b["m"], a["m"], rtol=1e-5, atol=1e-8)
         torch.testing.assert_close(b["log_lr"], a["log_lr"], rtol=1e-6, atol=1e-7)
     assert len(passes.direction.built) == len(passes.direction_threaded.built) >= 1
