@@ -215,8 +215,9 @@ def _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, s
                  log_lr, threads, done) -> None:  # fmt: skip
     """The update pass of each large tensor ``i`` (row ``j``) in ``todo``: those of at
     least :data:`PARALLEL_SIZE` elements first, under one change of the thread count. An
-    "ortho" matrix takes the direction pass, and then (with the others of its shape, in one
-    batch, before the thread count changes back) Newton-Schulz and its step."""
+    "ortho" matrix takes the direction pass, and then (with the others of its shape or of
+    its transposed shape, in one batch taken wide, before the thread count changes back)
+    Newton-Schulz and its step."""
     (w1, b1), *shared = layers
     # per row: views on CPU (the standalone-compiled passes take any offset), copies for
     # torch.compile elsewhere (a view of a batch would be guarded on the batch's size)
@@ -229,7 +230,7 @@ def _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, s
             continue
         fn = passes.update_threaded if use_team else passes.update
         matrix_fn = passes.direction_threaded if use_team else passes.direction
-        matrices: dict[tuple, list] = {}  # shape -> [(i, j, z, magnitude)]
+        matrices: dict[tuple, list] = {}  # wide shape -> [(i, j, z, magnitude, wide)]
         with _threads(threads) if use_team else contextlib.nullcontext():
             for j, i in now:
                 layers = ((own(w1[j]), own(b1[j])), *shared)
@@ -238,7 +239,9 @@ def _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, s
                     z, magnitude = torch.empty_like(flat[j][5]), torch.empty_like(flat[j][5])
                     matrix_fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), own(m1_ms[j]),
                               z, magnitude)  # fmt: skip
-                    matrices.setdefault(shape, []).append((i, j, z, magnitude))
+                    wide = shape[0] <= shape[1]  # Newton-Schulz takes a tall one transposed
+                    z = z if wide else z.view(shape).t().reshape(-1)
+                    matrices.setdefault(tuple(sorted(shape)), []).append((i, j, z, magnitude, wide))
                     continue
                 fn(layers, *flat[j], own(g_rms[j]), own(scale[j]), step_t)
                 _stepped(params, states, log_lr, i, j, done)
@@ -246,7 +249,8 @@ def _update_each(passes, cfg, layers, todo, flat, params, states, sums, scale, s
             # fail to compile (a fallback then steps only the tensors not ``done``)
             for shape, batch in matrices.items():
                 directions = ortho_direction(cfg, shape, torch.stack([b[2] for b in batch]))
-                for (i, j, _, magnitude), direction in zip(batch, directions):
+                for (i, j, _, magnitude, wide), direction in zip(batch, directions):
+                    direction = direction if wide else direction.view(shape).t().reshape(-1)
                     p = flat[j][0]
                     if p.dtype == direction.dtype:
                         p.addcmul_(direction, magnitude)

@@ -13,7 +13,9 @@ same math (:mod:`learned_opt.features`, :mod:`learned_opt.network`,
 * large tensors of one shape stacked as rows (:func:`learned_opt._stacked.stacked_step_`),
   the default on accelerators, where the step is bound by kernel launches;
 * every other tensor in one fused pass each, compiled with inductor
-  (:func:`learned_opt._fused.fused_step_`), the default on CPU;
+  (:func:`learned_opt._fused.fused_step_`), the default on CPU ("ortho" matrices, whose
+  step needs the whole matrix, included: their pass writes what Newton-Schulz takes);
+  tensors whose output stage needs the whole tensor and that it cannot take are stacked;
 * or, where that is turned off or cannot compile, in cache-sized chunks on worker threads
   (:func:`learned_opt._chunked.chunked_step_`).
 

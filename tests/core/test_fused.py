@@ -175,11 +175,12 @@ def test_ortho_matrices_are_fused_and_other_whole_tensor_outputs_stacked(monkeyp
 
 
 def test_fused_ortho_step_matches_the_pure_step():
-    """Matrices (stacked same shapes among them), vectors, a kernel: each to 1e-5 of its
-    update, with the adapted step sizes; a matrix with a NaN gradient is skipped."""
+    """Matrices (batched with those of the same or the transposed shape), vectors, a
+    kernel: each to 1e-5 of its update, with the adapted step sizes; a matrix with a NaN
+    gradient is skipped."""
     net = _ortho_net()
     theta, cfg = net.theta(), net.config
-    shapes = [(64, 32), (40, 17), (300,), (7, 3, 5), (64, 32), (20, 16), (16, 16)]
+    shapes = [(64, 32), (40, 17), (300,), (7, 3, 5), (32, 64), (20, 16), (16, 16), (64, 32)]
     params, grads, states = _ortho_inputs(shapes)
     grads[5].view(-1)[3] = float("nan")
     new_p, new_s = _clone(params, states)
@@ -363,7 +364,7 @@ def test_compiled_ortho_step_matches_eager_and_repeats(dtype, monkeypatch):
     net = _ortho_net(1)
     theta, cfg = net.theta(), net.config
     passes = _compiled.compiled_for(cfg)
-    shapes = [(64, 32), (40, 17), (300,), (64, 32), (256, 160), (9,)]
+    shapes = [(64, 32), (40, 17), (300,), (32, 64), (256, 160), (9,)]
     params, grads, states = _ortho_inputs(shapes, dtype)
     runs = []
     for compiled, threads in ((False, 1), (True, 2), (True, 2)):
