@@ -27,8 +27,8 @@ symbolic sizes and the step and scales passed as tensors: a new tensor size, ste
 never compiles them again (a new parameter dtype does, once). On CPU they are called
 without ``torch.compile``'s per-call guard checks, and the kernels run on the calling
 thread, except the update pass of a large tensor (:data:`PARALLEL_SIZE`), which takes an
-OpenMP team only while :func:`~learned_opt.workers.machine_is_free`. Uncompiled (``compiled=False``) it
-is the same math, slow, which the fast tests run. If compiling fails, the dispatcher
+OpenMP team only while :func:`~learned_opt.workers.machine_is_free`. Uncompiled
+(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling fails, the dispatcher
 (:func:`learned_opt.functional.learned_step`) logs why, once, and steps with the eager
 layouts instead.
 """
@@ -154,7 +154,7 @@ def fused_step_(
     if compiled and _failure:
         raise _failed({})
     passes = _compiled_for(cfg) if compiled else eager_passes(cfg)
-    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):  # a team?
+    if threads > 1 and any(params[i].numel() >= PARALLEL_SIZE for i in large):
         threads = threads if machine_is_free(threads) else 1
     order = large + small  # the rows of the per-tensor tables
     done: dict[int, bool] = {}
