@@ -26,7 +26,7 @@ from .config import NetConfig
 from .features import adapt_log_lr, feature_rows, safe_sqrt, stepped, update_moments
 from .network import Layers, Theta, element_mlp_rows
 from .orthogonal import ortho_input
-from .stages import apply_update, tensor_context
+from .stages import apply_update, step_magnitude, tensor_context
 
 
 def tensor_sums(
@@ -143,7 +143,7 @@ def direction_tensor_(layers: Layers, p: Tensor, g: Tensor, m0: Tensor, m1: Tens
     for a matrix). ``m1_ms`` is the last entry of the tensor's :func:`tensor_sums`."""
     p_c, m_new, v_new, d, log_mag = _element_outputs(layers, p, g, m0, m1, m2, v, g_rms, cfg)
     z.copy_(ortho_input(m_new[0], m1_ms, d))
-    magnitude.copy_(torch.exp(log_mag) * scale)
+    magnitude.copy_(step_magnitude(log_mag, scale))
     _write_state(m0, m1, m2, v, m_new, v_new)
 
 

@@ -95,6 +95,12 @@ def apply_update(
     direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction, out=into(d))
     if shapes is not None:
         direction = shape_direction(cfg, shapes, direction, m1, d)
-    magnitude = torch.exp(log_mag, out=into(log_mag))
-    magnitude = torch.mul(magnitude, scale, out=into(log_mag))
+    magnitude = step_magnitude(log_mag, scale, out=into(log_mag))
     return torch.addcmul(p, direction, magnitude, out=into(p))
+
+
+def step_magnitude(log_mag: Tensor, scale: Tensor | float, out: Tensor | None = None) -> Tensor:
+    """The per-element step magnitude ``exp(log_mag) * scale`` that
+    :func:`apply_update` multiplies the direction by (into ``out`` if given)."""
+    magnitude = torch.exp(log_mag, out=out)
+    return torch.mul(magnitude, scale, out=out)
