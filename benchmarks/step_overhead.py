@@ -437,8 +437,9 @@ def main(argv: list[str] | None = None) -> None:
             "three momenta and v in its one loop), the tensors of at most 1024 elements packed "
             "into one call of each pass, and the per-tensor stage one call for all tensors; on "
             "the calling thread (the update pass of tensors of 32K elements or more on an "
-            "OpenMP team when neither the load average nor the threads runnable now fill the cores); compiled once per network "
-            "config and dtype, reused for every tensor size, step and lr",
+            "OpenMP team when neither the load average nor the threads runnable now fill "
+            "the cores); compiled once per network config and dtype, reused for every "
+            "tensor size, step and lr",
             "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
             "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy "
             "processes",

@@ -28,9 +28,9 @@ never compiles them again (a new parameter dtype does, once). On CPU they are ca
 without ``torch.compile``'s per-call guard checks, and the kernels run on the calling
 thread, except the update pass of a large tensor (:data:`PARALLEL_SIZE`), which takes an
 OpenMP team only while :func:`~learned_opt.workers.machine_is_free`. Uncompiled
-(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling fails, the dispatcher
-(:func:`learned_opt.functional.learned_step`) logs why, once, and steps with the eager
-layouts instead.
+(``compiled=False``) it is the same math, slow, which the fast tests run. If compiling
+fails, the dispatcher (:func:`learned_opt.functional.learned_step`) logs why, once, and
+steps with the eager layouts instead.
 """
 
 from __future__ import annotations
