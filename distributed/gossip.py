@@ -241,12 +241,10 @@ class GossipOptimizer:
         batch_loss = loss if loss is not None else ret
         with torch.no_grad():
             ys = [p.detach() for p in self.params]
-            before = self._before_mix(ys)
             cfg = self.net.config if self.mixing == "learned" else None
             _, info = self.communicator.mix(
                 ys, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss, out=ys
             )
-            self._after_mix(before)
         self._record(info, ys)
         self.step_count += 1
         return ret
@@ -256,17 +254,6 @@ class GossipOptimizer:
             return self.local.step(closure, loss=loss)
         return self.local.step(closure)
 
-    def _before_mix(self, ys: list[Tensor]) -> list[Tensor] | None:
-        """A copy of ``ys`` when the local optimizer brakes its step sizes on how far the
-        mix moves them (:meth:`learned_opt.LearnedOptimizer.brake_on_disagreement`)."""
-        if getattr(self.local, "brakes_on_disagreement", False):
-            return [y.clone() for y in ys]
-        return None
-
-    def _after_mix(self, before: list[Tensor] | None) -> None:
-        if before is not None:  # the parameters themselves: the optimizer's state keys
-            self.local.brake_on_disagreement(self.params, before)
-
     def _finish(self, ys: list[Tensor]) -> dict:
         """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
         if self._inflight is None:
@@ -274,10 +261,7 @@ class GossipOptimizer:
         cfg = self.net.config if self.mixing == "learned" else None
         job, self._inflight = self._inflight, None
         theta = self._theta(ys[0])
-        before = self._before_mix(ys)
-        info = self.communicator.finish_mix(job, ys, self.mixing, theta, cfg, out=ys)[1]
-        self._after_mix(before)
-        return info
+        return self.communicator.finish_mix(job, ys, self.mixing, theta, cfg, out=ys)[1]
 
     def _overlapped_step(self, closure, loss):
         """``x <- W x_t`` with the exchange started last step, then the local step with the

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 #: Momentum decays of the per-parameter state (three momenta, one second moment).
@@ -64,13 +63,6 @@ class NetConfig:
     # gradients agree, the cosine above stays positive, and steps would grow until the
     # workers' disagreement ruins the averaged model. The lower ceiling bounds that.
     lr_adapt_max_gossip: float = 2.0
-    # The disagreement brake under gossip (see features.brake_on_disagreement): after each
-    # mix, a tensor whose mixing moved it by more than this fraction of its norm has its
-    # log step multiplier lowered, by lr_adapt_rate per step at e times the fraction, up to
-    # twice that further above. The disagreement between workers grows with the step
-    # size, so this bounds the steps by what the mixing can hold together, whatever the
-    # task; 0 turns it off.
-    lr_adapt_max_pull: float = 0.0
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -96,11 +88,6 @@ class NetConfig:
             raise ValueError(
                 "NetConfig needs lr_adapt_min <= 0 <= lr_adapt_max, got "
                 f"{self.lr_adapt_min!r} and {self.lr_adapt_max!r}"
-            )
-        if not 0 <= float(self.lr_adapt_max_pull) < math.inf:
-            raise ValueError(
-                "NetConfig.lr_adapt_max_pull must be a finite float >= 0, got "
-                f"{self.lr_adapt_max_pull!r}"
             )
         if not 0 <= float(self.lr_adapt_max_gossip):
             raise ValueError(
@@ -128,12 +115,6 @@ class NetConfig:
         ``lr_adapt_max_gossip``. The same config when step sizes are not adapted. Built
         once per config (every step asks for it)."""
         return _under_gossip(self)
-
-    @property
-    def brakes_on_disagreement(self) -> bool:
-        """Whether adapted step sizes are braked by the workers' disagreement under gossip
-        (:func:`~learned_opt.features.brake_on_disagreement`)."""
-        return self.adapts_lr and self.lr_adapt_max_pull > 0
 
     @property
     def num_time_features(self) -> int:

@@ -137,41 +137,6 @@ def adapt_log_lr(
     return torch.clamp(log_lr + rate * cosine, cfg.lr_adapt_min, cfg.lr_adapt_max)
 
 
-#: A tensor whose RMS is below this counts as having this RMS in the disagreement brake
-#: (a zero-initialised bias would otherwise read any pull as infinitely large).
-PULL_RMS_FLOOR = 1e-3
-
-
-def brake_on_disagreement(
-    log_lr: Tensor, pull_sum_squares: Tensor, p_sum_squares: Tensor, numel: Tensor,
-    cfg: NetConfig,
-) -> Tensor:  # fmt: skip
-    """The disagreement brake under gossip: each tensor's log step multiplier after a mix.
-
-    ``pull_sum_squares`` is ``||x_mixed - x||^2`` over each tensor (how far the mixing
-    moved it), ``p_sum_squares`` is ``||x_mixed||^2`` and ``numel`` its size; all per
-    tensor and broadcast (leading dims stack workers). With the relative pull
-    ``r = ||x_mixed - x|| / max(||x_mixed||, sqrt(numel) * PULL_RMS_FLOOR)``:
-
-        log_lr <- clamp(log_lr - lr_adapt_rate * clamp(log(r / lr_adapt_max_pull), 0, 2),
-                        lr_adapt_min, lr_adapt_max)
-
-    Below ``lr_adapt_max_pull`` nothing changes. Above, the brake outweighs the growth
-    of :func:`adapt_log_lr` (at most ``lr_adapt_rate`` a step) once ``r`` is ``e`` times
-    the target. The workers' disagreement, and with it the pull, grows with their step
-    size: so a task whose data the workers share (or a convex one mixed well) keeps large
-    steps, and one whose workers drift apart is held to steps the mixing can undo. The
-    same multiplier when ``cfg`` does not brake (:attr:`NetConfig.brakes_on_disagreement`).
-    """
-    if not cfg.brakes_on_disagreement:
-        return log_lr
-    floor = numel * PULL_RMS_FLOOR**2
-    ratio = pull_sum_squares / torch.clamp(p_sum_squares, min=floor)
-    excess = torch.clamp(0.5 * torch.log(ratio + TINY) - math.log(cfg.lr_adapt_max_pull), 0, 2)
-    excess = torch.where(torch.isfinite(ratio), excess, torch.zeros_like(excess))
-    return torch.clamp(log_lr - cfg.lr_adapt_rate * excess, cfg.lr_adapt_min, cfg.lr_adapt_max)
-
-
 def safe_sqrt(x: Tensor) -> Tensor:
     """``sqrt(x)`` with a finite gradient at 0 (``x`` is a mean square, never negative)."""
     return torch.sqrt(x + TINY * TINY)

@@ -19,7 +19,6 @@ from torch import Tensor
 from .config import NetConfig
 from .features import (
     adapt_log_lr,
-    brake_on_disagreement,
     compute_dtype,
     constant,
     element_features,
@@ -150,18 +149,3 @@ def tensor_step(
     new_p, new_m, new_v = out[:3]
     new = (new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape))
     return new if log_lr is None else (*new, out[3].reshape(log_lr.shape))
-
-
-def flat_brake_on_disagreement(
-    cfg: NetConfig, layout: FlatLayout, before: Tensor, after: Tensor, log_lr: Tensor
-) -> Tensor:
-    """:func:`~learned_opt.features.brake_on_disagreement` on flat stacked parameters: the
-    new ``log_lr`` (``[B, T]``) of workers whose parameters a mix took from ``before`` to
-    ``after`` (both ``[B, P]``); differentiable."""
-    if not cfg.brakes_on_disagreement:
-        return log_lr
-    pull = after - before
-    sizes = constant(tuple(max(n, 1) for n in layout.numels), after.dtype, after.device)
-    return brake_on_disagreement(
-        log_lr, segment_sum(pull * pull, layout), segment_sum(after * after, layout), sizes, cfg
-    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from itertools import chain
 
 import torch
@@ -18,7 +18,7 @@ from .checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from .features import brake_on_disagreement, compute_dtype, init_state
+from .features import compute_dtype, init_state
 from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, check_fused, learned_step
 from .network import LearnedOptimizerNet, Theta
 from .workers import ChunkRunner
@@ -306,38 +306,6 @@ class LearnedOptimizer(Optimizer):
             for state, ok in zip(states, oks):
                 state["nonfinite_skips"] += not ok
         return closure_loss
-
-    @property
-    def brakes_on_disagreement(self) -> bool:
-        """Whether :meth:`brake_on_disagreement` does anything: under gossip, with a config
-        that adapts step sizes and brakes them (:attr:`NetConfig.brakes_on_disagreement
-        <learned_opt.config.NetConfig.brakes_on_disagreement>`)."""
-        return self.gossip and self.step_config.brakes_on_disagreement
-
-    @torch.no_grad()
-    def brake_on_disagreement(self, params: Sequence[Tensor], before: Sequence[Tensor]) -> None:
-        """After a mix took ``params`` (now mixed, in place) from the values ``before``:
-        lower the adapted step multipliers of the tensors the mix moved by more than the
-        config allows (:func:`~learned_opt.features.brake_on_disagreement`). The gossip
-        wrappers call this; parameters without state yet are left alone."""
-        if not self.brakes_on_disagreement:
-            return
-        rows = [
-            (p, b, self.state[p])
-            for p, b in zip(params, before)
-            if "log_lr" in self.state.get(p, {})
-        ]
-        if not rows:
-            return
-        ps, bs, states = zip(*rows)
-        dtype = states[0]["log_lr"].dtype
-        pulls = torch._foreach_sub(list(ps), list(bs))
-        pull_sq = torch.stack(torch._foreach_norm(pulls)).to(dtype).square()
-        p_sq = torch.stack(torch._foreach_norm(list(ps))).to(dtype).square()
-        numel = torch.tensor([max(p.numel(), 1) for p in ps], dtype=dtype, device=pull_sq.device)
-        old = torch.stack([s["log_lr"] for s in states])
-        new = brake_on_disagreement(old, pull_sq, p_sq, numel, self.step_config)
-        torch._foreach_copy_([s["log_lr"] for s in states], list(new.unbind()))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state. State tensors take the dtype a fresh state of the parameter

@@ -20,7 +20,7 @@ from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.features import adam_direction
-from learned_opt.flat import flat_brake_on_disagreement, flat_step, init_flat_state
+from learned_opt.flat import flat_step, init_flat_state
 from learned_opt.segments import FlatLayout, segment_mean
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
@@ -210,12 +210,7 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
             losses=losses.detach(),
         )  # fmt: skip
         flat = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
-        mixed_params = flat[:, : layout.size]
-        if opt.kind == "learned" and "log_lr" in new_states:
-            new_states = {**new_states, "log_lr": flat_brake_on_disagreement(
-                opt.cfg.under_gossip(), layout, new_params, mixed_params, new_states["log_lr"]
-            )}  # fmt: skip
-        new_params = mixed_params
+        new_params = flat[:, : layout.size]
         if opt.kind == "dsgt":
             new_states = {**new_states, "wy": flat[:, layout.size :]}
         info.update(mix_info)
