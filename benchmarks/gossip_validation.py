@@ -44,7 +44,8 @@ def _setting(task, workers, topology, alpha, every=1, horizon=200) -> dict:
                 horizon=horizon, every=every, seed=0)  # fmt: skip
 
 
-#: Family tasks only (checked at start): convex, regression, MLPs, a conv net.
+#: Registry tasks only (checked at start): convex, regression, MLPs, conv nets (one with
+#: batch norm), an autoencoder, an L2-regularised linear classifier.
 SETTINGS = [
     _setting("logreg_synth", 8, "exponential", 0.3),
     _setting("linreg_diabetes", 16, "torus", 0.1),
@@ -52,6 +53,9 @@ SETTINGS = [
     _setting("wine_mlp", 8, "torus", 1.0),
     _setting("spirals_mlp", 8, "ring", 0.3),
     _setting("digits_cnn", 4, "ring", 0.3, every=5),
+    _setting("wine_autoencoder", 8, "torus", 0.3),
+    _setting("logreg_wine_l2", 16, "torus", 0.1),
+    _setting("digits_cnn_bn", 4, "ring", 0.3, every=5),
 ]
 
 

@@ -26,6 +26,10 @@ from learned_opt.segments import FlatLayout, segment_mean
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
 INNER_OPTIMIZERS = ("learned", "adam", "adamw", "sgd", "dsgt")
+#: How :func:`inner_step` scores the workers of a decentralized trajectory: each worker's
+#: parameters on the next worker's batch, or the workers' average on every worker's batch
+#: (the model a decentralized run delivers, on the global objective).
+SCORES = ("next_worker", "average")
 
 
 @dataclass
@@ -124,6 +128,7 @@ class Trajectory:
     comm: SimulatedCommunicator | None
     loss0: float
     step: int = 0
+    score: str = "next_worker"  # one of SCORES
     history: list[float] = field(default_factory=list)
 
     @property
@@ -150,8 +155,12 @@ def new_trajectory(
     seed: int,
     length: int,
     device=None,
+    score: str = "next_worker",
 ) -> Trajectory:
-    """Initialise identical parameters on every worker (as a real run does) and its data."""
+    """Initialise identical parameters on every worker (as a real run does) and its data;
+    ``score`` (one of :data:`SCORES`) is how :func:`inner_step` scores its workers."""
+    if score not in SCORES:
+        raise ValueError(f"unknown score {score!r}; valid choices: {SCORES}")
     gen = torch.Generator().manual_seed(int(seed))
     init = task.init(gen)
     layout = FlatLayout.of(init, batch_dims=0)
@@ -165,7 +174,7 @@ def new_trajectory(
         loss0 = float(vmap(task.loss)(layout.unflatten(params), first).mean())
     return Trajectory(
         task, num_workers, topology, partition, alpha, int(seed), int(length), layout, params,
-        None, batches, comm, max(loss0, 1e-8),
+        None, batches, comm, max(loss0, 1e-8), score=score,
     )  # fmt: skip
 
 
@@ -174,10 +183,11 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
 
     The returned losses (also appended to ``traj.history``) score the parameters before
     the update, differentiable w.r.t. theta: with one worker, its batch loss; with N > 1,
-    each worker's parameters on the *next* worker's batch. Under label skew a worker's
-    loss on its own shard rewards drifting apart (no mixing fits one shard best), so
-    decentralized runs are scored on data from another shard: the global objective.
-    Inner gradients are treated as constants unless ``second_order``.
+    by ``traj.score``: each worker's parameters on the *next* worker's batch
+    ("next_worker"), or the workers' average on each worker's batch ("average"). Under
+    label skew a worker's loss on its own shard rewards drifting apart (no mixing fits one
+    shard best), so decentralized runs are scored on data from other shards: the global
+    objective. Inner gradients are treated as constants unless ``second_order``.
     """
     if traj.states is None:
         traj.states = opt.init(traj.params, traj.layout)
@@ -189,7 +199,9 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
 
     grads, losses = vmap(grad_and_value(loss_fn))(traj.params, batch)
     scored = losses
-    if traj.num_workers > 1:  # each worker scored on the next worker's batch
+    if traj.num_workers > 1 and traj.score == "average":
+        scored = vmap(loss_fn, in_dims=(None, 0))(traj.params.mean(0), batch)
+    elif traj.num_workers > 1:  # each worker scored on the next worker's batch
         rolled = tuple(torch.roll(t, 1, dims=0) for t in batch)
         scored = vmap(loss_fn)(traj.params, rolled)
     if not second_order:

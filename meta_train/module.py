@@ -40,6 +40,9 @@ class MetaTrainModule(L.LightningModule):
         worker_counts: simulated worker counts to sample from (1 = plain training).
         topologies: gossip topologies to sample from (invalid for a count -> ring).
         partitions: "iid" and/or "dirichlet"; alpha: the Dirichlet concentration.
+        decentralized_score: how a decentralized trajectory's meta-loss scores it:
+            "next_worker" (each worker on the next worker's batch) or "average" (the
+            workers' averaged model on every worker's batch; see ``inner.SCORES``).
         estimator: "tbptt" or "pes"; pes_sigma, pes_pairs: PES perturbation scale and pairs.
         loss_clip: clip of L/L0 in the meta-loss (inner divergence).
         outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
@@ -61,6 +64,7 @@ class MetaTrainModule(L.LightningModule):
         topologies: list[str] = ("ring", "exponential", "one_peer_exponential"),
         partitions: list[str] = ("iid", "dirichlet"),
         alpha: float = 0.1,
+        decentralized_score: str = "next_worker",
         estimator: str = "tbptt",
         pes_sigma: float = 0.01,
         pes_pairs: int = 4,

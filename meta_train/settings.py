@@ -8,6 +8,7 @@ from learned_opt.distributed.topology import get_topology, list_topologies
 from learned_opt.tasks import PARTITION_SCHEMES, check_not_held_out, get_task, list_families
 
 from .estimators import ESTIMATORS
+from .inner import SCORES
 
 
 def _fail(field: str, message: str):
@@ -56,6 +57,8 @@ def validate_settings(hp: dict) -> SimpleNamespace:
     for p in s.partitions:
         if p not in PARTITION_SCHEMES:
             _fail("partitions", f"unknown partition {p!r}; valid: {list(PARTITION_SCHEMES)}")
+    if s.decentralized_score not in SCORES:
+        _fail("decentralized_score", f"unknown score {s.decentralized_score!r}; valid: {SCORES}")
     for name in ("alpha", "val_alpha", "pes_sigma", "loss_clip", "outer_lr", "grad_clip"):
         if not float(getattr(s, name)) > 0:
             _fail(name, f"must be > 0, got {getattr(s, name)!r}")

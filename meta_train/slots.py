@@ -36,7 +36,10 @@ class SlotSampler:
         partition = rng.choice(s.partitions)
         length = int(math.exp(rng.uniform(math.log(s.min_length), math.log(s.max_length))))
         length = max(length, s.unroll_length)
-        return new_trajectory(task, num_workers, topology, partition, s.alpha, seed, length, device)
+        return new_trajectory(
+            task, num_workers, topology, partition, s.alpha, seed, length, device,
+            score=s.decentralized_score,
+        )  # fmt: skip
 
 
 def _serialise(traj: Trajectory) -> dict:
@@ -48,6 +51,7 @@ def _serialise(traj: Trajectory) -> dict:
         "alpha": traj.alpha,
         "seed": traj.seed,
         "length": traj.length,
+        "score": traj.score,
         "step": traj.step,
         "loss0": traj.loss0,
         "params": traj.params.detach().cpu(),
@@ -75,6 +79,7 @@ def restore_slots(data: list, estimator, device=None) -> list:
             traj = new_trajectory(
                 from_description(d["task"]), d["num_workers"], d["topology"], d["partition"],
                 d["alpha"], d["seed"], d["length"], device,
+                score=d.get("score", "next_worker"),  # slots saved before scores existed
             )  # fmt: skip
             traj.params = d["params"].to(device)
             if d["states"] is not None:

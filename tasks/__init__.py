@@ -17,6 +17,7 @@ Example::
 
 from .base import (
     MODEL_KINDS,
+    NORMS,
     Task,
     TaskSpec,
     WorkerBatches,
@@ -38,6 +39,7 @@ from .registry import (
 
 __all__ = [
     "MODEL_KINDS",
+    "NORMS",
     "PARTITION_SCHEMES",
     "Dataset",
     "Task",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import itertools
+import math
+import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,6 +30,7 @@ from .partition import partition_indices
 
 __all__ = [
     "MODEL_KINDS",
+    "NORMS",
     "TaskSpec",
     "Task",
     "Workload",
@@ -48,30 +51,43 @@ class Workload(NamedTuple):
     batches: Iterator[Batch]  # endless iterator of (inputs, targets)
 
 
-MODEL_KINDS = ("linear", "mlp", "cnn", "transformer", "gru")
+MODEL_KINDS = ("linear", "mlp", "cnn", "transformer", "gru", "autoencoder")
+NORMS = ("none", "batch")  # TaskSpec.norm; "batch" is batch norm, see models.batch_norm
+_NORM_MODELS = ("mlp", "cnn")  # the model kinds that take norm="batch"
+#: Fields added after the first description format: ``describe()`` writes them only when
+#: they differ from their defaults, so older descriptions (and caches keyed on them) stay.
+_LATER_FIELDS = ("l2", "norm")
 
 
 @dataclass(frozen=True)
 class TaskSpec:
-    """Everything that defines a task. Two equal specs give identical tasks."""
+    """Everything that defines a task. Two equal specs give identical tasks.
+
+    ``model="autoencoder"`` is an MLP from the features through ``hidden`` back to the
+    features, fitted to reconstruct its inputs (mean squared error); the labels only
+    steer the label-skew partitions.
+    """
 
     model: str  # one of MODEL_KINDS
     dataset: str  # a name from tasks.datasets.list_datasets()
-    hidden: tuple[
-        int, ...
-    ] = ()  # mlp: widths; cnn: (c1, c2); transformer: (dim, heads); gru: (embed, hidden)
+    # mlp, autoencoder: widths; cnn: (c1, c2); transformer: (dim, heads); gru: (embed, hidden)
+    hidden: tuple[int, ...] = ()
     activation: str = "relu"  # one of models.ACTIVATIONS
     init_scale: float = 1.0  # multiplies every initial weight's standard deviation
     batch_size: int = 64  # examples per worker per step
     label_noise: float = 0.0  # training-label corruption, see datasets.load_dataset
     context: int = 32  # characters per window (language models only)
     name: str = ""  # display name; registered tasks use their registry name
+    l2: float = 0.0  # adds 0.5 * l2 * (sum of squares of every weight of rank >= 2)
+    norm: str = "none"  # one of NORMS; "batch" (mlp, cnn): batch norm before activations
 
     def describe(self) -> str:
         """One line of ``key=value`` fields that :func:`from_description` parses back."""
         parts = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name in _LATER_FIELDS and v == f.default:
+                continue
             if f.name == "hidden":
                 v = "x".join(str(h) for h in v) or "-"
             parts.append(f"{f.name}={v}")
@@ -87,7 +103,7 @@ def _parse_spec(line: str) -> TaskSpec:
             raise ValueError(f"bad task description token {token!r}; valid keys: {sorted(fields)}")
         if key == "hidden":
             kwargs[key] = () if value == "-" else tuple(int(h) for h in value.split("x"))
-        elif key in ("init_scale", "label_noise"):
+        elif key in ("init_scale", "label_noise", "l2"):
             kwargs[key] = float(value)
         elif key in ("batch_size", "context"):
             kwargs[key] = int(value)
@@ -115,6 +131,13 @@ def _seed_hash(*values) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def check_l2(l2) -> None:
+    """``ValueError`` unless ``l2`` (an L2 penalty coefficient) is a finite number >= 0."""
+    ok = isinstance(l2, numbers.Real) and not isinstance(l2, bool)
+    if not (ok and math.isfinite(l2) and l2 >= 0):
+        raise ValueError(f"l2 must be a finite number >= 0, got {l2!r}")
+
+
 def _build_model(spec: TaskSpec, data: Dataset) -> Model:
     if spec.model not in MODEL_KINDS:
         raise ValueError(f"unknown model {spec.model!r}; valid choices: {MODEL_KINDS}")
@@ -122,21 +145,44 @@ def _build_model(spec: TaskSpec, data: Dataset) -> Model:
         raise ValueError(
             f"unknown activation {spec.activation!r}; valid choices: {sorted(ACTIVATIONS)}"
         )
+    if spec.norm not in NORMS:
+        raise ValueError(f"unknown norm {spec.norm!r}; valid choices: {NORMS}")
+    if spec.norm != "none" and spec.model not in _NORM_MODELS:
+        raise ValueError(
+            f"norm={spec.norm!r} fits models {_NORM_MODELS} only; for model {spec.model!r} "
+            f"valid choices: norm='none'"
+        )
     if any(h < 1 for h in spec.hidden):
         raise ValueError(f"hidden sizes must be >= 1, got {spec.hidden}")
     lm = data.kind == "lm"
+    if lm and spec.model == "autoencoder":
+        vectors = sorted(n for n, k in DATASET_KINDS.items() if k != "lm")
+        raise ValueError(
+            f"an autoencoder reconstructs feature vectors, not {spec.dataset!r}'s token "
+            f"windows; valid choices: dataset in {vectors}"
+        )
     if lm != (spec.model in ("transformer", "gru")):
-        valid = "transformer, gru" if lm else "linear, mlp, cnn"
+        valid = "transformer, gru" if lm else "linear, mlp, cnn, autoencoder"
         raise ValueError(
             f"model {spec.model!r} does not fit dataset {spec.dataset!r}; valid choices: {valid}"
         )
     out = data.num_classes if data.kind in ("classification", "lm") else 1
+    bn = spec.norm == "batch"
     if spec.model == "linear":
         if spec.hidden:
             raise ValueError("a linear model takes hidden=() ('-')")
         return MLP(data.num_features, (), out, spec.activation)
     if spec.model == "mlp":
-        return MLP(data.num_features, spec.hidden, out, spec.activation)
+        return MLP(data.num_features, spec.hidden, out, spec.activation, batch_norm=bn)
+    if spec.model == "autoencoder":
+        if not spec.hidden:
+            raise ValueError("an autoencoder needs hidden widths, e.g. hidden=16x4x16; got ()")
+        if spec.label_noise:
+            raise ValueError(
+                f"an autoencoder fits its inputs, not the labels label_noise corrupts; "
+                f"valid choices: label_noise=0.0, got {spec.label_noise}"
+            )
+        return MLP(data.num_features, spec.hidden, data.num_features, spec.activation)
     if len(spec.hidden) != 2:
         raise ValueError(f"model {spec.model!r} needs hidden of length 2, got {spec.hidden}")
     if spec.model == "cnn":
@@ -144,7 +190,7 @@ def _build_model(spec: TaskSpec, data: Dataset) -> Model:
             raise ValueError(
                 f"the cnn runs on 8x8 images; valid choices: dataset='digits', got {spec.dataset!r}"
             )
-        return CNN(spec.hidden, out, spec.activation)
+        return CNN(spec.hidden, out, spec.activation, batch_norm=bn)
     if spec.model == "transformer":
         return Transformer(
             data.num_classes, spec.context, spec.hidden[0], spec.hidden[1], spec.activation
@@ -155,8 +201,10 @@ def _build_model(spec: TaskSpec, data: Dataset) -> Model:
 class Task:
     """A training problem with a functional face (``init``/``loss``) and a module face.
 
-    Attributes: ``name``, ``kind`` ("classification", "regression", "quadratic", "lm"),
-    ``spec``, ``batch_size``, ``num_params``, ``data`` (the :class:`Dataset`).
+    Attributes: ``name``, ``kind`` ("classification", "regression", "quadratic", "lm",
+    "reconstruction"), ``spec``, ``batch_size``, ``l2``, ``num_params``, ``data`` (the
+    :class:`Dataset`). A "reconstruction" task (an autoencoder) fits its inputs: its
+    targets are the batch's inputs, and the batch's labels go unused.
     """
 
     def __init__(self, spec: TaskSpec):
@@ -176,9 +224,16 @@ class Task:
             )
         if not spec.init_scale > 0:
             raise ValueError(f"init_scale must be > 0, got {spec.init_scale}")
+        check_l2(spec.l2)
+        if spec.norm == "batch" and spec.batch_size < 2:
+            raise ValueError(
+                f"batch norm needs batch statistics; valid choices: batch_size >= 2, "
+                f"got {spec.batch_size}"
+            )
         self.model = _build_model(spec, self.data)
         self.name = spec.name or f"{spec.model}_{spec.dataset}"
-        self.kind = self.data.kind
+        self.kind = "reconstruction" if spec.model == "autoencoder" else self.data.kind
+        self.l2 = float(spec.l2)
         self.batch_size = spec.batch_size
         self.init_scale = spec.init_scale
         self.num_params = self.model.num_params
@@ -200,19 +255,35 @@ class Task:
         """Model outputs (logits or predictions) for a batch of inputs. Pure."""
         return self.model.apply(params, inputs)
 
+    def targets(self, batch: Batch) -> torch.Tensor:
+        """What the outputs are fitted to: the labels, or the inputs for "reconstruction"."""
+        return batch[0] if self.kind == "reconstruction" else batch[1]
+
     def criterion(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of outputs against targets (cross-entropy, MSE, or half MSE)."""
+        """Mean loss of outputs against targets (cross-entropy, MSE, or half MSE).
+
+        For "reconstruction" pass ``self.targets(batch)`` (the inputs) as ``targets``.
+        """
         if self.kind == "classification":
             return F.cross_entropy(outputs, targets)
         if self.kind == "lm":
             return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+        if self.kind == "reconstruction":
+            return F.mse_loss(outputs, targets)  # mean over examples and features
         err = F.mse_loss(outputs.squeeze(-1), targets)
         return 0.5 * err if self.kind == "quadratic" else err
 
+    def penalty(self, params: Params) -> torch.Tensor | float:
+        """The L2 term ``0.5 * l2 * sum(w**2)`` over the weights of rank >= 2 (biases and
+        norm scales excluded); 0 when ``l2`` is 0. Pure, like :meth:`loss`."""
+        if self.l2 == 0.0:
+            return 0.0
+        return 0.5 * self.l2 * sum((w * w).sum() for w in params.values() if w.dim() >= 2)
+
     def loss(self, params: Params, batch: Batch) -> torch.Tensor:
-        """Scalar training loss. Pure: usable under ``torch.func.vmap`` and ``grad``."""
-        inputs, targets = batch
-        return self.criterion(self.model.apply(params, inputs), targets)
+        """Scalar training loss (with the L2 term). Pure: usable under ``vmap`` and ``grad``."""
+        outputs = self.model.apply(params, batch[0])
+        return self.criterion(outputs, self.targets(batch)) + self.penalty(params)
 
     # ------------------------------------------------------------------ module face
     def module(self, generator: torch.Generator | None = None) -> nn.Module:
@@ -239,8 +310,10 @@ class Task:
 
     def module_loss(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """The same loss as :meth:`loss`, computed through the module."""
-        inputs, targets = batch
-        return self.criterion(module(inputs), targets)
+        outputs = module(batch[0])
+        return self.criterion(outputs, self.targets(batch)) + self.penalty(
+            dict(module.named_parameters())
+        )
 
     def workload(self, seed: int = 0) -> Workload:
         """The task as a plain ``(model, loss_fn, batches)``, for any ``torch.optim`` optimizer.
@@ -294,7 +367,11 @@ class Task:
     def evaluate(
         self, params: Params, split: str = "test", max_examples: int = 2048
     ) -> dict[str, float]:
-        """Loss (and accuracy for classification and LM) on the test or train split."""
+        """Loss (and accuracy for classification and LM) on the test or train split.
+
+        The loss includes the L2 term. Batch norm normalises with the evaluated
+        examples' own statistics (there are no running statistics).
+        """
         if split not in ("test", "train"):
             raise ValueError(f"unknown split {split!r}; valid choices: ('test', 'train')")
         x, y = (
@@ -305,7 +382,8 @@ class Task:
         device = next(iter(params.values())).device
         x, y = x[:max_examples].to(device), y[:max_examples].to(device)
         out = self.model.apply(params, x)
-        result = {"loss": float(self.criterion(out, y))}
+        loss = self.criterion(out, self.targets((x, y))) + self.penalty(params)
+        result = {"loss": float(loss)}
         if self.kind in ("classification", "lm"):
             result["accuracy"] = float((out.argmax(-1) == y).float().mean())
         return result

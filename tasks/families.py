@@ -8,6 +8,7 @@ identical task through ``from_description``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -22,6 +23,11 @@ __all__ = ["TaskFamily", "get_family", "list_families", "FAMILIES"]
 _ACTS = ("relu", "tanh", "gelu", "silu")
 _CLASSIFICATION = ("digits", "breast_cancer", "wine", "iris", "spirals", "logreg_synth")
 _REGRESSION = ("diabetes", "linreg_synth", "quadratic_ill")
+# The broad family's held-out look-alikes avoid the held-out tasks' own datasets: the
+# held-out autoencoder reconstructs digits, the held-out L2 logistic regression fits
+# breast_cancer.
+_AUTOENCODER = ("breast_cancer", "wine", "iris", "spirals", "logreg_synth", "diabetes")
+_L2_LINEAR = tuple(d for d in _CLASSIFICATION if d != "breast_cancer")
 
 
 def _log_uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -89,6 +95,46 @@ def _lm(rng: random.Random, name: str) -> TaskSpec:
     else:
         hidden, model, act = (rng.choice((16, 32, 64)), rng.choice((32, 64))), "gru", "tanh"
     return TaskSpec(model, "chars", hidden, act, scale, batch, 0.0, context, name=name)
+
+
+def _autoencoder(rng: random.Random, name: str) -> TaskSpec:
+    """An MLP autoencoder with a bottleneck ``b`` narrower than the input: (h, b, h) or (b,)."""
+    dataset = rng.choice(_AUTOENCODER)
+    d = load_dataset(dataset).num_features
+    b = rng.randint(1, max(1, d // 2))
+    h = int(round(_log_uniform(rng, max(8, b + 1), 64)))
+    hidden = (h, b, h) if rng.random() < 0.5 else (b,)
+    common = _common(rng, dataset, 0.0)  # no label noise: an autoencoder ignores labels
+    return TaskSpec("autoencoder", dataset, hidden, rng.choice(_ACTS), name=name, **common)
+
+
+def _l2_linear(rng: random.Random, name: str) -> TaskSpec:
+    """L2-regularised logistic regression, sometimes full batch."""
+    dataset = rng.choice(_L2_LINEAR)
+    common = _common(rng, dataset, 0.2)
+    if rng.random() < 0.3:
+        common["batch_size"] = load_dataset(dataset).num_train
+    l2 = float(f"{_log_uniform(rng, 1e-4, 1e-1):.3g}")
+    return TaskSpec("linear", dataset, name=name, l2=l2, **common)
+
+
+def _with_batch_norm(spec: TaskSpec, rng: random.Random, p: float) -> TaskSpec:
+    return dataclasses.replace(spec, norm="batch") if rng.random() < p else spec
+
+
+def _broad(rng: random.Random, name: str) -> TaskSpec:
+    u = rng.random()
+    if u < 0.25:
+        return _with_batch_norm(_mlp(rng, name, max_width=64), rng, 0.3)
+    if u < 0.40:
+        return _regression(rng, name, max_width=64)
+    if u < 0.60:
+        return _autoencoder(rng, name)
+    if u < 0.75:
+        return _l2_linear(rng, name)
+    if u < 0.95:
+        return _with_batch_norm(_cnn(rng, name), rng, 0.5)
+    return _lm(rng, name)
 
 
 def _mixed(rng: random.Random, name: str) -> TaskSpec:
@@ -159,6 +205,14 @@ FAMILIES: dict[str, TaskFamily] = {
             _train,
             "the default meta-training mix: mlp 55%, regression 30% (widths 8-64), "
             "cnn 15%; no LMs and no wide nets, to keep meta-training fast",
+        ),
+        TaskFamily(
+            "broad_family",
+            _broad,
+            "held-out-like tasks in the meta-training family: mlp classifiers 25% (30% with "
+            "batch norm), regression 15%, autoencoders 20% (not on digits), L2 logistic "
+            "regression 15% (not on breast_cancer), cnns 20% (50% with batch norm), char LMs "
+            "5%; widths 8-64",
         ),
     ]
 }

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "Model", "MLP", "CNN", "Transformer", "GRU"]
+__all__ = ["ACTIVATIONS", "BN_EPS", "Model", "MLP", "CNN", "Transformer", "GRU", "batch_norm"]
 
+BN_EPS = 1e-5  # batch norm's variance epsilon, as nn.BatchNorm's default
 ACTIVATIONS = {"relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu, "silu": F.silu}
 _GAIN = {"relu": math.sqrt(2.0), "tanh": 1.0, "gelu": math.sqrt(2.0), "silu": math.sqrt(2.0)}
 
@@ -65,14 +66,45 @@ class Model(ABC):
         return sum(math.prod(shape) for _, shape, _ in self.param_specs())
 
 
+def batch_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Batch norm over dim 1 (features or channels) with the batch's own statistics.
+
+    Mean and biased variance over every dim but 1 (the batch, and the spatial dims of
+    images), then a per-feature scale and shift. No running statistics: train and eval
+    compute the same thing, as ``nn.BatchNorm1d/2d(track_running_stats=False)``.
+    Pure, so it works under ``torch.func.vmap`` (per-worker batches) and ``grad``.
+    """
+    dims = [d for d in range(x.dim()) if d != 1]
+    mean = x.mean(dims, keepdim=True)
+    var = x.var(dims, correction=0, keepdim=True)
+    shape = (-1,) + (1,) * (x.dim() - 2)
+    return (x - mean) * torch.rsqrt(var + BN_EPS) * weight.reshape(shape) + bias.reshape(shape)
+
+
+def _bn_specs(prefix: str, width: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(f"{prefix}.weight", (width,), "ones"), (f"{prefix}.bias", (width,), "zeros")]
+
+
 # ----------------------------------------------------------------------------- MLP
 class MLP(Model):
-    """Fully connected network; ``hidden=()`` is a linear (logistic/linear regression) model."""
+    """Fully connected network; ``hidden=()`` is a linear (logistic/linear regression) model.
 
-    def __init__(self, in_dim: int, hidden: tuple[int, ...], out_dim: int, activation: str):
+    With ``batch_norm`` every hidden layer is followed by :func:`batch_norm` (parameters
+    ``norms.{i}.weight`` and ``norms.{i}.bias``) before its activation.
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        hidden: tuple[int, ...],
+        out_dim: int,
+        activation: str,
+        batch_norm: bool = False,
+    ):
         self.sizes = (in_dim, *hidden, out_dim)
         self.activation = activation
         self.act = _activation(activation)
+        self.batch_norm = batch_norm
 
     def param_specs(self):
         specs = []
@@ -81,6 +113,9 @@ class MLP(Model):
             gain = 1.0 if i == last else _GAIN[self.activation]
             specs.append((f"layers.{i}.weight", (b, a), gain / math.sqrt(a)))
             specs.append((f"layers.{i}.bias", (b,), "zeros"))
+        if self.batch_norm:  # after the layers, as the module registers them
+            for i, b in enumerate(self.sizes[1:-1]):
+                specs += _bn_specs(f"norms.{i}", b)
         return specs
 
     def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
@@ -88,54 +123,83 @@ class MLP(Model):
         for i in range(n):
             x = x @ params[f"layers.{i}.weight"].transpose(-1, -2) + params[f"layers.{i}.bias"]
             if i < n - 1:
+                if self.batch_norm:
+                    x = batch_norm(x, params[f"norms.{i}.weight"], params[f"norms.{i}.bias"])
                 x = self.act(x)
         return x
 
     def module(self) -> nn.Module:
-        return _MLPModule(self.sizes, self.act)
+        return _MLPModule(self.sizes, self.act, self.batch_norm)
 
 
 class _MLPModule(nn.Module):
-    def __init__(self, sizes, act):
+    def __init__(self, sizes, act, batch_norm=False):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        if batch_norm:
+            self.norms = nn.ModuleList(
+                nn.BatchNorm1d(b, eps=BN_EPS, track_running_stats=False) for b in sizes[1:-1]
+            )
+        self.norm = batch_norm
         self.act = act
 
     def forward(self, x):
         for i, layer in enumerate(self.layers):
             x = layer(x)
             if i < len(self.layers) - 1:
+                if self.norm:
+                    x = self.norms[i](x)
                 x = self.act(x)
         return x
 
 
 # ----------------------------------------------------------------------------- CNN
 class CNN(Model):
-    """Two 3x3 convolutions (the second with stride 2) and a linear head, on 8x8 images."""
+    """Two 3x3 convolutions (the second with stride 2) and a linear head, on 8x8 images.
 
-    def __init__(self, channels: tuple[int, int], num_classes: int, activation: str, side: int = 8):
+    With ``batch_norm`` each convolution is followed by :func:`batch_norm` (parameters
+    ``bn1.*`` and ``bn2.*``) before its activation.
+    """
+
+    def __init__(
+        self,
+        channels: tuple[int, int],
+        num_classes: int,
+        activation: str,
+        side: int = 8,
+        batch_norm: bool = False,
+    ):
         self.c1, self.c2 = channels
         self.num_classes, self.side = num_classes, side
         self.activation = activation
         self.act = _activation(activation)
         self.flat = self.c2 * ((side + 1) // 2) ** 2
+        self.batch_norm = batch_norm
 
     def param_specs(self):
         g = _GAIN[self.activation]
+        bn = self.batch_norm
         return [
             ("conv1.weight", (self.c1, 1, 3, 3), g / 3.0),
             ("conv1.bias", (self.c1,), "zeros"),
+            *(_bn_specs("bn1", self.c1) if bn else []),
             ("conv2.weight", (self.c2, self.c1, 3, 3), g / math.sqrt(9 * self.c1)),
             ("conv2.bias", (self.c2,), "zeros"),
+            *(_bn_specs("bn2", self.c2) if bn else []),
             ("head.weight", (self.num_classes, self.flat), 1.0 / math.sqrt(self.flat)),
             ("head.bias", (self.num_classes,), "zeros"),
         ]
 
     def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        p = params
         x = x.reshape(x.shape[0], 1, self.side, self.side)
-        x = self.act(F.conv2d(x, params["conv1.weight"], params["conv1.bias"], padding=1))
-        x = self.act(F.conv2d(x, params["conv2.weight"], params["conv2.bias"], stride=2, padding=1))
-        return F.linear(x.flatten(1), params["head.weight"], params["head.bias"])
+        x = F.conv2d(x, p["conv1.weight"], p["conv1.bias"], padding=1)
+        if self.batch_norm:
+            x = batch_norm(x, p["bn1.weight"], p["bn1.bias"])
+        x = F.conv2d(self.act(x), p["conv2.weight"], p["conv2.bias"], stride=2, padding=1)
+        if self.batch_norm:
+            x = batch_norm(x, p["bn2.weight"], p["bn2.bias"])
+        return F.linear(self.act(x).flatten(1), p["head.weight"], p["head.bias"])
 
     def module(self) -> nn.Module:
         return _CNNModule(self)
@@ -145,13 +209,20 @@ class _CNNModule(nn.Module):
     def __init__(self, m: CNN):
         super().__init__()
         self.side, self.act = m.side, m.act
-        self.conv1 = nn.Conv2d(1, m.c1, 3, padding=1)
-        self.conv2 = nn.Conv2d(m.c1, m.c2, 3, stride=2, padding=1)
+
+        def bn(c: int) -> nn.Module:
+            if not m.batch_norm:
+                return nn.Identity()
+            return nn.BatchNorm2d(c, eps=BN_EPS, track_running_stats=False)
+
+        self.conv1, self.bn1 = nn.Conv2d(1, m.c1, 3, padding=1), bn(m.c1)
+        self.conv2, self.bn2 = nn.Conv2d(m.c1, m.c2, 3, stride=2, padding=1), bn(m.c2)
         self.head = nn.Linear(m.flat, m.num_classes)
 
     def forward(self, x):
         x = x.reshape(x.shape[0], 1, self.side, self.side)
-        x = self.act(self.conv2(self.act(self.conv1(x))))
+        x = self.act(self.bn1(self.conv1(x)))
+        x = self.act(self.bn2(self.conv2(x)))
         return self.head(x.flatten(1))
 
 

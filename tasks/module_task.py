@@ -10,14 +10,13 @@ The held-out evaluation tasks (:mod:`learned_opt.tasks.heldout`) are built this 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from .base import Batch, Params, Task, WorkerBatches
+from .base import Params, Task, WorkerBatches, check_l2
 from .datasets import DATASET_KINDS, Dataset
 from .models import Model
 
@@ -88,7 +87,7 @@ class ModuleTask(Task):
             uses the whole training set every step, and each of ``N > 1`` workers draws
             ``num_train // N`` examples (its even share) from its own shard.
         l2: coefficient of ``0.5 * l2 * sum(w**2)`` over the weight matrices (tensors of
-            rank >= 2) added to the loss.
+            rank >= 2) added to the loss (:meth:`Task.penalty`, as for every task).
         doc: one line saying what the task is.
     """
 
@@ -110,8 +109,7 @@ class ModuleTask(Task):
                 f"bad batch_size {batch_size}; valid choices: None (full batch) or 1 to "
                 f"{data.num_train}"
             )
-        if not (math.isfinite(l2) and l2 >= 0):
-            raise ValueError(f"l2 must be a finite number >= 0, got {l2}")
+        check_l2(l2)
         self.spec = None
         self.name, self.doc, self.data, self.kind = name, doc, data, data.kind
         self.full_batch = batch_size is None
@@ -124,25 +122,6 @@ class ModuleTask(Task):
     def describe(self) -> str:
         """The registry name (``get_task(task.describe())`` rebuilds the task)."""
         return self.name
-
-    def penalty(self, params: Params) -> torch.Tensor | float:
-        """The L2 term ``0.5 * l2 * sum(w**2)`` over weight matrices (0 when ``l2`` is 0)."""
-        if self.l2 == 0.0:
-            return 0.0
-        return 0.5 * self.l2 * sum((w * w).sum() for w in params.values() if w.dim() >= 2)
-
-    def loss(self, params: Params, batch: Batch) -> torch.Tensor:
-        return super().loss(params, batch) + self.penalty(params)
-
-    def module_loss(self, module: nn.Module, batch: Batch) -> torch.Tensor:
-        return super().module_loss(module, batch) + self.penalty(dict(module.named_parameters()))
-
-    @torch.no_grad()
-    def evaluate(self, params: Params, split: str = "test", max_examples: int = 2048):
-        """As :meth:`Task.evaluate`; the loss includes the L2 term."""
-        result = super().evaluate(params, split, max_examples)
-        result["loss"] += float(self.penalty(params))
-        return result
 
     def worker_batches(
         self, seed: int = 0, num_workers: int = 1, partition: str = "iid", alpha: float = 1.0,

@@ -46,6 +46,16 @@ TASK_SPECS: dict[str, TaskSpec] = {
             name="char_transformer",
         ),
         TaskSpec("gru", "chars", (32, 64), batch_size=32, context=32, name="char_gru"),
+        # Validation look-alikes of the held-out autoencoder, L2 logistic regression and
+        # batch-norm conv net (other datasets or architectures; never the held-out ones).
+        TaskSpec(
+            "autoencoder", "wine", (16, 4, 16), "tanh", batch_size=32, name="wine_autoencoder"
+        ),
+        # wine has 142 training examples, so batch 64 is below the full training set
+        TaskSpec("linear", "wine", batch_size=64, l2=1e-2, name="logreg_wine_l2"),
+        TaskSpec(
+            "cnn", "digits", (8, 16), "relu", batch_size=64, norm="batch", name="digits_cnn_bn"
+        ),
     ]
 }
 

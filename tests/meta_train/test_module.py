@@ -26,6 +26,7 @@ SMALL = dict(
         ("family", "nope"), ("estimator", "sgd"), ("topologies", ["hypercube"]),
         ("val_tasks", ["nope"]), ("unroll_length", 0), ("val_horizon", 5),
         ("worker_counts", [0]), ("partitions", ["random"]), ("min_length", 100),
+        ("decentralized_score", "median"),
     ],
 )  # fmt: skip
 def test_bad_config_names_the_field(field, value):
@@ -119,6 +120,42 @@ def test_decentralized_runs_are_scored_on_another_workers_batch():
     scored, _ = inner_step(traj, make_inner_optimizer("adam", lr=1e-3))
     assert torch.allclose(scored, rolled) and not torch.allclose(scored, own)
     assert abs(traj.history[-1] - float(rolled.mean())) < 1e-6
+
+
+def test_decentralized_runs_can_be_scored_on_the_averaged_model():
+    from torch.func import vmap
+
+    from learned_opt.meta_train.inner import inner_step, make_inner_optimizer, new_trajectory
+    from learned_opt.tasks import get_task
+
+    task = get_task("iris_mlp")
+    traj = new_trajectory(task, 3, "ring", "dirichlet", 0.1, 0, 10, score="average")
+    opt = make_inner_optimizer("adam", lr=1e-2)
+    inner_step(traj, opt)  # the workers now differ
+    params = traj.layout.unflatten(traj.params)
+    average = {k: v.mean(0) for k, v in params.items()}
+    batch = traj.batches.get(1)
+    expected = vmap(task.loss, in_dims=(None, 0))(average, batch)
+    rolled = vmap(task.loss)(params, tuple(torch.roll(t, 1, dims=0) for t in batch))
+    scored, _ = inner_step(traj, opt)
+    assert torch.allclose(scored, expected) and not torch.allclose(scored, rolled)
+    with pytest.raises(ValueError, match="score"):
+        new_trajectory(task, 3, "ring", "dirichlet", 0.1, 0, 10, score="median")
+
+
+def test_saved_slots_keep_their_score():
+    from learned_opt.meta_train.estimators import make_estimator
+    from learned_opt.meta_train.inner import new_trajectory
+    from learned_opt.meta_train.slots import restore_slots, serialise_slots
+    from learned_opt.tasks import get_task
+
+    traj = new_trajectory(get_task("iris_mlp"), 2, "ring", "iid", 1.0, 0, 10, score="average")
+    saved = serialise_slots([[traj]])
+    (restored,) = restore_slots(saved, make_estimator("tbptt"))
+    assert restored[0].score == "average"
+    del saved[0][0]["score"]  # slots saved before scores existed
+    (restored,) = restore_slots(saved, make_estimator("tbptt"))
+    assert restored[0].score == "next_worker"
 
 
 def test_config_that_samples_held_out_work_fails(monkeypatch):

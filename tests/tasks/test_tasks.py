@@ -17,9 +17,13 @@ def test_registry_size_and_kinds():
     assert len(TASKS) >= 8
     assert "digits_mlp" in TASKS
     kinds = {get_task(n).kind for n in TASKS}
-    assert kinds == {"classification", "regression", "quadratic", "lm"}
+    assert kinds == {"classification", "regression", "quadratic", "lm", "reconstruction"}
     models = {get_task(n).spec.model for n in TASKS}
-    assert {"linear", "mlp", "cnn"} <= models and models & {"transformer", "gru"}
+    assert {"linear", "mlp", "cnn", "autoencoder"} <= models and models & {"transformer", "gru"}
+    # held-out look-alikes for validation: an autoencoder, an L2 model, a batch-norm cnn
+    assert get_task("wine_autoencoder").kind == "reconstruction"
+    assert get_task("logreg_wine_l2").l2 == 1e-2
+    assert get_task("digits_cnn_bn").spec.norm == "batch"
 
 
 @pytest.mark.parametrize("name", TASKS)
