@@ -9,13 +9,13 @@ D-SGD, D-Adam and DSGT, scored on the averaged model's full training-set loss) o
 the meta-training registry only, so that such choices are made on it, and the held-out
 suite is run once afterwards to confirm.
 
-Every variant is the checkpoint with some :class:`~learned_opt.config.NetConfig` fields
-replaced (``--variant name:field=value,field=value``). Tuned baselines are cached in
+Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig`
+fields replaced (``--side label=checkpoint:field=value,...``). Tuned baselines are cached in
 ``benchmarks/results/gossip_validation_baselines.json``. Writes
 ``benchmarks/results/gossip_validation.json``.
 
-    python -m benchmarks.gossip_validation --checkpoint adapt_init \\
-        --variant base: --variant ceil4:lr_adapt_max_gossip=4
+    python -m benchmarks.gossip_validation --side default \\
+        --side adapt_init --side adapt_e4=adapt_init:lr_adapt_max_gossip=4
 """
 
 from __future__ import annotations
@@ -59,41 +59,70 @@ SETTINGS = [
 ]
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """``name:field=value,field=value`` -> ``(name, {field: float})``; ``name:`` is the
-    checkpoint as it is."""
-    name, _, rest = text.partition(":")
-    if not name:
-        raise argparse.ArgumentTypeError(f"variant {text!r} needs a name before ':'")
+def parse_side(text: str) -> tuple[str, str, dict]:
+    """``label=checkpoint`` or ``label=checkpoint:field=value,field=value`` ->
+    ``(label, checkpoint, {field: float})``; a bare ``checkpoint`` is its own label."""
+    label, eq, rest = text.partition("=")
+    if not eq:
+        label, rest = text, text
+    checkpoint, _, overrides = rest.partition(":")
+    if not label or not checkpoint:
+        raise argparse.ArgumentTypeError(f"side {text!r}: expected label=checkpoint[:f=v,...]")
     fields = {}
-    for item in filter(None, rest.split(",")):
+    for item in filter(None, overrides.split(",")):
         key, eq, value = item.partition("=")
         if not eq:
-            raise argparse.ArgumentTypeError(f"variant {text!r}: {item!r} is not field=value")
-        fields[key.strip()] = float(value)
-    return name, fields
+            raise argparse.ArgumentTypeError(f"side {text!r}: {item!r} is not field=value")
+        try:
+            fields[key.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"side {text!r}: {value!r} is not a number") from None
+    return label, checkpoint, fields
+
+
+def side_optimizer(checkpoint: str, fields: dict) -> InnerOptimizer:
+    """The checkpoint's optimizer, ``fields`` of its config replaced, with learned mixing."""
+    net, _ = load_checkpoint(checkpoint)
+    cfg = dataclasses.replace(net.config, **fields)
+    return InnerOptimizer("learned", 1.0, "learned", dict(net.named_parameters()), cfg)
 
 
 def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:
-    """The checkpoint (with ``fields`` of its config replaced) with learned mixing."""
     torch.set_num_threads(1)
-    net, _ = load_checkpoint(checkpoint)
-    cfg = dataclasses.replace(net.config, **fields)
-    opt = InnerOptimizer("learned", 1.0, "learned", dict(net.named_parameters()), cfg)
-    return dec.run_averaged(setting["task"], opt, setting)
+    return dec.run_averaged(setting["task"], side_optimizer(checkpoint, fields), setting)
+
+
+def summarise(speedups: list[float]) -> dict:
+    """Median, minimum and geometric mean (each speedup floored at 1e-6) of a side's rows."""
+    return {
+        "median": statistics.median(speedups),
+        "min": min(speedups),
+        "geomean": statistics.geometric_mean([max(x, 1e-6) for x in speedups]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", default="adapt_init")
-    parser.add_argument("--variant", action="append", type=parse_variant, default=[],
-                        help="name:field=value,... (repeatable; default: the checkpoint)")
+    parser.add_argument("--side", action="append", type=parse_side, default=[],
+                        help="label=checkpoint[:field=value,...] (repeatable; default: "
+                        "default and adapt_init)")  # fmt: skip
     parser.add_argument("--tasks", nargs="*", help="only the settings of these tasks")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--out", default="gossip_validation", help="result name under benchmarks/results")
+    parser.add_argument("--out", default="gossip_validation",
+                        help="result name under benchmarks/results")  # fmt: skip
     args = parser.parse_args(argv)
-    variants = dict(args.variant or [("base", {})])
+    sides = args.side or [parse_side("default"), parse_side("adapt_init")]
+    labels = [label for label, _, _ in sides]
+    if len(set(labels)) != len(labels):
+        parser.error(f"side labels must differ, got {labels}")
+    for _, checkpoint, fields in sides:  # fail before any work
+        try:
+            side_optimizer(checkpoint, fields)
+        except (ValueError, TypeError, OSError) as exc:
+            parser.error(f"side {checkpoint!r}: {exc}")
     settings = [s for s in SETTINGS if not args.tasks or s["task"] in args.tasks]
+    if not settings:
+        parser.error(f"no settings for tasks {args.tasks}; valid: {[s['task'] for s in SETTINGS]}")
     check_not_held_out([s["task"] for s in settings])
     cache = BaselineCache(CACHE)
     start = time.perf_counter()
@@ -104,40 +133,41 @@ def main(argv: list[str] | None = None) -> int:
             if dec.setting_key(s) not in cache.data
         }
         runs = {
-            (name, i): pool.submit(learned_run, s, args.checkpoint, fields)
+            (label, i): pool.submit(learned_run, s, checkpoint, fields)
             for i, s in enumerate(settings)
-            for name, fields in variants.items()
+            for label, checkpoint, fields in sides
         }
         for key, job in base_jobs.items():
             cache.get(key, job.result)
             print(f"baselines {key}: {job.result()['seconds']} s", flush=True)
         rows = []
-        for (name, i), job in runs.items():
+        for (label, i), job in runs.items():
             s, out = settings[i], job.result()
             base = {k: v for k, v in cache.data[dec.setting_key(s)].items() if k in dec.BASELINES}
             best = min(base, key=lambda k: base[k]["final"])
             row = {
-                "variant": name, **{k: s[k] for k in ("task", "workers", "topology", "alpha")},
+                "side": label, **{k: s[k] for k in ("task", "workers", "topology", "alpha")},
                 "speedup": round(speedup(out["curve"], base[best]["curve"]), 4),
                 "best_baseline": best, "baseline_lr": base[best]["lr"],
                 "learned_final": final_loss(out["curve"]), "baseline_final": base[best]["final"],
                 "learned_consensus": out["consensus"],
             }  # fmt: skip
             rows.append(row)
-            print(f"{name:>12} {s['task']:>16} {s['workers']:>2}w {s['topology']:>11} "
+            print(f"{label:>14} {s['task']:>16} {s['workers']:>2}w {s['topology']:>11} "
                   f"a={s['alpha']}: {row['speedup']:.3f}x vs {best}", flush=True)  # fmt: skip
-    summary = {}
-    for name in variants:
-        got = [r["speedup"] for r in rows if r["variant"] == name]
-        summary[name] = {"median": statistics.median(got), "min": min(got),
-                         "geomean": statistics.geometric_mean([max(x, 1e-6) for x in got])}  # fmt: skip
-        print(f"{name}: median {summary[name]['median']:.3f}x, min {summary[name]['min']:.3f}x, "
-              f"geomean {summary[name]['geomean']:.3f}x", flush=True)  # fmt: skip
+    summary = {label: summarise([r["speedup"] for r in rows if r["side"] == label])
+               for label in labels}  # fmt: skip
+    for label, got in summary.items():
+        print(f"{label}: median {got['median']:.3f}x, min {got['min']:.3f}x, "
+              f"geomean {got['geomean']:.3f}x", flush=True)  # fmt: skip
     write_json(args.out, {
-        "benchmark": "gossip_validation", "checkpoint": args.checkpoint,
-        "variants": {k: v for k, v in variants.items()}, "summary": summary, "rows": rows,
+        "benchmark": "gossip_validation",
+        "sides": [{"label": label, "checkpoint": str(ckpt), "fields": fields}
+                  for label, ckpt, fields in sides],
+        "summary": summary, "rows": rows, "horizon": settings[0]["horizon"],
         "wall_seconds": round(time.perf_counter() - start, 1),
-        "command": "python -m benchmarks.gossip_validation " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.gossip_validation "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         **machine(),
     })  # fmt: skip
     return 0

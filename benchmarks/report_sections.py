@@ -200,3 +200,38 @@ def render_gossip_compression(r: dict) -> str:
               "fewer bytes"]  # fmt: skip
     goal = next(iter(r.values()))["goal"]
     return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."
+
+
+@section("gossip_validation_stage1")
+@section("gossip_validation")
+def render_gossip_validation(r: dict) -> str:
+    labels = [s["label"] for s in r["sides"]]
+    keys = []
+    for row in r["rows"]:
+        key = (row["task"], row["workers"], row["topology"], row["alpha"])
+        if key not in keys:
+            keys.append(key)
+    speed = {(row["side"], row["task"], row["workers"], row["topology"], row["alpha"]): row
+             for row in r["rows"]}  # fmt: skip
+    table = []
+    for key in keys:
+        first = speed[(labels[0], *key)]
+        best = f"{first['best_baseline']} ({first['baseline_lr']:.3g})"
+        table.append([*key, best] + [_x(speed[(label, *key)]["speedup"]) for label in labels])
+    for stat in ("median", "min", "geomean"):
+        table.append([f"**{stat}**", "", "", "", ""]
+                     + [f"**{_x(r['summary'][label][stat])}**" for label in labels])  # fmt: skip
+    sides = "; ".join(
+        f"`{s['label']}` = `{s['checkpoint']}`"
+        + ("" if not s["fields"] else " with " + ", ".join(f"{k}={v:g}" for k, v in s["fields"].items()))
+        for s in r["sides"]
+    )  # fmt: skip
+    header = ["task", "workers", "topology", "Dirichlet alpha", "best tuned (lr)"]
+    return (
+        markdown_table(header + [f"`{label}`" for label in labels], table)
+        + f"\n\nStep speedup against the best of D-SGD, D-Adam and DSGT (each Metropolis-mixed"
+        f" and tuned per setting), scored on the averaged model's full training-set loss,"
+        f" {r['horizon']} steps, seed 0; registry tasks only (none held out). Sides: {sides}."
+        f" {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
+        f" `{r['command']}`." + (f" {r['note']}." if r.get("note") else "")
+    )
