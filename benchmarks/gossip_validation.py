@@ -32,7 +32,7 @@ import torch
 from benchmarks import heldout_decentralized as dec
 from benchmarks.common import RESULTS, machine, write_json
 from learned_opt import load_checkpoint
-from learned_opt.meta_train.evaluation import BaselineCache, final_loss, speedup
+from learned_opt.meta_train.evaluation import BaselineCache
 from learned_opt.meta_train.inner import InnerOptimizer
 from learned_opt.tasks import check_not_held_out
 
@@ -142,15 +142,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baselines {key}: {job.result()['seconds']} s", flush=True)
         rows = []
         for (label, i), job in runs.items():
-            s, out = settings[i], job.result()
-            base = {k: v for k, v in cache.data[dec.setting_key(s)].items() if k in dec.BASELINES}
-            best = min(base, key=lambda k: base[k]["final"])
+            s = settings[i]
+            scored = dec.score(job.result(), cache.data[dec.setting_key(s)])
+            best = scored["best_baseline"]
             row = {
                 "side": label, **{k: s[k] for k in ("task", "workers", "topology", "alpha")},
-                "speedup": round(speedup(out["curve"], base[best]["curve"]), 4),
-                "best_baseline": best, "baseline_lr": base[best]["lr"],
-                "learned_final": final_loss(out["curve"]), "baseline_final": base[best]["final"],
-                "learned_consensus": out["consensus"],
+                "speedup": round(scored["speedup"], 4), "best_baseline": best,
+                "baseline_lr": scored["baselines"][best]["lr"],
+                "learned_final": scored["learned_final"],
+                "baseline_final": scored["baselines"][best]["final"],
+                "learned_consensus": scored["learned_consensus"],
             }  # fmt: skip
             rows.append(row)
             print(f"{label:>14} {s['task']:>16} {s['workers']:>2}w {s['topology']:>11} "

@@ -114,15 +114,14 @@ def time_inner_steps(task_name: str, opts: dict[str, InnerOptimizer], setting: d
 
 def score(learned: dict, baselines: dict) -> dict:
     """Speedups of the learned run over every tuned baseline and over the best one, by
-    step count and by wall clock (the step-count speedup times the ratio of step times)."""
+    step count and, when ``learned`` holds the step times (``ms_per_step``), by wall clock
+    (the step-count speedup times the ratio of step times)."""
     rows = {k: v for k, v in baselines.items() if k in BASELINES}
     best = min(rows, key=lambda k: rows[k]["final"])
     step_speedup = speedup(learned["curve"], rows[best]["curve"])
-    ms = learned["ms_per_step"]
-    return {
+    out = {
         "best_baseline": best,
         "speedup": step_speedup,
-        "wall_speedup": step_speedup * ms[best] / ms["learned"],
         "speedup_vs": {k: speedup(learned["curve"], r["curve"]) for k, r in rows.items()},
         "learned_final": final_loss(learned["curve"]),
         "baselines": {
@@ -130,5 +129,9 @@ def score(learned: dict, baselines: dict) -> dict:
             for k, r in rows.items()
         },  # fmt: skip
         "learned_consensus": learned["consensus"],
-        "ms_per_step": ms,
     }
+    if "ms_per_step" in learned:
+        ms = learned["ms_per_step"]
+        out["wall_speedup"] = step_speedup * ms[best] / ms["learned"]
+        out["ms_per_step"] = ms
+    return out
