@@ -78,27 +78,43 @@ def single_rows(suite) -> tuple[list[dict], dict]:
 
 
 def decentralized_rows(suite) -> tuple[list[dict], dict]:
-    rows, panels = [], {}
+    """One row per decentralized setting and checkpoint, once every seed of it is in: the
+    median over the seeds of the speedups (each seed against its own tuned baselines),
+    the per-seed speedups beside it, and the first seed's losses and baselines."""
+    groups: dict = {}
     for s in suite.settings:
-        key = dec.setting_key(s)
-        base = suite.cache.data.get(key)
-        if base is None:
+        key = tuple(s[k] for k in SETTING_FIELDS)
+        groups.setdefault(key, []).append(s)
+    rows, panels = [], {}
+    for key, seeds in groups.items():
+        s0 = seeds[0]
+        bases = [suite.cache.data.get(dec.setting_key(s)) for s in seeds]
+        if any(b is None for b in bases):
             continue
-        title = f"{s['task']} {s['workers']}w {s['topology']} a={s['alpha']} @{s['horizon']}"
+        title = f"{s0['task']} {s0['workers']}w {s0['topology']} a={s0['alpha']} @{s0['horizon']}"
         for side in suite.checkpoints:
-            learned = suite.dec_learned.get((side, key))
-            if learned is None:
+            learned = [suite.dec_learned.get((side, dec.setting_key(s))) for s in seeds]
+            if any(run is None for run in learned):
                 continue
-            scored = dec.score(learned, base)
-            row = {**{k: s[k] for k in ("task", "workers", "topology", "alpha", "horizon")},
-                   "side": side, **scored, "speedup": _r(scored["speedup"]),
-                   "wall_speedup": _r(scored["wall_speedup"]),
-                   "diverged": single.diverged(learned["curve"])}  # fmt: skip
+            scored = [dec.score(run, base) for run, base in zip(learned, bases)]
+            walls = [x["wall_speedup"] for x in scored]
+            row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **scored[0],
+                   "speedup": _median([x["speedup"] for x in scored]),
+                   "wall_speedup": _median(walls),
+                   "seeds": [s["seed"] for s in seeds],
+                   "speedup_by_seed": [_r(x["speedup"]) for x in scored],
+                   "best_baseline_by_seed": [x["best_baseline"] for x in scored],
+                   "diverged": any(single.diverged(run["curve"]) for run in learned)}  # fmt: skip
             rows.append(row)
-            best = scored["best_baseline"]
-            panels.setdefault(title, {f"{best} {base[best]['lr']:g}": base[best]["curve"]})
-            panels[title][side] = learned["curve"]
+            best = scored[0]["best_baseline"]
+            label = f"{best} {bases[0][best]['lr']:g}"
+            panels.setdefault(title, {label: bases[0][best]["curve"]})
+            panels[title][side] = learned[0]["curve"]
     return rows, panels
+
+
+#: What identifies a decentralized setting apart from its seed.
+SETTING_FIELDS = ("task", "workers", "topology", "alpha", "horizon")
 
 
 def _median(xs: list) -> float | None:
@@ -151,7 +167,7 @@ def assemble(suite, seconds: float) -> tuple[dict, dict]:
     decs, p2 = decentralized_rows(suite)
     summaries = {side: summarise(side, singles, decs) for side in suite.sides}
     expected_single = len(suite.sides) * sum(len(suite.horizons(t)) for t in suite.tasks)
-    expected_dec = len(suite.checkpoints) * len(suite.settings)
+    expected_dec = len(suite.checkpoints) * len(suite.settings) // len(suite.seeds)
     complete = not suite.pending and len(singles) == expected_single and len(decs) == expected_dec
     payload = {
         "benchmark": "quality_heldout",
@@ -165,6 +181,7 @@ def assemble(suite, seconds: float) -> tuple[dict, dict]:
         "decentralized": decs,
         "expected_rows": {"single": expected_single, "decentralized": expected_dec},
         "seed": 0,
+        "decentralized_seeds": suite.seeds,
         "adamw_grid": list(suite.grid),
         "lr_mults": list(single.LR_MULTS),
         "wall_seconds": round(seconds, 1),

@@ -7,7 +7,9 @@ workers on label-skewed data, learned optimizer + learned mixing against tuned D
 D-Adam and DSGT, scored on the averaged model's loss on the whole training set. Speedups
 by step count (the README's definition) and by wall clock (the step-count speedup times
 the ratio of step times measured side by side), the learned side at lr multipliers 0.3
-and 3, and divergences. One seed (0).
+and 3, and divergences. Single-worker runs use seed 0; each decentralized setting is run
+at every seed of ``--seeds`` (its data split, initialisation and batches; the baselines
+tuned afresh per seed) and scored by the median over the seeds of its speedups.
 
 Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json``,
 so evaluating a new checkpoint only runs the learned side. Writes
@@ -18,6 +20,7 @@ and a PNG of loss curves beside it.
     python -m benchmarks.quality_heldout --checkpoint default adam_init
     python -m benchmarks.quality_heldout --quick --factory mypkg.rules:make_opt
     python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
+    python -m benchmarks.quality_heldout --seeds 0 1 2 3 4     # more decentralized seeds
 
 A factory ``module:function`` is a callable ``(params, lr_mult) -> torch.optim.Optimizer``;
 it is evaluated single-worker only (decentralized runs need a checkpoint's mixing head).
@@ -70,6 +73,9 @@ DEC_FULL = [
     _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
 ]
 DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve it
+#: Seeds of every decentralized setting (--quick: the first only). One seed's rows moved
+#: by up to 3.5x between seeds, so a row is the median over these.
+DEC_SEEDS = (0, 1, 2)
 
 
 class Suite:
@@ -85,7 +91,9 @@ class Suite:
         self.lrs = {t: set(self.grid) for t in self.tasks}
         self.extensions = {t: 0 for t in self.tasks}
         plan = DEC_QUICK if args.quick else DEC_FULL
-        self.settings = [s for s in plan if s["task"] in self.tasks]
+        self.seeds = list(args.seeds or (DEC_SEEDS[:1] if args.quick else DEC_SEEDS))
+        self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
+                         for seed in self.seeds]  # fmt: skip
         self.learned_cache = BaselineCache(LEARNED_CACHE)
         self.side_ids = {side: single.side_id(side) for side in self.sides}
         self.learned: dict = {}  # (side, task, mult) -> curve
@@ -274,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", nargs="*", default=None, help="default: every held-out task")
     parser.add_argument("--quick", action="store_true",
                         help="200 steps, 3 AdamW rates, 2 of the decentralized settings")  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="seeds of each decentralized setting, its row the median over "
+                        f"them (default {' '.join(map(str, DEC_SEEDS))}; --quick: the first)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     parser.add_argument("--record-cards", action="store_true",
@@ -284,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                         "missing is left out and the result marked partial)")  # fmt: skip
     args = parser.parse_args(argv)
     sides = list(args.checkpoint) + list(args.factory)
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds repeats a seed: {args.seeds}")
     if args.record_cards and args.quick:
         parser.error("--record-cards records a full run, not --quick")
     if not sides:

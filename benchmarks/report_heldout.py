@@ -11,7 +11,9 @@ def _pair(row: dict | None) -> str:
         return "-"
     wall = row.get("wall_speedup")
     flag = " (diverged)" if row.get("diverged") else ""
-    return f"{_x(row['speedup'])} / {_x(wall) if wall is not None else '-'}{flag}"
+    seeds = row.get("speedup_by_seed", [])
+    each = f" ({', '.join(f'{x:.2f}' for x in seeds)})" if len(seeds) > 1 else ""
+    return f"{_x(row['speedup'])} / {_x(wall) if wall is not None else '-'}{each}{flag}"
 
 
 def _mult(row: dict, m: str) -> str:
@@ -95,6 +97,18 @@ def render_quality_heldout_adapt(r: dict) -> str:
     return _render(r, "quality_heldout_adapt")
 
 
+def _seeds(r: dict) -> str:
+    seeds = r.get("decentralized_seeds", [r["seed"]])
+    if len(seeds) == 1:
+        return f"Seed {r['seed']}."
+    return (
+        f"Single-worker rows: seed {r['seed']}. Decentralized rows: the median over seeds "
+        f"{', '.join(map(str, seeds))} (data split, initialisation and batches; the baselines "
+        "tuned afresh per seed), each seed's step speedup in brackets; the loss and best-tuned "
+        "columns are the first seed's."
+    )
+
+
 def _render(r: dict, name: str) -> str:
     """The held-out suite's tables and summary of ``results/NAME.json``."""
     partial = ""
@@ -133,7 +147,7 @@ def _render(r: dict, name: str) -> str:
         f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
         "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
         "step speedups at those multipliers). A run diverged if its loss went non-finite or "
-        f"ended above its start. Seed {r['seed']}. {_measured(r)}{load} Wall time "
+        f"ended above its start. {_seeds(r)} {_measured(r)}{load} Wall time "
         f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
         f"`{r['command']}`. Plot: "
         f"`benchmarks/results/{name}.png`."

@@ -94,6 +94,7 @@ def test_side_id_tracks_the_checkpoint_content(tmp_path):
         (["--factory", "not_a_factory"], "module:function"),
         (["--checkpoint"], "at least one"),
         (["--quick", "--record-cards"], "records a full run"),
+        (["--seeds", "1", "1"], "repeats a seed"),
     ],
 )
 def test_bad_command_line(argv, match, capsys):
@@ -137,6 +138,22 @@ def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
     assert quality_heldout.main(argv) == 0  # baselines and the checkpoint's runs cached:
     out = capsys.readouterr().out  # only the factory runs again (3 multipliers, timing)
     assert "\n4 jobs on 1 processes" in "\n" + out
+
+
+def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
+    argv = ["--quick", "--tasks", "heldout_logreg_l2", "--checkpoint", "adam_init",
+            "--seeds", "0", "1", "2", "--jobs", "1"]  # fmt: skip
+    assert quality_heldout.main(argv) == 0
+    result = json.loads((tiny_suite / "quality_heldout_quick.json").read_text())
+    assert result["complete"] and result["decentralized_seeds"] == [0, 1, 2]
+    (row,) = result["decentralized"]  # one setting: one row, not one per seed
+    assert row["seeds"] == [0, 1, 2] and len(row["speedup_by_seed"]) == 3
+    assert row["speedup"] == pytest.approx(sorted(row["speedup_by_seed"])[1], abs=1e-4)
+    cache = json.loads((tiny_suite / "baselines.json").read_text())
+    assert sum(k.startswith("dec|") for k in cache) == 3  # baselines tuned per seed
+    text = render_quality_heldout(result)
+    per_seed = ", ".join(f"{x:.2f}" for x in row["speedup_by_seed"])
+    assert f"({per_seed})" in text and "median over seeds 0, 1, 2" in text
 
 
 def test_job_queue_runs_urgent_jobs_first():
