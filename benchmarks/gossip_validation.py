@@ -12,10 +12,12 @@ suite is run once afterwards to confirm.
 Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig`
 fields replaced (``--side label=checkpoint:field=value,...``). Tuned baselines are cached in
 ``benchmarks/results/gossip_validation_baselines.json``. Writes
-``benchmarks/results/gossip_validation.json``.
+``benchmarks/results/gossip_validation.json``. With ``--seeds``, each setting runs at every
+seed (the baselines tuned per seed) and its row is the median of the seeds' speedups: one
+seed's decentralized speedups move by up to 3.5x from seed to seed.
 
     python -m benchmarks.gossip_validation --side default \\
-        --side adapt_init --side adapt_e4=adapt_init:lr_adapt_max_gossip=4
+        --side adapt_init --side adapt_e4=adapt_init:lr_adapt_max_gossip=4 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -92,6 +94,25 @@ def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:
     return dec.run_averaged(setting["task"], side_optimizer(checkpoint, fields), setting)
 
 
+def score_row(label: str, setting: dict, scored: list[tuple[dict, int]]) -> dict:
+    """A side's row of one setting from its per-seed :func:`dec.score` results: the median
+    speedup over the seeds, and the first seed's baseline, losses and consensus."""
+    first = scored[0][0]
+    best = first["best_baseline"]
+    speedups = [round(x["speedup"], 4) for x, _ in scored]
+    row = {
+        "side": label, **{k: setting[k] for k in ("task", "workers", "topology", "alpha")},
+        "speedup": round(statistics.median(speedups), 4), "best_baseline": best,
+        "baseline_lr": first["baselines"][best]["lr"],
+        "learned_final": first["learned_final"],
+        "baseline_final": first["baselines"][best]["final"],
+        "learned_consensus": first["learned_consensus"],
+    }  # fmt: skip
+    if len(scored) > 1:
+        row.update(seeds=[seed for _, seed in scored], speedup_by_seed=speedups)
+    return row
+
+
 def summarise(speedups: list[float]) -> dict:
     """Median, minimum and geometric mean (each speedup floored at 1e-6) of a side's rows."""
     return {
@@ -107,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="label=checkpoint[:field=value,...] (repeatable; default: "
                         "default and adapt_init)")  # fmt: skip
     parser.add_argument("--tasks", nargs="*", help="only the settings of these tasks")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0],
+                        help="seeds of every setting; a row is the median over them")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="gossip_validation",
                         help="result name under benchmarks/results")  # fmt: skip
@@ -120,42 +143,42 @@ def main(argv: list[str] | None = None) -> int:
             side_optimizer(checkpoint, fields)
         except (ValueError, TypeError, OSError) as exc:
             parser.error(f"side {checkpoint!r}: {exc}")
+    if len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds repeats a seed: {args.seeds}")
     settings = [s for s in SETTINGS if not args.tasks or s["task"] in args.tasks]
     if not settings:
         parser.error(f"no settings for tasks {args.tasks}; valid: {[s['task'] for s in SETTINGS]}")
     check_not_held_out([s["task"] for s in settings])
     cache = BaselineCache(CACHE)
     start = time.perf_counter()
+    runs_of = [dict(s, seed=seed) for s in settings for seed in args.seeds]
     with ProcessPoolExecutor(args.jobs) as pool:
         base_jobs = {
             dec.setting_key(s): pool.submit(dec.baseline_job, s["task"], s)
-            for s in settings
+            for s in runs_of
             if dec.setting_key(s) not in cache.data
         }
         runs = {
             (label, i): pool.submit(learned_run, s, checkpoint, fields)
-            for i, s in enumerate(settings)
+            for i, s in enumerate(runs_of)
             for label, checkpoint, fields in sides
         }
         for key, job in base_jobs.items():
             cache.get(key, job.result)
             print(f"baselines {key}: {job.result()['seconds']} s", flush=True)
         rows = []
-        for (label, i), job in runs.items():
-            s = settings[i]
-            scored = dec.score(job.result(), cache.data[dec.setting_key(s)])
-            best = scored["best_baseline"]
-            row = {
-                "side": label, **{k: s[k] for k in ("task", "workers", "topology", "alpha")},
-                "speedup": round(scored["speedup"], 4), "best_baseline": best,
-                "baseline_lr": scored["baselines"][best]["lr"],
-                "learned_final": scored["learned_final"],
-                "baseline_final": scored["baselines"][best]["final"],
-                "learned_consensus": scored["learned_consensus"],
-            }  # fmt: skip
-            rows.append(row)
-            print(f"{label:>14} {s['task']:>16} {s['workers']:>2}w {s['topology']:>11} "
-                  f"a={s['alpha']}: {row['speedup']:.3f}x vs {best}", flush=True)  # fmt: skip
+        for s in settings:
+            for label, _, _ in sides:
+                seeds = [(i, r) for i, r in enumerate(runs_of) if dict(r, seed=s["seed"]) == s]
+                rows.append(score_row(label, s, [
+                    (dec.score(runs[label, i].result(), cache.data[dec.setting_key(r)]), r["seed"])
+                    for i, r in seeds
+                ]))  # fmt: skip
+                row = rows[-1]
+                print(f"{label:>14} {s['task']:>16} {s['workers']:>2}w {s['topology']:>11} "
+                      f"a={s['alpha']}: {row['speedup']:.3f}x vs {row['best_baseline']}"
+                      + (f" (seeds {row['speedup_by_seed']})" if len(seeds) > 1 else ""),
+                      flush=True)  # fmt: skip
     summary = {label: summarise([r["speedup"] for r in rows if r["side"] == label])
                for label in labels}  # fmt: skip
     for label, got in summary.items():
@@ -166,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         "sides": [{"label": label, "checkpoint": str(ckpt), "fields": fields}
                   for label, ckpt, fields in sides],
         "summary": summary, "rows": rows, "horizon": settings[0]["horizon"],
+        "seeds": args.seeds,
         "wall_seconds": round(time.perf_counter() - start, 1),
         "command": "python -m benchmarks.gossip_validation "
         + " ".join(sys.argv[1:] if argv is None else argv),

@@ -71,3 +71,25 @@ def test_summary_and_report():
     assert "| t1 | 8 | ring | 0.3 | D-SGD (0.3) | 0.50x | 1.50x |" in text
     assert "| **min** |" in text and "**0.25x**" in text
     assert "`b` = `adapt_init` with x=4" in text
+
+
+def test_a_row_over_seeds_is_the_median_speedup():
+    setting = gv.SETTINGS[0]
+
+    def scored(speedup, lr):
+        return {"best_baseline": "D-SGD", "speedup": speedup, "learned_final": 0.1,
+                "learned_consensus": 0.0,
+                "baselines": {"D-SGD": {"lr": lr, "final": 0.2}}}  # fmt: skip
+
+    row = gv.score_row("a", setting, [(scored(0.5, 1.0), 0), (scored(3.0, 0.3), 1),
+                                      (scored(1.25, 0.3), 2)])  # fmt: skip
+    assert row["speedup"] == 1.25 and row["speedup_by_seed"] == [0.5, 3.0, 1.25]
+    assert row["seeds"] == [0, 1, 2] and row["baseline_lr"] == 1.0  # the first seed's
+    alone = gv.score_row("a", setting, [(scored(0.5, 1.0), 0)])
+    assert alone["speedup"] == 0.5 and "speedup_by_seed" not in alone
+
+
+def test_repeated_seeds_are_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        gv.main(["--side", "default", "--seeds", "0", "0"])
+    assert exc.value.code == 2 and "repeats a seed" in capsys.readouterr().err
