@@ -95,21 +95,21 @@ def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:
 
 
 def score_row(label: str, setting: dict, scored: list[tuple[dict, int]]) -> dict:
-    """A side's row of one setting from its per-seed :func:`dec.score` results: the median
-    speedup over the seeds, and the first seed's baseline, losses and consensus."""
-    first = scored[0][0]
-    best = first["best_baseline"]
-    speedups = [round(x["speedup"], 4) for x, _ in scored]
+    """A side's row of one setting from its per-seed :func:`dec.score` results
+    (:func:`dec.over_seeds`: the median speedup over the seeds, and the first seed's
+    baseline, losses and consensus)."""
+    merged = dec.over_seeds([x for x, _ in scored])
+    best = merged["best_baseline"]
     row = {
         "side": label, **{k: setting[k] for k in ("task", "workers", "topology", "alpha")},
-        "speedup": round(statistics.median(speedups), 4), "best_baseline": best,
-        "baseline_lr": first["baselines"][best]["lr"],
-        "learned_final": first["learned_final"],
-        "baseline_final": first["baselines"][best]["final"],
-        "learned_consensus": first["learned_consensus"],
+        "speedup": round(merged["speedup"], 4), "best_baseline": best,
+        "baseline_lr": merged["baselines"][best]["lr"],
+        "learned_final": merged["learned_final"],
+        "baseline_final": merged["baselines"][best]["final"],
+        "learned_consensus": merged["learned_consensus"],
     }  # fmt: skip
     if len(scored) > 1:
-        row.update(seeds=[seed for _, seed in scored], speedup_by_seed=speedups)
+        row.update(seeds=[seed for _, seed in scored], speedup_by_seed=merged["speedup_by_seed"])
     return row
 
 

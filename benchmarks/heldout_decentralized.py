@@ -135,3 +135,17 @@ def score(learned: dict, baselines: dict) -> dict:
         out["wall_speedup"] = step_speedup * ms[best] / ms["learned"]
         out["ms_per_step"] = ms
     return out
+
+
+def over_seeds(scored: list[dict]) -> dict:
+    """One setting's :func:`score` results at several seeds as one row: the first seed's
+    fields, with ``speedup`` (and ``wall_speedup`` where measured) replaced by the median
+    over the seeds, and the per-seed step speedups in ``speedup_by_seed``. One seed's
+    decentralized speedup is a noisy figure (it moved by up to 3.5x between seeds)."""
+    row = {**scored[0], "speedup": statistics.median(x["speedup"] for x in scored),
+           "speedup_by_seed": [round(x["speedup"], 4) for x in scored],
+           "best_baseline_by_seed": [x["best_baseline"] for x in scored]}  # fmt: skip
+    if all("wall_speedup" in x for x in scored):
+        row["wall_speedup"] = statistics.median(x["wall_speedup"] for x in scored)
+    return row
+

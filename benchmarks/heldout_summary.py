@@ -97,13 +97,10 @@ def decentralized_rows(suite) -> tuple[list[dict], dict]:
             if any(run is None for run in learned):
                 continue
             scored = [dec.score(run, base) for run, base in zip(learned, bases)]
-            walls = [x["wall_speedup"] for x in scored]
-            row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **scored[0],
-                   "speedup": _median([x["speedup"] for x in scored]),
-                   "wall_speedup": _median(walls),
+            merged = dec.over_seeds(scored)
+            row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **merged,
+                   "speedup": _r(merged["speedup"]), "wall_speedup": _r(merged["wall_speedup"]),
                    "seeds": [s["seed"] for s in seeds],
-                   "speedup_by_seed": [_r(x["speedup"]) for x in scored],
-                   "best_baseline_by_seed": [x["best_baseline"] for x in scored],
                    "diverged": any(single.diverged(run["curve"]) for run in learned)}  # fmt: skip
             rows.append(row)
             best = scored[0]["best_baseline"]
