@@ -209,6 +209,7 @@ def _validation_seeds(r: dict) -> str:
     return f"the median over seeds {', '.join(map(str, seeds))} (baselines tuned per seed)"
 
 
+@section("gossip_validation_seeds")
 @section("gossip_validation_stage1")
 @section("gossip_validation")
 def render_gossip_validation(r: dict) -> str:
