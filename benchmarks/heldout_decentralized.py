@@ -148,4 +148,3 @@ def over_seeds(scored: list[dict]) -> dict:
     if all("wall_speedup" in x for x in scored):
         row["wall_speedup"] = statistics.median(x["wall_speedup"] for x in scored)
     return row
-

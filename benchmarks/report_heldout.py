@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.report import markdown_table, section
-from benchmarks.report_sections import _f, _measured, _x
+from benchmarks.report_sections import _f, _measured, _x, seeds_phrase
 
 
 def _pair(row: dict | None) -> str:
@@ -102,10 +102,9 @@ def _seeds(r: dict) -> str:
     if len(seeds) == 1:
         return f"Seed {r['seed']}."
     return (
-        f"Single-worker rows: seed {r['seed']}. Decentralized rows: the median over seeds "
-        f"{', '.join(map(str, seeds))} (data split, initialisation and batches; the baselines "
-        "tuned afresh per seed), each seed's step speedup in brackets; the loss and best-tuned "
-        "columns are the first seed's."
+        f"Single-worker rows: seed {r['seed']}. Decentralized rows: {seeds_phrase(seeds)}, "
+        "each seed's step speedup in brackets; the loss and best-tuned columns are the first "
+        "seed's."
     )
 
 

@@ -202,11 +202,14 @@ def render_gossip_compression(r: dict) -> str:
     return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."
 
 
-def _validation_seeds(r: dict) -> str:
-    seeds = r.get("seeds", [0])
+def seeds_phrase(seeds: list[int]) -> str:
+    """How a decentralized benchmark's rows were taken over ``seeds``, for a caption."""
     if len(seeds) == 1:
         return f"seed {seeds[0]}"
-    return f"the median over seeds {', '.join(map(str, seeds))} (baselines tuned per seed)"
+    return (
+        f"the median over seeds {', '.join(map(str, seeds))} (data split, initialisation "
+        "and batches; baselines tuned per seed)"
+    )
 
 
 @section("gossip_validation_seeds")
@@ -239,7 +242,7 @@ def render_gossip_validation(r: dict) -> str:
         markdown_table(header + [f"`{label}`" for label in labels], table)
         + f"\n\nStep speedup against the best of D-SGD, D-Adam and DSGT (each Metropolis-mixed"
         f" and tuned per setting), scored on the averaged model's full training-set loss,"
-        f" {r['horizon']} steps, {_validation_seeds(r)}; registry tasks only (none held out). Sides: {sides}."
+        f" {r['horizon']} steps, {seeds_phrase(r.get('seeds', [0]))}; registry tasks only (none held out). Sides: {sides}."
         f" {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`." + (f" {r['note']}." if r.get("note") else "")
     )
