@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baselines {key}: {job.result()['seconds']} s", flush=True)
         rows = []
         for s in settings:
+            seeds = [(i, r) for i, r in enumerate(runs_of) if dict(r, seed=s["seed"]) == s]
             for label, _, _ in sides:
-                seeds = [(i, r) for i, r in enumerate(runs_of) if dict(r, seed=s["seed"]) == s]
                 rows.append(score_row(label, s, [
                     (dec.score(runs[label, i].result(), cache.data[dec.setting_key(r)]), r["seed"])
                     for i, r in seeds
