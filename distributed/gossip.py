@@ -122,6 +122,14 @@ class GossipOptimizer:
             skips that neighbour for the step, on both ends of the edge (the average stays
             exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
             ``compression`` (default communicator only; see :mod:`.deadline`).
+        share_state: mix the local optimizer's ``shared_state()`` (a
+            :class:`~learned_opt.LearnedOptimizer`'s second moments) in the same exchange
+            as the parameters, with Metropolis weights, so every worker normalises its
+            update alike (see :meth:`LearnedOptimizer.shared_state
+            <learned_opt.LearnedOptimizer.shared_state>`). It doubles the bytes a step
+            sends for float32 parameters. ``None`` (default): on when the local optimizer
+            has ``shared_state`` and the exchange is not compressed (with ``compression``
+            it is not supported).
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
@@ -150,6 +158,7 @@ class GossipOptimizer:
         consensus_step: float | None = None,
         drift_correction: float | None = None,
         step_deadline: float | None = None,
+        share_state: bool | None = None,
         metrics_every: int = 10,
         writer=None,
         logdir: str | os.PathLike | None = None,
@@ -161,6 +170,12 @@ class GossipOptimizer:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
+        has_state = callable(getattr(local_optimizer, "shared_state", None))
+        if share_state and not has_state:
+            raise ValueError(
+                f"share_state=True needs a local optimizer with shared_state() (a "
+                f"LearnedOptimizer), got {type(local_optimizer).__name__}"
+            )
         communicator = resolve_communicator(
             communicator,
             topology,
@@ -172,6 +187,13 @@ class GossipOptimizer:
             drift_correction=drift_correction,
             step_deadline=step_deadline,
         )
+        compressed = getattr(communicator, "compression", None) is not None
+        if share_state and compressed:
+            raise ValueError(
+                "share_state=True does not go with a compressed exchange (the compressed "
+                "mix is measured on parameters only); pass share_state=False or None"
+            )
+        self.share_state = has_state and not compressed if share_state is None else share_state
         self.local = local_optimizer
         self.mixing = mixing
         self.communicator = communicator
@@ -242,12 +264,22 @@ class GossipOptimizer:
         with torch.no_grad():
             ys = [p.detach() for p in self.params]
             cfg = self.net.config if self.mixing == "learned" else None
+            sent, extra = self._with_state(ys)
             _, info = self.communicator.mix(
-                ys, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss, out=ys
-            )
+                sent, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss,
+                out=sent, **extra,
+            )  # fmt: skip
         self._record(info, ys)
         self.step_count += 1
         return ret
+
+    def _with_state(self, ys: list[Tensor]) -> tuple[list[Tensor], dict]:
+        """The tensors an exchange carries (the parameters ``ys``, then the shared state
+        when ``share_state``) and the ``state=`` count the communicator's mix takes."""
+        if not self.share_state:
+            return ys, {}
+        state = [v.detach() for v in self.local.shared_state()]
+        return ys + state, {"state": len(state)}
 
     def _local_step(self, closure, loss):
         if self._takes_loss:
@@ -256,12 +288,15 @@ class GossipOptimizer:
 
     def _finish(self, ys: list[Tensor]) -> dict:
         """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
+        sent, extra = self._with_state(ys)
         if self._inflight is None:
-            self._inflight = self.communicator.begin(ys, self.step_count, None)
+            self._inflight = self.communicator.begin(sent, self.step_count, None)
         cfg = self.net.config if self.mixing == "learned" else None
         job, self._inflight = self._inflight, None
         theta = self._theta(ys[0])
-        return self.communicator.finish_mix(job, ys, self.mixing, theta, cfg, out=ys)[1]
+        return self.communicator.finish_mix(
+            job, sent, self.mixing, theta, cfg, out=sent, **extra
+        )[1]
 
     def _overlapped_step(self, closure, loss):
         """``x <- W x_t`` with the exchange started last step, then the local step with the
@@ -277,7 +312,8 @@ class GossipOptimizer:
         self._local_step(None, batch_loss)
         self._record(info, ys)
         with torch.no_grad():
-            self._inflight = self.communicator.begin(ys, self.step_count + 1, batch_loss)
+            sent, _ = self._with_state(ys)
+            self._inflight = self.communicator.begin(sent, self.step_count + 1, batch_loss)
         self.step_count += 1
         return ret
 
@@ -289,7 +325,7 @@ class GossipOptimizer:
                 self._finish([p.detach() for p in self.params])
 
     def _record(self, info: dict, ys: list[Tensor]) -> None:
-        weights = info["weights"]
+        weights = info["weights"][: len(ys)]  # the parameters' (not the shared state's)
         edge_sums = [float(w.sum()) for w in weights]
         m = self.metrics
         m["gossip/bytes_sent"] = float(info.get("bytes_sent", 0))

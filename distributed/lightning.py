@@ -60,6 +60,8 @@ class _LocalStep:
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
         self.pending: Callable[[Callable | None], Any] | None = None
+        if callable(getattr(optimizer, "shared_state", None)):  # mixed as GossipOptimizer's
+            self.shared_state = optimizer.shared_state
 
     @property
     def param_groups(self) -> list[dict]:

@@ -32,7 +32,7 @@ from .deadline import DeadlineExchange, _Failed
 from .membership import GossipError
 from .mixing import learned_edge_weight, mix
 from .packing import Layout
-from .simulated import check_rule
+from .simulated import check_rule, tensor_rules
 from .topology import Topology
 
 _DATA_TAG = 0
@@ -328,10 +328,12 @@ class ProcessGroupCommunicator(GroupCollectives):
         loss: Tensor | float | None = None,
         *,
         out: list[Tensor] | None = None,
+        state: int = 0,
     ) -> tuple[list[Tensor], dict]:
         """Exchange with the neighbours and mix this rank's tensors ``ys``.
 
-        Same rules as :meth:`SimulatedCommunicator.mix`; ``loss`` is this rank's batch loss
+        Same rules as :meth:`SimulatedCommunicator.mix` (the last ``state`` tensors are
+        optimizer state, mixed by :func:`tensor_rules`); ``loss`` is this rank's batch loss
         (``None``: absent). ``out`` (e.g. the parameters themselves, which may be ``ys``)
         receives the result in place. A neighbour whose tensors hold NaN/Inf is left out
         of this step's mix (its weight stays with self) and counted in
@@ -344,7 +346,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         if not ys:
             return [], {"neighbors": [], "weights": [], "excluded": [], "bytes_sent": 0}
         job = self.begin(ys, step, loss, overlap=False)
-        return self.finish_mix(job, ys, rule, theta, cfg, out=out)
+        return self.finish_mix(job, ys, rule, theta, cfg, out=out, state=state)
 
     def finish_mix(
         self,
@@ -355,10 +357,12 @@ class ProcessGroupCommunicator(GroupCollectives):
         cfg: NetConfig | None = None,
         *,
         out: list[Tensor] | None = None,
+        state: int = 0,
     ) -> tuple[list[Tensor], dict]:
         """Complete the exchange ``job`` (from :meth:`begin`) and mix ``ys`` (the tensors
         it sent, unchanged since) with what came back; same result as :meth:`mix`."""
         check_rule(rule, theta, cfg)
+        rules = tensor_rules(rule, len(ys), state)
         ex, step = self._complete(job), job.step
         own_loss = job.loss
         if not ex.own_finite:
@@ -371,10 +375,10 @@ class ProcessGroupCommunicator(GroupCollectives):
         excluded = [ex.peers[k] for k in range(len(ex.peers)) if not ex.finite[k]]
         self.nonfinite_excluded += len(excluded)
         if self._codec is not None:  # mix the public copies, see compression
-            mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rule, theta, cfg, out)
+            mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rules, theta, cfg, out)
         else:
             weights = [
-                self._weights(ys, t, ex, own_loss, keep, step, rule, theta, cfg)
+                self._weights(ys, t, ex, own_loss, keep, step, rules[t], theta, cfg)
                 for t in range(len(ys))
             ]
             targets = out if out is not None else [None] * len(ys)
@@ -390,9 +394,10 @@ class ProcessGroupCommunicator(GroupCollectives):
         }
         return mixed, info
 
-    def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rule, theta, cfg, out):
+    def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rules, theta, cfg, out):
         """Compressed mix: ``y_i += gamma * sum_j w_ij (h_j - h_i)``, with the weights taken
-        from the public copies ``h`` (the same on both ends of an edge)."""
+        from the public copies ``h`` (the same on both ends of an edge); ``rules``: one per
+        tensor."""
         codec = self._codec
         peers = [ex.peers[k] for k in keep]
         copies = [codec.decode(p, ex.tensors[k], job.full) for p, k in zip(peers, keep)]
@@ -402,7 +407,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         )
         order = list(range(len(peers)))
         weights = [
-            self._weights(codec.own, t, on_copies, own_loss, order, job.step, rule, theta, cfg)
+            self._weights(codec.own, t, on_copies, own_loss, order, job.step, rules[t], theta, cfg)
             for t in range(len(ys))
         ]
         mixed = list(out) if out is not None else [y.clone() for y in ys]

@@ -47,6 +47,18 @@ def check_rule(rule: str, theta: Theta | None, cfg: NetConfig | None) -> None:
         raise ValueError("mixing rule 'learned' needs theta and cfg (the network's config)")
 
 
+def tensor_rules(rule: str, count: int, state: int = 0) -> list[str]:
+    """The rule of each of ``count`` mixed tensors whose last ``state`` are optimizer state
+    shared with the neighbours (the learned optimizer's second moment, see
+    :meth:`LearnedOptimizer.shared_state <learned_opt.LearnedOptimizer.shared_state>`):
+    those take Metropolis weights under the learned rule, whose edge head reads parameters,
+    and ``rule`` otherwise."""
+    if not 0 <= state <= count:
+        raise ValueError(f"state must be between 0 and the {count} tensors, got {state}")
+    static = "metropolis" if rule == "learned" else rule
+    return [rule] * (count - state) + [static] * state
+
+
 class SimulatedCommunicator:
     """Mixes stacked worker tensors over a :class:`Topology` in a single process."""
 
@@ -115,15 +127,19 @@ class SimulatedCommunicator:
         theta: Theta | None = None,
         cfg: NetConfig | None = None,
         losses: Tensor | None = None,
+        *,
+        state: int = 0,
     ) -> tuple[list[Tensor], dict]:
         """Mix every stacked tensor in ``ys`` (each ``[N, *shape]``) over the step's edges.
 
         ``rule`` is ``metropolis``, ``uniform`` or ``learned`` (needs ``theta`` and ``cfg``).
         ``losses`` (``[N]`` batch losses) feeds the learned rule's loss features; ``None``
-        marks them absent. Returns the mixed tensors and ``{"weights": [E] per tensor,
+        marks them absent. The last ``state`` tensors are optimizer state, mixed by
+        :func:`tensor_rules`. Returns the mixed tensors and ``{"weights": [E] per tensor,
         "edges": the edge list}``. Differentiable in ``ys``, ``theta`` and ``losses``.
         """
         check_rule(rule, theta, cfg)
+        rules = tensor_rules(rule, len(ys), state)
         plan = self._plan(step)
         for y in ys:
             if y.shape[0] != self.world_size:
@@ -131,8 +147,8 @@ class SimulatedCommunicator:
                     f"stacked tensor has {y.shape[0]} workers, topology has {self.world_size}"
                 )
         mixed, weights = [], []
-        for y in ys:
-            w = self.edge_weights(y, step, rule, theta, cfg, losses)
+        for y, rule_y in zip(ys, rules):
+            w = self.edge_weights(y, step, rule_y, theta, cfg, losses)
             weights.append(w)
             if not plan.edges:
                 mixed.append(y)

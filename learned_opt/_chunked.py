@@ -199,7 +199,7 @@ def chunked_step_(
         old = torch.stack([states[i]["log_lr"] for i in live])
         log_lr = adapt_log_lr(
             old, live_sums[:, 2], live_sums[:, 0], live_sums[:, 3], means[:, -1],
-            sizes.index_select(0, rows), step, cfg,
+            sizes.index_select(0, rows), step, cfg, lr,
         )  # fmt: skip
         torch._foreach_copy_([states[i]["log_lr"] for i in live], list(log_lr.unbind()))
     scales, bias, step_scales = tensor_context(

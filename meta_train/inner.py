@@ -30,6 +30,9 @@ INNER_OPTIMIZERS = ("learned", "adam", "adamw", "sgd", "dsgt")
 #: parameters on the next worker's batch, or the workers' average on every worker's batch
 #: (the model a decentralized run delivers, on the global objective).
 SCORES = ("next_worker", "average")
+#: The state an inner optimizer mixes with its parameters when ``share_state`` (the
+#: second moment it normalises with; see ``LearnedOptimizer.shared_state``).
+SHARED_STATE = {"learned": "v"}
 
 
 @dataclass
@@ -48,6 +51,7 @@ class InnerOptimizer:
     cfg: NetConfig | None = None
     momentum: float = 0.9
     weight_decay: float = 1e-2
+    share_state: bool = True  # under gossip, mix SHARED_STATE with the parameters
 
     def init(self, params: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
         """Zero state for flat stacked parameters (of ``layout``: the learned optimizer's
@@ -217,14 +221,20 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
             tensors += list(layout.unflatten(new_states["wy"]).values())
+        shared = SHARED_STATE.get(opt.kind) if opt.share_state else None
+        if shared is not None:  # and the state every worker normalises with
+            tensors += list(layout.unflatten(new_states[shared]).values())
         mixed, mix_info = traj.comm.mix(
             tensors, traj.step, rule=opt.mixing, theta=opt.theta, cfg=opt.cfg,
-            losses=losses.detach(),
+            losses=losses.detach(), state=len(layout.shapes) if shared is not None else 0,
         )  # fmt: skip
         flat = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
         new_params = flat[:, : layout.size]
         if opt.kind == "dsgt":
             new_states = {**new_states, "wy": flat[:, layout.size :]}
+        if shared is not None:
+            new_states = {**new_states, shared: flat[:, layout.size :]}
+            mix_info["weights"] = mix_info["weights"][: len(layout.shapes)]
         info.update(mix_info)
     traj.params, traj.states, traj.step = new_params, new_states, step
     traj.history.append(float(scored.detach().mean()))

@@ -3,6 +3,9 @@ against the differentiable path, the NaN contract, old state and meta-training."
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -26,13 +29,13 @@ def _net(cfg: NetConfig = ADAPT, noise: float = 0.05) -> LearnedOptimizerNet:
     return net
 
 
-def _adapt(cos_terms, g_ms=1.0, v_hat=1.0, log_lr=0.0, step=1000, cfg=ADAPT):
+def _adapt(cos_terms, g_ms=1.0, v_hat=1.0, log_lr=0.0, step=1000, cfg=ADAPT, lr=1.0):
     dot, g2, m2 = (torch.tensor(float(x)) for x in cos_terms)
     n = torch.tensor(1.0)
     v_mean = torch.tensor(v_hat * (1 - 0.999**step))
     g2 = g2 * g_ms  # g_ms scales the gradient's mean square, keeping the cosine
     dot = dot * g_ms**0.5
-    return float(adapt_log_lr(torch.tensor(log_lr), dot, g2, m2, v_mean, n, step, cfg))
+    return float(adapt_log_lr(torch.tensor(log_lr), dot, g2, m2, v_mean, n, step, cfg, lr))
 
 
 def test_formula_moves_by_rate_times_cosine_and_clamps():
@@ -42,6 +45,22 @@ def test_formula_moves_by_rate_times_cosine_and_clamps():
     assert _adapt((0.0, 1.0, 0.0)) == 0.0  # zero momentum (first step): no move
     assert _adapt((1.0, 1.0, 1.0), log_lr=ADAPT.lr_adapt_max) == ADAPT.lr_adapt_max
     assert _adapt((-1.0, 1.0, 1.0), log_lr=ADAPT.lr_adapt_min) == ADAPT.lr_adapt_min
+
+
+@pytest.mark.parametrize("lr", [0.3, 3.0, 1e-3, 1e4])
+def test_bounds_hold_the_whole_multiplier_and_contain_the_users(lr):
+    lo = min(ADAPT.lr_adapt_min - math.log(lr), 0.0)
+    hi = max(ADAPT.lr_adapt_max - math.log(lr), 0.0)
+    up = _adapt((1.0, 1.0, 1.0), log_lr=hi + 5, lr=lr)
+    down = _adapt((-1.0, 1.0, 1.0), log_lr=lo - 5, lr=lr)
+    assert up == pytest.approx(hi, abs=1e-5) and down == pytest.approx(lo, abs=1e-5)
+    if 1e-2 < lr < 1e2:  # within the bounds: lr * exp(log_lr) reaches them exactly
+        assert lr * math.exp(up) == pytest.approx(math.exp(ADAPT.lr_adapt_max), rel=1e-5)
+        assert lr * math.exp(down) == pytest.approx(math.exp(ADAPT.lr_adapt_min), rel=1e-5)
+    else:  # outside: the user's own multiplier stays reachable (log_lr = 0)
+        assert (lo, hi) == ((0.0, hi) if lr < 1 else (lo, 0.0))
+    # a tensor multiplier (the in-place layouts pass one) gives the same bounds
+    assert _adapt((1.0, 1.0, 1.0), log_lr=hi + 5, lr=torch.tensor(lr)) == pytest.approx(up)
 
 
 def test_brake_slows_growth_only_when_gradients_shrink():
@@ -68,14 +87,18 @@ def test_brake_slows_growth_only_when_gradients_shrink():
     ],
     ids=["default", "stacked", "chunked", "small-chunks", "fused-eager", "fused-compiled"],
 )
-def test_every_layout_matches_the_differentiable_path(kwargs):
-    net = _net()
+@pytest.mark.parametrize("lr", [1.0, 2.0])
+def test_every_layout_matches_the_differentiable_path(kwargs, lr):
+    # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
+    # 3, so every layout's shifted bounds are compared
+    cfg = ADAPT if lr == 1.0 else replace(ADAPT, lr_adapt_max=1.0)
+    net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(0.1 * torch.randn(s, generator=gen)) for s in SHAPES]
     ref = [p.detach().clone() for p in params]
     states = [init_state(r) for r in ref]
-    opt = LearnedOptimizer(params, net=net, **kwargs)
+    opt = LearnedOptimizer(params, net=net, lr=lr, **kwargs)
     for t in range(1, 7):
         grads = [0.5 * torch.randn(s, generator=gen) + 1.0 for s in SHAPES]
         for p, g in zip(params, grads):
@@ -84,7 +107,7 @@ def test_every_layout_matches_the_differentiable_path(kwargs):
         for i, g in enumerate(grads):
             s = states[i]
             p_new, m, v, log_lr = tensor_step(
-                theta, ADAPT, ref[i], g, s["m"], s["v"], t, log_lr=s["log_lr"]
+                theta, cfg, ref[i], g, s["m"], s["v"], t, lr, log_lr=s["log_lr"]
             )
             ref[i], states[i] = p_new, {"m": m, "v": v, "log_lr": log_lr}
     for p, r, s in zip(params, ref, states):
@@ -94,6 +117,9 @@ def test_every_layout_matches_the_differentiable_path(kwargs):
         torch.testing.assert_close(opt.state[p]["m"], s["m"], rtol=1e-5, atol=1e-7)
     # the gradients were biased (+1): consistent directions, so every step size grew
     assert all(float(opt.state[p]["log_lr"]) > 0 for p in params)
+    if lr != 1.0:  # up to the shifted ceiling
+        ceiling = cfg.lr_adapt_max - math.log(lr)
+        assert max(float(opt.state[p]["log_lr"]) for p in params) == pytest.approx(ceiling)
 
 
 def _train(cfg: NetConfig, grads_fn, steps: int, gossip=False) -> tuple[float, torch.Tensor]:

@@ -107,12 +107,16 @@ def _simulate(kind, seed, overlap):
     previous = None
 
     def mix_all(step, losses):
+        # a learned optimizer's second moments travel with the parameters (share_state)
+        own = [params[i] + (opts[i].shared_state() if learned else []) for i in range(N)]
+        state = len(own[0]) - len(params[0])
         with torch.no_grad():
-            ys = [torch.stack([params[i][t] for i in range(N)]) for t in range(len(params[0]))]
-            mixed, _ = sim.mix(ys, step, rule, theta, net.config if net else None, losses)
+            ys = [torch.stack([own[i][t] for i in range(N)]) for t in range(len(own[0]))]
+            cfg = net.config if net else None
+            mixed, _ = sim.mix(ys, step, rule, theta, cfg, losses, state=state)
             for t, m in enumerate(mixed):
                 for i in range(N):
-                    params[i][t].copy_(m[i])
+                    own[i][t].copy_(m[i])
 
     for step in range(w.STEPS):
         losses = []

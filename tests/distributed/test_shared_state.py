@@ -1,0 +1,105 @@
+"""``GossipOptimizer(share_state=...)``: a learned optimizer's second moments travel with
+the parameters (the multi-process run against the simulator is in test_process_group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learned_opt import LearnedOptimizer, LearnedOptimizerNet
+from learned_opt.distributed import GossipOptimizer
+from learned_opt.distributed.simulated import SimulatedCommunicator, tensor_rules
+from learned_opt.distributed.topology import get_topology
+
+
+class Recorder:
+    """A communicator that keeps what each mix was given and averages nothing."""
+
+    def __init__(self, compression=None):
+        self.topology = get_topology("ring", 4)
+        self.compression = compression
+        self.calls = []
+
+    def mix(self, ys, step, rule="metropolis", theta=None, cfg=None, loss=None, *, out=None,
+            state=0):  # fmt: skip
+        self.calls.append({"ys": list(ys), "out": list(out), "state": state, "rule": rule})
+        weights = [torch.full((2,), 0.25 if t < len(ys) - state else 0.5) for t in range(len(ys))]
+        return ys, {"weights": weights}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+
+
+def _step(opt, model):
+    opt.zero_grad()
+    loss = model(torch.randn(8, 5)).square().mean()
+    loss.backward()
+    opt.step(loss=loss.detach())
+
+
+def test_learned_optimizer_sends_its_second_moments_in_the_same_exchange():
+    model = _model()
+    params = list(model.parameters())
+    local = LearnedOptimizer(params)
+    comm = Recorder()
+    opt = GossipOptimizer(local, communicator=comm, metrics_every=0)
+    assert opt.share_state
+    _step(opt, model)
+    call = comm.calls[-1]
+    assert call["state"] == len(params) and len(call["ys"]) == 2 * len(params)
+    assert call["rule"] == "learned"
+    for p, y, o in zip(params, call["ys"], call["out"]):
+        assert y.data_ptr() == p.data_ptr() and o.data_ptr() == p.data_ptr()
+    for p, y, o in zip(params, call["ys"][len(params) :], call["out"][len(params) :]):
+        v = local.state[p]["v"]  # the state itself, mixed in place
+        assert y.data_ptr() == v.data_ptr() == o.data_ptr() and bool(v.abs().sum() > 0)
+    # the metrics average the parameters' weights, not the state's
+    assert opt.metrics["gossip/edge_weight_mean"] == pytest.approx(0.25)
+
+
+def test_share_state_is_off_for_other_optimizers_and_under_compression():
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert not GossipOptimizer(sgd, communicator=Recorder(), metrics_every=0).share_state
+    with pytest.raises(ValueError, match="needs a local optimizer with shared_state"):
+        GossipOptimizer(sgd, communicator=Recorder(), share_state=True)
+    local = LearnedOptimizer(model.parameters())
+    squeezed = Recorder(compression="int8")
+    assert not GossipOptimizer(local, communicator=squeezed, metrics_every=0).share_state
+    with pytest.raises(ValueError, match="compressed exchange"):
+        GossipOptimizer(local, communicator=squeezed, share_state=True)
+    off = GossipOptimizer(local, communicator=Recorder(), share_state=False, metrics_every=0)
+    _step(off, model)
+    assert off.communicator.calls[-1]["state"] == 0
+
+
+def test_state_without_a_step_yet_is_sent_as_discarded_zeros():
+    model = _model()
+    params = list(model.parameters())
+    local = LearnedOptimizer(params)
+    sent = local.shared_state()  # before any step: no state
+    assert [s.shape for s in sent] == [p.shape for p in params]
+    assert all(not s.any() for s in sent) and not local.state
+
+
+def test_state_tensors_take_static_weights_under_the_learned_rule():
+    assert tensor_rules("learned", 5, 2) == ["learned"] * 3 + ["metropolis"] * 2
+    assert tensor_rules("uniform", 3, 1) == ["uniform"] * 3
+    with pytest.raises(ValueError, match="state must be between"):
+        tensor_rules("metropolis", 2, 3)
+    # in the simulator: under the learned rule the state rows take Metropolis weights and
+    # the parameter rows the learned ones, as when mixed alone
+    sim = SimulatedCommunicator(get_topology("ring", 4))
+    y = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(1)
+    net = LearnedOptimizerNet()
+    theta = {k: v.detach() + 0.3 * torch.randn(v.shape, generator=gen)
+             for k, v in net.named_parameters()}  # fmt: skip
+    (params, state), info = sim.mix([y, y], 0, "learned", theta, net.config, state=1)
+    learned, _ = sim.mix([y], 0, "learned", theta, net.config)
+    plain, _ = sim.mix([y], 0, "metropolis")
+    torch.testing.assert_close(params, learned[0])
+    torch.testing.assert_close(state, plain[0])
+    assert not torch.allclose(info["weights"][0], info["weights"][1])
