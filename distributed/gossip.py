@@ -294,9 +294,8 @@ class GossipOptimizer:
         cfg = self.net.config if self.mixing == "learned" else None
         job, self._inflight = self._inflight, None
         theta = self._theta(ys[0])
-        return self.communicator.finish_mix(
-            job, sent, self.mixing, theta, cfg, out=sent, **extra
-        )[1]
+        mixed = self.communicator.finish_mix(job, sent, self.mixing, theta, cfg, out=sent, **extra)
+        return mixed[1]
 
     def _overlapped_step(self, closure, loss):
         """``x <- W x_t`` with the exchange started last step, then the local step with the
