@@ -294,8 +294,10 @@ class GossipOptimizer:
         cfg = self.net.config if self.mixing == "learned" else None
         job, self._inflight = self._inflight, None
         theta = self._theta(ys[0])
-        mixed = self.communicator.finish_mix(job, sent, self.mixing, theta, cfg, out=sent, **extra)
-        return mixed[1]
+        _, info = self.communicator.finish_mix(
+            job, sent, self.mixing, theta, cfg, out=sent, **extra
+        )
+        return info
 
     def _overlapped_step(self, closure, loss):
         """``x <- W x_t`` with the exchange started last step, then the local step with the
