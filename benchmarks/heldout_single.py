@@ -42,15 +42,17 @@ def is_factory(side: str) -> bool:
 
 
 def code_hash() -> str:
-    """A hash of the learned optimizer's code: the core package and the mixing code in
-    ``learned_opt.distributed`` (its sources, file by file)."""
+    """A hash of the learned optimizer's code: the core package, the mixing code in
+    ``learned_opt.distributed`` and the simulated inner training the decentralized rows
+    run (``learned_opt.meta_train.inner``), source by source."""
     import learned_opt
     import learned_opt.distributed
+    import learned_opt.meta_train.inner as inner
 
     h = hashlib.sha256()
-    for package in (learned_opt, learned_opt.distributed):
-        for path in sorted(Path(package.__file__).parent.glob("*.py")):
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    paths = [Path(p.__file__).parent.glob("*.py") for p in (learned_opt, learned_opt.distributed)]
+    for path in [*sorted(paths[0]), *sorted(paths[1]), Path(inner.__file__)]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:10]
 
 

@@ -179,6 +179,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="seconds a step waits for a slow neighbour before skipping it for that step",
     )
+    p.add_argument(
+        "--no-share-state",
+        dest="share_state",
+        action="store_false",
+        default=None,
+        help="do not mix the learned optimizer's second moments with the parameters "
+        "(shared by default, without --compression)",
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
@@ -259,6 +267,7 @@ def train(args: argparse.Namespace) -> dict:
             metrics_every=args.metrics_every,
             writer=writer,
             overlap=args.overlap,
+            share_state=args.share_state,
         )
     start, losses, sent = time.perf_counter(), [], 0
     for step in range(args.steps):

@@ -63,6 +63,9 @@ def test_parse_args_defaults():
     with pytest.raises(SystemExit):
         parse_args(["--kill-rank", "1"])  # needs --kill-step
     assert parse_args([]).on_failure == "exclude"
+    # second moments shared unless asked not to (GossipOptimizer decides for None)
+    assert parse_args([]).share_state is None
+    assert parse_args(["--no-share-state"]).share_state is False
 
 
 def test_gossip_optimizer_validates_arguments():
