@@ -49,9 +49,10 @@ def code_hash() -> str:
     import learned_opt.distributed
     import learned_opt.meta_train.inner as inner
 
+    packages = (learned_opt, learned_opt.distributed)
+    sources = [p for pkg in packages for p in sorted(Path(pkg.__file__).parent.glob("*.py"))]
     h = hashlib.sha256()
-    paths = [Path(p.__file__).parent.glob("*.py") for p in (learned_opt, learned_opt.distributed)]
-    for path in [*sorted(paths[0]), *sorted(paths[1]), Path(inner.__file__)]:
+    for path in [*sources, Path(inner.__file__)]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:10]
 

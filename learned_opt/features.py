@@ -141,9 +141,10 @@ def adapt_log_lr(
     rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
     brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
     rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, cfg.lr_adapt_rate)
-    log_mult = torch.log(torch.clamp(torch.as_tensor(lr, dtype=log_lr.dtype), min=TINY))
-    lo = torch.clamp(cfg.lr_adapt_min - log_mult, max=0.0).to(log_lr.device)
-    hi = torch.clamp(cfg.lr_adapt_max - log_mult, min=0.0).to(log_lr.device)
+    mult = torch.as_tensor(lr, dtype=log_lr.dtype, device=log_lr.device)
+    log_mult = torch.log(torch.clamp(mult, min=TINY))
+    lo = torch.clamp(cfg.lr_adapt_min - log_mult, max=0.0)
+    hi = torch.clamp(cfg.lr_adapt_max - log_mult, min=0.0)
     return torch.minimum(torch.maximum(log_lr + rate * cosine, lo), hi)
 
 
