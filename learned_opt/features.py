@@ -122,7 +122,7 @@ def adapt_log_lr(
     ``lr`` itself: ``lo = min(lr_adapt_min - log lr, 0)``, ``hi = max(lr_adapt_max - log lr,
     0)``. ``lr`` thus sets where the adaptation starts and not how far it may go: with the
     bounds on ``log_lr`` alone, a multiplier of 0.3 kept logistic regression below its
-    tuned step (e^6.9 times the base) and one of 3 kept a wide MLP from annealing.
+    tuned step (e^6.9 times the base).
 
     While successive gradients agree (a consistent slope, as in a convex problem) the
     step grows geometrically; when they oscillate it shrinks, an automatic annealing. The
