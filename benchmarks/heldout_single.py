@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import json
 import math
 import statistics
 import time
@@ -58,13 +59,17 @@ def code_hash() -> str:
 
 
 def side_id(side: str) -> str | None:
-    """A learned side's cache identity: a checkpoint's name, its content hash and the
-    :func:`code_hash` (a changed file or changed code is evaluated afresh); ``None`` for a
-    factory, whose code cannot be pinned down."""
+    """A learned side's cache identity: a checkpoint's name, a hash of what it steps with
+    (its config and theta, not its card: ``--record-cards`` rewriting the card must not
+    throw the runs away) and the :func:`code_hash` (a changed rule or changed code is
+    evaluated afresh); ``None`` for a factory, whose code cannot be pinned down."""
     if is_factory(side):
         return None
-    digest = hashlib.sha256(resolve_checkpoint(side).read_bytes()).hexdigest()[:12]
-    return f"{side}@{digest}+code-{code_hash()}"
+    net, _ = load_checkpoint(resolve_checkpoint(side))
+    h = hashlib.sha256(json.dumps(net.config.to_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(net.state_dict().items()):
+        h.update(name.encode() + b"\0" + tensor.detach().cpu().contiguous().numpy().tobytes())
+    return f"{side}@{h.hexdigest()[:12]}+code-{code_hash()}"
 
 
 def _checkpoint_factory(checkpoint: str, params, lr_mult: float) -> torch.optim.Optimizer:

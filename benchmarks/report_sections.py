@@ -212,6 +212,7 @@ def seeds_phrase(seeds: list[int]) -> str:
     )
 
 
+@section("gossip_validation_momenta")
 @section("gossip_validation_shared")
 @section("gossip_validation_seeds")
 @section("gossip_validation_stage1")

@@ -40,7 +40,7 @@ STEPS = [
         "benchmarks.quality_heldout",
         "--checkpoint",
         "adapt_init",
-        "ortho_init",
+        "gossip_adapt",
         "default",
         "--record-cards",
     ],

@@ -123,11 +123,11 @@ class GossipOptimizer:
             exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
             ``compression`` (default communicator only; see :mod:`.deadline`).
         share_state: mix the local optimizer's ``shared_state()`` (a
-            :class:`~learned_opt.LearnedOptimizer`'s second moments) in the same exchange
-            as the parameters, with Metropolis weights, so every worker normalises its
-            update alike (see :meth:`LearnedOptimizer.shared_state
-            <learned_opt.LearnedOptimizer.shared_state>`). It doubles the bytes a step
-            sends for float32 parameters. ``None`` (default): on when the local optimizer
+            :class:`~learned_opt.LearnedOptimizer`'s second moments and three momenta) in
+            the same exchange as the parameters, with Metropolis weights, so every worker
+            normalises and steps alike (see :meth:`LearnedOptimizer.shared_state
+            <learned_opt.LearnedOptimizer.shared_state>`). A step then sends five times
+            the bytes of the parameters alone for float32 parameters. ``None`` (default): on when the local optimizer
             has ``shared_state`` and the exchange is not compressed (with ``compression``
             it is not supported).
         metrics_every: compute the consensus distance (one all_reduce) every k steps;

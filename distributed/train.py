@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="share_state",
         action="store_false",
         default=None,
-        help="do not mix the learned optimizer's second moments with the parameters "
+        help="do not mix the learned optimizer's moments (v and m) with the parameters "
         "(shared by default, without --compression)",
     )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")

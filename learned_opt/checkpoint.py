@@ -26,7 +26,7 @@ FORMAT_VERSION = "learned-opt/1"
 #: The shipped checkpoint for decentralized training: what a ``LearnedOptimizer`` built
 #: without a checkpoint steps with under gossip, and what the torchrun entry and the
 #: Lightning strategy load (the best decentralized rows of the held-out suite).
-DEFAULT_CHECKPOINT = "default"
+DEFAULT_CHECKPOINT = "gossip_adapt"
 #: The shipped checkpoint for single-worker training: what a ``LearnedOptimizer`` built
 #: without a checkpoint steps with alone (the best single-worker rows of the held-out
 #: suite, ``benchmarks/results/quality_heldout.json``).

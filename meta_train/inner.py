@@ -31,8 +31,8 @@ INNER_OPTIMIZERS = ("learned", "adam", "adamw", "sgd", "dsgt")
 #: (the model a decentralized run delivers, on the global objective).
 SCORES = ("next_worker", "average")
 #: The state an inner optimizer mixes with its parameters when ``share_state`` (the
-#: second moment it normalises with; see ``LearnedOptimizer.shared_state``).
-SHARED_STATE = {"learned": "v"}
+#: second moment it normalises with and its momenta; see ``LearnedOptimizer.shared_state``).
+SHARED_STATE = {"learned": ("v", "m")}
 
 
 @dataclass
@@ -221,20 +221,22 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
             tensors += list(layout.unflatten(new_states["wy"]).values())
-        shared = SHARED_STATE.get(opt.kind) if opt.share_state else None
-        if shared is not None:  # and the state every worker normalises with
-            tensors += list(layout.unflatten(new_states[shared]).values())
+        shared = SHARED_STATE.get(opt.kind, ()) if opt.share_state else ()
+        # and the state the workers normalise and step with, one flat tensor per entry
+        tensors += [new_states[k].reshape(traj.num_workers, -1) for k in shared]
         mixed, mix_info = traj.comm.mix(
             tensors, traj.step, rule=opt.mixing, theta=opt.theta, cfg=opt.cfg,
-            losses=losses.detach(), state=len(layout.shapes) if shared is not None else 0,
+            losses=losses.detach(), state=len(shared),
         )  # fmt: skip
+        if shared:
+            mixed, states = mixed[: -len(shared)], mixed[-len(shared) :]
+            new_states = {**new_states, **{k: y.reshape(new_states[k].shape)
+                                           for k, y in zip(shared, states)}}  # fmt: skip
+            mix_info["weights"] = mix_info["weights"][: len(layout.shapes)]
         flat = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
         new_params = flat[:, : layout.size]
         if opt.kind == "dsgt":
             new_states = {**new_states, "wy": flat[:, layout.size :]}
-        if shared is not None:
-            new_states = {**new_states, shared: flat[:, layout.size :]}
-            mix_info["weights"] = mix_info["weights"][: len(layout.shapes)]
         info.update(mix_info)
     traj.params, traj.states, traj.step = new_params, new_states, step
     traj.history.append(float(scored.detach().mean()))

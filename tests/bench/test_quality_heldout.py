@@ -18,6 +18,7 @@ from benchmarks import common, quality_heldout  # noqa: E402
 from benchmarks import heldout_single as single  # noqa: E402
 from benchmarks.report_heldout import render_quality_heldout  # noqa: E402
 from learned_opt import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
 
 
 def test_best_adamw_cuts_constant_runs_and_keeps_cosine_at_its_horizon():
@@ -83,6 +84,10 @@ def test_side_id_tracks_the_checkpoint_content(tmp_path):
     a = single.side_id(str(path))
     path.write_bytes((ROOT / "checkpoints" / "default.pt").read_bytes())
     assert single.side_id(str(path)) != a
+    net, card = load_checkpoint(path)  # a rewritten card (--record-cards) keeps the identity
+    b = single.side_id(str(path))
+    save_checkpoint(net, path, {**card, "heldout": {"note": "recorded"}})
+    assert single.side_id(str(path)) == b
     assert single.side_id("torch.optim:SGD") is None
     assert single.side_id(str(path)).endswith(single.code_hash())  # code changes count too
 
@@ -182,11 +187,12 @@ def test_headline_is_the_shipped_default_one_rule_per_setting():
         return {"side": side, "task": "t", "horizon": 200, "speedup": speedup,
                 "wall_speedup": speedup, "diverged": False, "lr_mult": {}, **extra}  # fmt: skip
 
-    singles = [row("adapt_init", 1.5), row("default", 0.4)]
-    decs = [row("adapt_init", 0.6, workers=8), row("default", 1.2, workers=8)]
-    top = headline(["adapt_init", "ortho_init", "default"], singles, decs)
+    gossip = DEFAULT_CHECKPOINT
+    singles = [row("adapt_init", 1.5), row(gossip, 0.4)]
+    decs = [row("adapt_init", 0.6, workers=8), row(gossip, 1.2, workers=8)]
+    top = headline(["adapt_init", "ortho_init", gossip], singles, decs)
     assert (top["side"], top["single_side"], top["decentralized_side"]) == (
-        "shipped default", "adapt_init", "default")  # fmt: skip
+        "shipped default", "adapt_init", gossip)  # fmt: skip
     assert top["median_speedup_single"] == 1.5 and top["median_speedup_decentralized"] == 1.2
     assert top["min_speedup"] == 1.2 and top["rows_below_0.8"] == []
     alone = headline(["adapt_init"], singles, decs)  # one rule measured: that rule

@@ -16,7 +16,7 @@ from learned_opt import (
     load_checkpoint,
     save_checkpoint,
 )
-from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
 
 
 @pytest.fixture
@@ -62,7 +62,7 @@ def test_optimizer_save_checkpoint_and_load(tmp_path):
 
 def test_list_pretrained_default_first_and_loadable():
     names = list_pretrained()
-    assert names[0] == "default"
+    assert names[0] == DEFAULT_CHECKPOINT
     assert "adam_init" in names
     for name in names:
         net, card = load_checkpoint(name)
@@ -76,6 +76,11 @@ def test_shipped_cards_are_honest():
     _, card = load_checkpoint("adam_init")
     assert card["trained"] is False
     assert "NOT meta-trained" in card["summary"]
+    for name in ("default", DEFAULT_CHECKPOINT):
+        _, card = load_checkpoint(name)
+        assert card["trained"] is True
+        assert card["command"].startswith("learned-opt-meta fit --config meta_train/configs/")
+        assert card["wall_time_s"] > 0 and card["meta_steps"] > 0
     _, card = load_checkpoint("default")
     assert card["trained"] is True
     assert card["command"].startswith("learned-opt-meta fit --config meta_train/configs/")

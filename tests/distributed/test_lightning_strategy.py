@@ -9,6 +9,7 @@ import lightning_workers as w  # tests/distributed is on sys.path under pytest
 import pytest
 import torch
 
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed import get_topology, launch_local
 from learned_opt.distributed.lightning import CHECKPOINT_KEY, GossipStrategy, own_rank_view
 
@@ -28,7 +29,7 @@ def results(tmp_path_factory):
 def test_matches_the_torchrun_entry_point(results):
     for r in results:
         assert r["full"] == pytest.approx(r["entry"], rel=0.05)  # the bar
-        assert r["full_rule"] == ("default", True)  # the shipped rule under gossip, capped
+        assert r["full_rule"] == (DEFAULT_CHECKPOINT, True)  # the shipped rule under gossip, capped
         assert r["full"] == pytest.approx(results[0]["full"])  # the averaged model, on every rank
     assert results[0]["full"] < 0.1  # it trained (digits_mlp starts near log(10))
 

@@ -107,7 +107,7 @@ def _simulate(kind, seed, overlap):
     previous = None
 
     def mix_all(step, losses):
-        # a learned optimizer's second moments travel with the parameters (share_state)
+        # a learned optimizer's moments travel with the parameters (share_state)
         own = [params[i] + (opts[i].shared_state() if learned else []) for i in range(N)]
         state = len(own[0]) - len(params[0])
         with torch.no_grad():

@@ -1,5 +1,5 @@
-"""``GossipOptimizer(share_state=...)``: a learned optimizer's second moments travel with
-the parameters (the multi-process run against the simulator is in test_process_group)."""
+"""``GossipOptimizer(share_state=...)``: a learned optimizer's second moments and momenta
+travel with the parameters (the multi-process run against the simulator is in test_process_group)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def _step(opt, model):
     opt.step(loss=loss.detach())
 
 
-def test_learned_optimizer_sends_its_second_moments_in_the_same_exchange():
+def test_learned_optimizer_sends_its_moments_in_the_same_exchange():
     model = _model()
     params = list(model.parameters())
     local = LearnedOptimizer(params)
@@ -48,13 +48,16 @@ def test_learned_optimizer_sends_its_second_moments_in_the_same_exchange():
     assert opt.share_state
     _step(opt, model)
     call = comm.calls[-1]
-    assert call["state"] == len(params) and len(call["ys"]) == 2 * len(params)
+    n = len(params)
+    assert call["state"] == 2 * n and len(call["ys"]) == 3 * n
     assert call["rule"] == "learned"
     for p, y, o in zip(params, call["ys"], call["out"]):
         assert y.data_ptr() == p.data_ptr() and o.data_ptr() == p.data_ptr()
-    for p, y, o in zip(params, call["ys"][len(params) :], call["out"][len(params) :]):
-        v = local.state[p]["v"]  # the state itself, mixed in place
-        assert y.data_ptr() == v.data_ptr() == o.data_ptr() and bool(v.abs().sum() > 0)
+    # the state itself, mixed in place: every v, then every m
+    for key, first in (("v", n), ("m", 2 * n)):
+        for p, y, o in zip(params, call["ys"][first:], call["out"][first:]):
+            s = local.state[p][key]
+            assert y.data_ptr() == s.data_ptr() == o.data_ptr() and bool(s.abs().sum() > 0)
     # the metrics average the parameters' weights, not the state's
     assert opt.metrics["gossip/edge_weight_mean"] == pytest.approx(0.25)
 
@@ -80,7 +83,7 @@ def test_state_without_a_step_yet_is_sent_as_discarded_zeros():
     params = list(model.parameters())
     local = LearnedOptimizer(params)
     sent = local.shared_state()  # before any step: no state
-    assert [s.shape for s in sent] == [p.shape for p in params]
+    assert [s.shape for s in sent] == [p.shape for p in params] + [(3, *p.shape) for p in params]
     assert all(not s.any() for s in sent) and not local.state
 
 

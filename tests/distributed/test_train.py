@@ -63,7 +63,7 @@ def test_parse_args_defaults():
     with pytest.raises(SystemExit):
         parse_args(["--kill-rank", "1"])  # needs --kill-step
     assert parse_args([]).on_failure == "exclude"
-    # second moments shared unless asked not to (GossipOptimizer decides for None)
+    # moments shared unless asked not to (GossipOptimizer decides for None)
     assert parse_args([]).share_state is None
     assert parse_args(["--no-share-state"]).share_state is False
 
@@ -128,7 +128,9 @@ def test_the_shipped_rule_follows_where_the_optimizer_steps():
         dist.destroy_process_group()
     # built without a checkpoint and not stepped yet: the shipped decentralized rule, whose
     # edge head the learned mixing shares
-    assert fresh.card == gossip and fresh.gossip and fresh.checkpoint_path.stem == "default"
+    assert (
+        fresh.card == gossip and fresh.gossip and fresh.checkpoint_path.stem == DEFAULT_CHECKPOINT
+    )
     assert wrapped["fresh"].mixing == "learned" and wrapped["fresh"].net is fresh.net
     # a named checkpoint, or an optimizer that has stepped (its state belongs to its rule),
     # keeps its network
