@@ -127,9 +127,9 @@ class GossipOptimizer:
             the same exchange as the parameters, with Metropolis weights, so every worker
             normalises and steps alike (see :meth:`LearnedOptimizer.shared_state
             <learned_opt.LearnedOptimizer.shared_state>`). A step then sends five times
-            the bytes of the parameters alone for float32 parameters. ``None`` (default): on when the local optimizer
-            has ``shared_state`` and the exchange is not compressed (with ``compression``
-            it is not supported).
+            the bytes of the parameters alone for float32 parameters. ``None``
+            (default): on when the local optimizer has ``shared_state`` and the exchange
+            is not compressed (with ``compression`` it is not supported).
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
