@@ -250,15 +250,9 @@ class LearnedOptimizer(Optimizer):
         vs, ms = [], []
         for group in self.param_groups:
             for p in group["params"]:
-                state = self.state[p] if p in self.state else {}
-                v, m = state.get("v"), state.get("m")
-                dtype = compute_dtype(p)
-                vs.append(
-                    v if v is not None else torch.zeros(p.shape, dtype=dtype, device=p.device)
-                )
-                ms.append(
-                    m if m is not None else torch.zeros((3, *p.shape), dtype=dtype, device=p.device)
-                )
+                state = self.state[p] if "v" in self.state.get(p, {}) else init_state(p)
+                vs.append(state["v"])
+                ms.append(state["m"])
         return vs + ms
 
     @property

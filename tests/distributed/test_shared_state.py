@@ -1,5 +1,6 @@
 """``GossipOptimizer(share_state=...)``: a learned optimizer's second moments and momenta
-travel with the parameters (the multi-process run against the simulator is in test_process_group)."""
+travel with the parameters (the multi-process run against the simulator is in
+test_process_group)."""
 
 from __future__ import annotations
 
