@@ -17,13 +17,19 @@ rank's median, of:
   waiting threads; no rank is slow here);
 - ``learned + Metropolis`` and ``Adam + learned mixing`` (one-peer ring, overlap): the
   learned configuration's cost split between its local optimizer and its mixing;
+- ``learned + learned mixing one_peer_ring overlap, state every k`` (k = 1, 4) and
+  ``..., no shared state``: the price of mixing the learned optimizer's moments, shared in
+  one exchange of every k (the default k is 2: the plain ``learned + learned mixing``
+  rows), or not at all;
 - ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
   decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
   ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
   steps and exchanges bucket by bucket from backward hooks.
 
-The configurations take turns, a few steps each, round after round, so a change in the
-machine's load hits them all alike.
+The configurations take turns, ``--steps`` steps each (a multiple of 4, so that every
+round holds the same number of state exchanges for every k), round after round, so a
+change in the machine's load hits them all alike. A configuration's time is the median over
+rounds of its mean step in the round (a mean, so that the steps that carry the state count).
 """
 
 from __future__ import annotations
@@ -141,6 +147,20 @@ def _configs(rank: int) -> dict:
         model,
         GossipOptimizer(local, graph, "metropolis", overlap=True, metrics_every=0),
     )
+    for every in (1, 4):
+        model = _model(rank)
+        local = LearnedOptimizer(model.parameters())
+        out[f"learned + learned mixing one_peer_ring overlap, state every {every}"] = (
+            model,
+            GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0,
+                            share_state_every=every),
+        )  # fmt: skip
+    model = _model(rank)
+    local = LearnedOptimizer(model.parameters())
+    out["learned + learned mixing one_peer_ring overlap, no shared state"] = (
+        model,
+        GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, share_state=False),
+    )
     model = _model(rank)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     out["Adam + learned mixing one_peer_ring overlap"] = (
@@ -161,14 +181,14 @@ def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
     for r in range(rounds + 1):  # round 0 warms up
         for name, (model, opt) in configs.items():
             dist.barrier()
+            start = time.perf_counter()
             for _ in range(steps):
-                start = time.perf_counter()
                 opt.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step(loss=loss.detach())
-                if r:
-                    times[name].append((time.perf_counter() - start) * 1e3)
+            if r:
+                times[name].append((time.perf_counter() - start) * 1e3 / steps)
     out = {}
     for name, ts in times.items():
         med = torch.tensor([statistics.median(ts)], dtype=torch.float64)
@@ -183,8 +203,11 @@ def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=5, help="steps per configuration per round")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="steps per configuration per round (a multiple of 4)")  # fmt: skip
     args = parser.parse_args()
+    if args.steps < 4 or args.steps % 4:
+        parser.error(f"--steps must be a positive multiple of 4, got {args.steps}")
     load = os.getloadavg()[0]
     res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
     base = res["allreduce + Adam"]
@@ -195,7 +218,8 @@ def main() -> None:
             "at start",
         ),
         "setup": f"{WORLD} ranks, MLP 784-1024-256-10 (1,068,810 parameters), batch {BATCH}, "
-        f"median of {args.rounds} rounds x {args.steps} steps per configuration, taking turns",
+        f"median over {args.rounds} rounds of the mean of {args.steps} steps per configuration, "
+        "taking turns",
         "step_ms": res,
         "vs_allreduce": {k: v / base for k, v in res.items()},
     }

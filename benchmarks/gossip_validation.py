@@ -10,7 +10,9 @@ the meta-training registry only, so that such choices are made on it, and the he
 suite is run once afterwards to confirm.
 
 Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig`
-fields replaced (``--side label=checkpoint:field=value,...``). Tuned baselines are cached in
+fields replaced (``--side label=checkpoint:field=value,...``); the field
+``share_state_every`` is the simulated workers' instead (how often an exchange carries
+the shared moments, :class:`~learned_opt.meta_train.inner.InnerOptimizer`). Tuned baselines are cached in
 ``benchmarks/results/gossip_validation_baselines.json``. Writes
 ``benchmarks/results/gossip_validation.json``. With ``--seeds``, each setting runs at every
 seed (the baselines tuned per seed) and its row is the median of the seeds' speedups: one
@@ -18,6 +20,10 @@ seed's decentralized speedups move by up to 3.5x from seed to seed.
 
     python -m benchmarks.gossip_validation --side default \\
         --side adapt_init --side adapt_e4=adapt_init:lr_adapt_max_gossip=4 --seeds 0 1 2
+
+``--heldout`` runs the held-out suite's decentralized settings instead
+(:data:`benchmarks.quality_heldout.DEC_FULL`, against its cached baselines), for the one
+confirmation of a choice made here; a result of it is never a basis for choosing.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import torch
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
+from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import load_checkpoint
 from learned_opt.meta_train.evaluation import BaselineCache
 from learned_opt.meta_train.inner import InnerOptimizer
@@ -82,11 +90,25 @@ def parse_side(text: str) -> tuple[str, str, dict]:
     return label, checkpoint, fields
 
 
+#: Side fields that set the simulated workers rather than the network's config.
+WORKER_FIELDS = {"share_state_every": int}
+
+
 def side_optimizer(checkpoint: str, fields: dict) -> InnerOptimizer:
-    """The checkpoint's optimizer, ``fields`` of its config replaced, with learned mixing."""
+    """The checkpoint's optimizer, ``fields`` of its config (or :data:`WORKER_FIELDS`)
+    replaced, with learned mixing."""
     net, _ = load_checkpoint(checkpoint)
-    cfg = dataclasses.replace(net.config, **fields)
-    return InnerOptimizer("learned", 1.0, "learned", dict(net.named_parameters()), cfg)
+    worker = {}
+    for key, kind in WORKER_FIELDS.items():
+        if key in fields:
+            value = fields[key]
+            if value != kind(value):
+                raise ValueError(f"{key} must be a whole number, got {value!r}")
+            worker[key] = kind(value)
+    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
+    cfg = dataclasses.replace(net.config, **config)
+    theta = dict(net.named_parameters())
+    return InnerOptimizer("learned", 1.0, "learned", theta, cfg, **worker)
 
 
 def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:
@@ -131,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0],
                         help="seeds of every setting; a row is the median over them")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--heldout", action="store_true",
+                        help="the held-out suite's decentralized settings instead (to "
+                        "confirm a choice once, never to make one)")  # fmt: skip
     parser.add_argument("--out", default="gossip_validation",
                         help="result name under benchmarks/results")  # fmt: skip
     args = parser.parse_args(argv)
@@ -145,11 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"side {checkpoint!r}: {exc}")
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds repeats a seed: {args.seeds}")
-    settings = [s for s in SETTINGS if not args.tasks or s["task"] in args.tasks]
+    plan, cache_path = (DEC_FULL, HELDOUT_CACHE) if args.heldout else (SETTINGS, CACHE)
+    settings = [s for s in plan if not args.tasks or s["task"] in args.tasks]
     if not settings:
-        parser.error(f"no settings for tasks {args.tasks}; valid: {[s['task'] for s in SETTINGS]}")
-    check_not_held_out([s["task"] for s in settings])
-    cache = BaselineCache(CACHE)
+        parser.error(f"no settings for tasks {args.tasks}; valid: {[s['task'] for s in plan]}")
+    if not args.heldout:
+        check_not_held_out([s["task"] for s in settings])
+    cache = BaselineCache(cache_path)
     start = time.perf_counter()
     runs_of = [dict(s, seed=seed) for s in settings for seed in args.seeds]
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -188,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gossip_validation",
         "sides": [{"label": label, "checkpoint": str(ckpt), "fields": fields}
                   for label, ckpt, fields in sides],
+        "suite": "heldout" if args.heldout else "validation",
         "summary": summary, "rows": rows, "horizon": settings[0]["horizon"],
         "seeds": args.seeds,
         "wall_seconds": round(time.perf_counter() - start, 1),

@@ -212,6 +212,8 @@ def seeds_phrase(seeds: list[int]) -> str:
     )
 
 
+@section("heldout_share_every")
+@section("gossip_validation_every")
 @section("gossip_validation_momenta")
 @section("gossip_validation_shared")
 @section("gossip_validation_seeds")
@@ -240,11 +242,16 @@ def render_gossip_validation(r: dict) -> str:
         for s in r["sides"]
     )  # fmt: skip
     header = ["task", "workers", "topology", "Dirichlet alpha", "best tuned (lr)"]
+    suite = (
+        "the held-out suite's decentralized settings (a confirmation, not a basis for choosing)"
+        if r.get("suite") == "heldout"
+        else "registry tasks only (none held out)"
+    )
     return (
         markdown_table(header + [f"`{label}`" for label in labels], table)
         + f"\n\nStep speedup against the best of D-SGD, D-Adam and DSGT (each Metropolis-mixed"
         f" and tuned per setting), scored on the averaged model's full training-set loss,"
-        f" {r['horizon']} steps, {seeds_phrase(r.get('seeds', [0]))}; registry tasks only (none held out). Sides: {sides}."
+        f" {r['horizon']} steps, {seeds_phrase(r.get('seeds', [0]))}; {suite}. Sides: {sides}."
         f" {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`." + (f" {r['note']}." if r.get("note") else "")
     )

@@ -26,6 +26,22 @@ from .topology import Edge, Topology
 RULES = ("metropolis", "uniform", "learned")
 
 
+def shares_state(exchange: int, every: int) -> bool:
+    """Whether the 0-based ``exchange`` of a run carries the optimizer's shared state when
+    it is shared once every ``every`` exchanges: the exchanges after local steps
+    ``every``, ``2 * every``, ... (every one for ``every=1``). The real workers
+    (``GossipOptimizer(share_state_every=...)``) and the simulator
+    (``InnerOptimizer.share_state_every``) both decide by this rule."""
+    return (exchange + 1) % every == 0
+
+
+def check_share_state_every(every) -> int:
+    """``every`` as an int >= 1, or a ``ValueError`` that says what was wrong."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"share_state_every must be an int >= 1, got {every!r}")
+    return every
+
+
 @dataclass(frozen=True)
 class _Plan:
     """Index tensors of one step's graph, padded to the largest degree."""

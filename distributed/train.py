@@ -63,7 +63,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--task: unknown task {args.task!r}; valid: {list_tasks()}")
     if args.partition not in PARTITION_SCHEMES:
         p.error(f"--partition: must be one of {list(PARTITION_SCHEMES)}, got {args.partition!r}")
-    for name, value in (("steps", args.steps), ("metrics-every", args.metrics_every)):
+    for name, value in (
+        ("steps", args.steps),
+        ("metrics-every", args.metrics_every),
+        ("share-state-every", args.share_state_every),
+    ):
         if value < 1:
             p.error(f"--{name} must be >= 1, got {value}")
     for name, value in (("alpha", args.alpha), ("timeout", args.timeout)):
@@ -187,6 +191,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="do not mix the learned optimizer's moments (v and m) with the parameters "
         "(shared by default, without --compression)",
     )
+    p.add_argument(
+        "--share-state-every",
+        type=int,
+        default=2,
+        help="with the moments shared: one exchange of every k carries them (default 2)",
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
@@ -268,6 +278,7 @@ def train(args: argparse.Namespace) -> dict:
             writer=writer,
             overlap=args.overlap,
             share_state=args.share_state,
+            share_state_every=args.share_state_every,
         )
     start, losses, sent = time.perf_counter(), [], 0
     for step in range(args.steps):

@@ -17,7 +17,11 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
-from learned_opt.distributed.simulated import SimulatedCommunicator
+from learned_opt.distributed.simulated import (
+    SimulatedCommunicator,
+    check_share_state_every,
+    shares_state,
+)
 from learned_opt.distributed.topology import get_topology
 from learned_opt.features import adam_direction
 from learned_opt.flat import flat_step, init_flat_state
@@ -52,6 +56,10 @@ class InnerOptimizer:
     momentum: float = 0.9
     weight_decay: float = 1e-2
     share_state: bool = True  # under gossip, mix SHARED_STATE with the parameters
+    share_state_every: int = 2  # ... in one exchange of every k (see ``shares_state``)
+
+    def __post_init__(self):
+        check_share_state_every(self.share_state_every)
 
     def init(self, params: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
         """Zero state for flat stacked parameters (of ``layout``: the learned optimizer's
@@ -221,7 +229,8 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
             tensors += list(layout.unflatten(new_states["wy"]).values())
-        shared = SHARED_STATE.get(opt.kind, ()) if opt.share_state else ()
+        sharing = opt.share_state and shares_state(traj.step, opt.share_state_every)
+        shared = SHARED_STATE.get(opt.kind, ()) if sharing else ()
         # and the state the workers normalise and step with, one flat tensor per entry
         tensors += [new_states[k].reshape(traj.num_workers, -1) for k in shared]
         mixed, mix_info = traj.comm.mix(

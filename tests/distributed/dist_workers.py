@@ -21,10 +21,20 @@ from learned_opt.distributed import (
 )
 
 STEPS = 20
-KINDS = {"sgd": "ring", "adam": "one_peer_exponential", "learned": "ring", "adapt": "ring"}
+KINDS = {
+    "sgd": "ring",
+    "adam": "one_peer_exponential",
+    "learned": "ring",
+    "adapt": "ring",
+    "adapt_every3": "ring",
+}
 #: The kinds whose local optimizer is a LearnedOptimizer (they mix with learned weights);
-#: "adapt" adapts its per-tensor step sizes, with a ceiling under gossip that binds.
-LEARNED_KINDS = ("learned", "adapt")
+#: "adapt" adapts its per-tensor step sizes, with a ceiling under gossip that binds;
+#: "learned" shares its moments in every exchange, "adapt" in one of every 2 (the
+#: default), "adapt_every3" in one of every 3.
+LEARNED_KINDS = ("learned", "adapt", "adapt_every3")
+#: ``GossipOptimizer(share_state_every=...)`` per kind (None: the default, 2).
+SHARE_STATE_EVERY = {"sgd": None, "adam": None, "learned": 1, "adapt": None, "adapt_every3": 3}
 
 # ----------------------------------------------------------------------------- time limits
 # CI shares its machine: at a load of 6-8 on 2 cores, starting 4 interpreters that import
@@ -95,7 +105,7 @@ def make_local(kind: str, params, seed: int = 0):
         return torch.optim.SGD(params, lr=0.1)
     if kind == "adam":
         return torch.optim.Adam(params, lr=0.01)
-    return LearnedOptimizer(params, net=make_net(seed, adapt=kind == "adapt"))
+    return LearnedOptimizer(params, net=make_net(seed, adapt=kind.startswith("adapt")))
 
 
 def _payload(rank: int, step: int) -> list[torch.Tensor]:
@@ -228,7 +238,10 @@ def equivalence_run(rank: int, n: int, seed: int) -> dict:
             params = init_params(rank, seed)
             mixing = "learned" if kind in LEARNED_KINDS else "metropolis"
             local = make_local(kind, params, seed)
-            opt = GossipOptimizer(local, topo, mixing, timeout=COLLECTIVE_TIMEOUT, overlap=overlap)
+            every = SHARE_STATE_EVERY[kind]
+            options = {} if every is None else {"share_state_every": every}
+            opt = GossipOptimizer(local, topo, mixing, timeout=COLLECTIVE_TIMEOUT,
+                                  overlap=overlap, **options)  # fmt: skip
             for step in range(STEPS):
                 opt.zero_grad()
                 loss = loss_fn(params, batch(rank, step, seed))

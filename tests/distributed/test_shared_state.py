@@ -4,13 +4,22 @@ test_process_group)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
 from learned_opt.distributed import GossipOptimizer
-from learned_opt.distributed.simulated import SimulatedCommunicator, tensor_rules
+from learned_opt.distributed.simulated import SimulatedCommunicator, shares_state, tensor_rules
 from learned_opt.distributed.topology import get_topology
+from learned_opt.meta_train.inner import (
+    InnerOptimizer,
+    inner_step,
+    make_inner_optimizer,
+    new_trajectory,
+)
+from learned_opt.tasks import get_task
 
 
 class Recorder:
@@ -46,7 +55,9 @@ def test_learned_optimizer_sends_its_moments_in_the_same_exchange():
     local = LearnedOptimizer(params)
     comm = Recorder()
     opt = GossipOptimizer(local, communicator=comm, metrics_every=0)
-    assert opt.share_state
+    assert opt.share_state and opt.share_state_every == 2
+    _step(opt, model)
+    assert comm.calls[-1]["state"] == 0  # by default the second exchange carries it
     _step(opt, model)
     call = comm.calls[-1]
     n = len(params)
@@ -107,3 +118,44 @@ def test_state_tensors_take_static_weights_under_the_learned_rule():
     torch.testing.assert_close(params, learned[0])
     torch.testing.assert_close(state, plain[0])
     assert not torch.allclose(info["weights"][0], info["weights"][1])
+
+
+def test_share_state_every_k_sends_the_state_in_one_exchange_of_k():
+    assert [shares_state(i, 3) for i in range(7)] == [False, False, True] * 2 + [False]
+    assert all(shares_state(i, 1) for i in range(5))
+    model = _model()
+    local = LearnedOptimizer(model.parameters())
+    comm = Recorder()
+    opt = GossipOptimizer(local, communicator=comm, share_state_every=3, metrics_every=0)
+    for _ in range(6):
+        _step(opt, model)
+    n = len(list(model.parameters()))
+    assert [c["state"] for c in comm.calls] == [0, 0, 2 * n] * 2
+    assert [len(c["ys"]) for c in comm.calls] == [n, n, 3 * n] * 2
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="share_state_every must be an int >= 1"):
+            GossipOptimizer(local, communicator=Recorder(), share_state_every=bad)
+        with pytest.raises(ValueError, match="share_state_every must be an int >= 1"):
+            InnerOptimizer("learned", share_state_every=bad)
+
+
+def test_the_simulator_shares_the_state_by_the_same_rule():
+    # every=2: the first exchange leaves each worker's moments as its own step left them;
+    # the second mixes them with Metropolis weights, as every exchange does for every=1
+    task = get_task("wine_mlp")
+    opt = make_inner_optimizer("learned", net=LearnedOptimizerNet(), mixing="metropolis")
+    alone = copy.copy(opt)
+    alone.share_state = False
+    opt.share_state_every = 2
+    traj = new_trajectory(task, 4, "ring", "dirichlet", 0.3, 0, 4)
+    twin = copy.deepcopy(traj)
+    inner_step(traj, opt)
+    inner_step(twin, alone)
+    for key in ("v", "m"):
+        torch.testing.assert_close(traj.states[key], twin.states[key], atol=0, rtol=0)
+    inner_step(traj, opt)
+    inner_step(twin, alone)
+    torch.testing.assert_close(traj.params, twin.params, atol=0, rtol=0)
+    (v,), _ = twin.comm.mix([twin.states["v"]], 1, rule="metropolis")
+    torch.testing.assert_close(traj.states["v"], v)
+    assert not torch.allclose(v, twin.states["v"])

@@ -66,6 +66,8 @@ def test_parse_args_defaults():
     # moments shared unless asked not to (GossipOptimizer decides for None)
     assert parse_args([]).share_state is None
     assert parse_args(["--no-share-state"]).share_state is False
+    assert parse_args([]).share_state_every == 2
+    assert parse_args(["--share-state-every", "4"]).share_state_every == 4
 
 
 def test_gossip_optimizer_validates_arguments():
@@ -146,6 +148,7 @@ def test_the_shipped_rule_follows_where_the_optimizer_steps():
         (["--task", "nope"], "--task: unknown task 'nope'"),
         (["--partition", "skewed"], "--partition: must be one of"),
         (["--steps", "0"], "--steps must be >= 1"),
+        (["--share-state-every", "0"], "--share-state-every must be >= 1"),
         (["--alpha", "-1"], "--alpha must be > 0"),
         (["--timeout", "0"], "--timeout must be > 0"),
         (["--lr", "nan"], "--lr must be finite and >= 0"),
