@@ -12,8 +12,8 @@ suite is run once afterwards to confirm.
 Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig`
 fields replaced (``--side label=checkpoint:field=value,...``); the field
 ``share_state_every`` is the simulated workers' instead (how often an exchange carries
-the shared moments, :class:`~learned_opt.meta_train.inner.InnerOptimizer`). Tuned baselines are cached in
-``benchmarks/results/gossip_validation_baselines.json``. Writes
+the shared moments, :class:`~learned_opt.meta_train.inner.InnerOptimizer`). Tuned
+baselines are cached in ``benchmarks/results/gossip_validation_baselines.json``. Writes
 ``benchmarks/results/gossip_validation.json``. With ``--seeds``, each setting runs at every
 seed (the baselines tuned per seed) and its row is the median of the seeds' speedups: one
 seed's decentralized speedups move by up to 3.5x from seed to seed.

@@ -124,7 +124,7 @@ class GossipOptimizer:
             ``compression`` (default communicator only; see :mod:`.deadline`).
         share_state: mix the local optimizer's ``shared_state()`` (a
             :class:`~learned_opt.LearnedOptimizer`'s second moments and three momenta) in
-            the exchange as the parameters, with Metropolis weights, so every worker
+            the same exchange as the parameters, with Metropolis weights, so every worker
             normalises and steps alike (see :meth:`LearnedOptimizer.shared_state
             <learned_opt.LearnedOptimizer.shared_state>`); an exchange that carries it
             sends five times the bytes of the parameters alone for float32 parameters,
