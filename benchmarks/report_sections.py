@@ -212,6 +212,8 @@ def seeds_phrase(seeds: list[int]) -> str:
     )
 
 
+@section("heldout_floor")
+@section("gossip_validation_floor")
 @section("heldout_share_every")
 @section("gossip_validation_every")
 @section("gossip_validation_momenta")

@@ -63,6 +63,12 @@ class NetConfig:
     # gradients agree, the cosine above stays positive, and steps would grow until the
     # workers' disagreement ruins the averaged model. The lower ceiling bounds that.
     lr_adapt_max_gossip: float = 2.0
+    # The floor under gossip. The other way round, under label skew a worker's gradient
+    # meets its neighbourhood's mixed momentum at a negative cosine even where the step
+    # size is right (a conv net with batch norm: its steps shrank to e^-4 and it trained
+    # slower than D-SGD). e^-2 was picked on the decentralized validation suite (see the
+    # README, "The adaptation floor under gossip").
+    lr_adapt_min_gossip: float = -2.0
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -93,6 +99,10 @@ class NetConfig:
             raise ValueError(
                 f"NetConfig.lr_adapt_max_gossip must be >= 0, got {self.lr_adapt_max_gossip!r}"
             )
+        if not float(self.lr_adapt_min_gossip) <= 0:
+            raise ValueError(
+                f"NetConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
+            )
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
@@ -112,8 +122,9 @@ class NetConfig:
     def under_gossip(self) -> NetConfig:
         """The config a worker steps with under gossip (decentralized training, real or
         simulated): the adapted step multipliers' ceiling lowered to
-        ``lr_adapt_max_gossip``. The same config when step sizes are not adapted. Built
-        once per config (every step asks for it)."""
+        ``lr_adapt_max_gossip`` and their floor raised to ``lr_adapt_min_gossip``. The same
+        config when step sizes are not adapted. Built once per config (every step asks for
+        it)."""
         return _under_gossip(self)
 
     @property
@@ -144,6 +155,7 @@ def _under_gossip(cfg: NetConfig) -> NetConfig:
     """:meth:`NetConfig.under_gossip`, memoised: building and validating a config costs
     about 10 us, the lookup under 1 us."""
     ceiling = min(float(cfg.lr_adapt_max), float(cfg.lr_adapt_max_gossip))
-    if not cfg.adapts_lr or ceiling == cfg.lr_adapt_max:
+    floor = max(float(cfg.lr_adapt_min), float(cfg.lr_adapt_min_gossip))
+    if not cfg.adapts_lr or (ceiling, floor) == (cfg.lr_adapt_max, cfg.lr_adapt_min):
         return cfg
-    return replace(cfg, lr_adapt_max=ceiling)
+    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor)

@@ -152,21 +152,31 @@ def test_under_gossip_the_step_size_stops_at_the_lower_ceiling():
     alone, p_alone = _train(ADAPT, lambda t, p: torch.ones(50), 60)
     assert alone == pytest.approx(ADAPT.lr_adapt_max)
     assert float(-p_alone.mean()) > 2 * float(-p.mean())
-    # shrinking is unchanged under gossip
+    # under gossip the step shrinks to the higher floor
+    floor = ADAPT.lr_adapt_min_gossip
+    assert ADAPT.lr_adapt_min < floor < 0
     log_lr, _ = _train(ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True)
+    assert log_lr == pytest.approx(floor)
+    no_floor = replace(ADAPT, lr_adapt_min_gossip=ADAPT.lr_adapt_min)
+    log_lr, _ = _train(no_floor, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True)
     assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
 
 
 def test_under_gossip_config():
     gossip = ADAPT.under_gossip()
     assert gossip.lr_adapt_max == ADAPT.lr_adapt_max_gossip
+    assert gossip.lr_adapt_min == ADAPT.lr_adapt_min_gossip
     assert gossip.under_gossip() == gossip  # idempotent
     plain = NetConfig(output="ortho")  # no adaptation: nothing to change
     assert plain.under_gossip() is plain
-    high = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0, lr_adapt_max_gossip=2.0)
-    assert high.under_gossip() is high  # the ceiling is already lower
+    # the ceiling is already lower and the floor already higher
+    narrow = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0, lr_adapt_min=-1.0)
+    assert narrow.under_gossip() is narrow
+    floor_only = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0)
+    assert floor_only.under_gossip().lr_adapt_max == 1.0
+    assert floor_only.under_gossip().lr_adapt_min == floor_only.lr_adapt_min_gossip
     old = ADAPT.to_dict()
-    del old["lr_adapt_max_gossip"]  # a checkpoint written before the field existed
+    del old["lr_adapt_max_gossip"], old["lr_adapt_min_gossip"]  # written before the fields
     assert NetConfig.from_dict(old) == ADAPT
 
 
@@ -238,6 +248,8 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_max": -1.0}, "lr_adapt_max"),
         ({"lr_adapt_brake": 0.0}, "lr_adapt_brake"),
         ({"lr_adapt_max_gossip": -1.0}, "lr_adapt_max_gossip"),
+        ({"lr_adapt_min_gossip": 0.5}, "lr_adapt_min_gossip"),
+        ({"lr_adapt_min_gossip": float("nan")}, "lr_adapt_min_gossip"),
     ],
 )
 def test_bad_adaptation_settings_are_refused(fields, match):
