@@ -81,9 +81,9 @@ def _gossip_net(local_optimizer):
 def _mark_gossip(local_optimizer) -> None:
     """Tell a learned local optimizer that it steps under gossip
     (:meth:`learned_opt.LearnedOptimizer.use_gossip`): its adapted step sizes then keep
-    below :attr:`NetConfig.lr_adapt_max_gossip
-    <learned_opt.config.NetConfig.lr_adapt_max_gossip>`, and one built without a
-    checkpoint takes the shipped decentralized rule."""
+    within the gossip bounds of :meth:`NetConfig.under_gossip
+    <learned_opt.config.NetConfig.under_gossip>`, and one built without a checkpoint
+    takes the shipped decentralized rule."""
     if hasattr(local_optimizer, "use_gossip"):
         local_optimizer.use_gossip()
 

@@ -96,7 +96,8 @@ class LearnedOptimizer(Optimizer):
 
     ``gossip``: set to True by :class:`~learned_opt.distributed.GossipOptimizer` when it
     wraps this optimizer; the step then uses :meth:`NetConfig.under_gossip
-    <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling on adapted step sizes).
+    <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling and a higher floor on
+    adapted step sizes).
 
     ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
     torch's defaults, state and param groups, so a copy steps exactly like the original.
@@ -218,7 +219,8 @@ class LearnedOptimizer(Optimizer):
 
     def use_gossip(self) -> None:
         """Step under gossip from now on (the gossip wrappers call this): adapted step
-        sizes keep below :attr:`~learned_opt.config.NetConfig.lr_adapt_max_gossip`
+        sizes keep below :attr:`~learned_opt.config.NetConfig.lr_adapt_max_gossip` and
+        above :attr:`~learned_opt.config.NetConfig.lr_adapt_min_gossip`
         (:attr:`step_config`), and an optimizer built without a checkpoint takes
         :meth:`gossip_net`."""
         net, path, card = self.gossip_net()
