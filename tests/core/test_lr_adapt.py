@@ -144,7 +144,7 @@ def test_consistent_slope_grows_the_step_and_oscillation_shrinks_it():
     assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
 
 
-def test_under_gossip_the_step_size_stops_at_the_lower_ceiling():
+def test_under_gossip_the_step_size_stays_within_the_gossip_bounds():
     ceiling = ADAPT.lr_adapt_max_gossip
     assert 0 < ceiling < ADAPT.lr_adapt_max
     log_lr, p = _train(ADAPT, lambda t, p: torch.ones(50), 60, gossip=True)
