@@ -147,20 +147,20 @@ def _configs(rank: int) -> dict:
         model,
         GossipOptimizer(local, graph, "metropolis", overlap=True, metrics_every=0),
     )
-    for every in (1, 4):
+    # the price of the shared moments: in one exchange of every k (the default k = 2 is
+    # the plain row above), or not at all
+    sharing = {
+        "state every 1": {"share_state_every": 1},
+        "state every 4": {"share_state_every": 4},
+        "no shared state": {"share_state": False},
+    }
+    for label, options in sharing.items():
         model = _model(rank)
         local = LearnedOptimizer(model.parameters())
-        out[f"learned + learned mixing one_peer_ring overlap, state every {every}"] = (
+        out[f"learned + learned mixing one_peer_ring overlap, {label}"] = (
             model,
-            GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0,
-                            share_state_every=every),
-        )  # fmt: skip
-    model = _model(rank)
-    local = LearnedOptimizer(model.parameters())
-    out["learned + learned mixing one_peer_ring overlap, no shared state"] = (
-        model,
-        GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, share_state=False),
-    )
+            GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, **options),
+        )
     model = _model(rank)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3)
     out["Adam + learned mixing one_peer_ring overlap"] = (
