@@ -174,7 +174,7 @@ def fused_step_(
         # every row: a skipped tensor's values stay in its own row, which is never used
         step_t, lr_t = (torch.tensor(float(x), dtype=torch.float64) for x in (step, lr))
         step_t, lr_t = step_t.to(like.device), lr_t.to(like.device)
-        stats = shape_stats([params[i].shape for i in order], like)
+        stats = shape_stats([params[i].shape for i in order], cfg, like)
         log_lr, numel = sums[:, 0], sums[:, 0]  # not read unless the config adapts log_lr
         if cfg.adapts_lr:  # written to the states as each tensor is stepped
             log_lr = torch.stack([states[i]["log_lr"] for i in order])

@@ -44,6 +44,14 @@ class NetConfig:
     # about 10 * r^2 * c FLOPs per iteration for r <= c (a 1024 x 1024 matrix: 50 GFLOP a
     # step), so larger matrices take the Adam form unless this is raised (on a GPU, say).
     ortho_max_dim: int = 256
+    # Width scaling of the Adam form for wide matrices (0: off). A 2-D matrix that is not
+    # orthogonalised and whose smaller dimension n exceeds adam_max_width steps at
+    # adam_max_width / n times the Adam step: a sign-like Adam step moves an n x n
+    # matrix's spectral norm by about lr * n, so without it the first steps of a wide
+    # layer are far too large (a 1024-wide MLP's loss rose 13x at lr x3). This is
+    # muP's 1 / width Adam rate for hidden layers, continuous with the orthogonalised
+    # step at adam_max_width = ortho_max_dim. See features.width_log_factor.
+    adam_max_width: int = 0
     ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
     # Per-tensor step-size adaptation (hypergradient; see features.adapt_log_lr): each
@@ -108,6 +116,9 @@ class NetConfig:
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"NetConfig.{name} must be a positive integer")
+        width = self.adam_max_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"NetConfig.adam_max_width must be an integer >= 0, got {width!r}")
         if len(self.time_taus) == 0 or any(float(t) <= 0 for t in self.time_taus):
             raise ValueError(
                 f"NetConfig.time_taus must be non-empty and positive: {self.time_taus!r}"

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .config import MOMENTUM_DECAYS, NUM_ELEMENT_FEATURES, SECOND_MOMENT_DECAY, NetConfig
+from .orthogonal import is_matrix
 
 #: Added inside the per-tensor normalisation x * rsqrt(NORM_EPS + mean(x^2)).
 NORM_EPS = 1e-5
@@ -213,9 +214,31 @@ def feature_scales(mean_squares: Tensor) -> Tensor:
     return torch.rsqrt(NORM_EPS + mean_squares)
 
 
-def shape_stats(shapes, like: Tensor) -> Tensor:
-    """``(len(shapes), 2)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape."""
-    rows = tuple((0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s)) for s in shapes)
+def width_log_factor(shape, cfg: NetConfig) -> float:
+    """The log of a tensor's width factor on its step (:attr:`NetConfig.adam_max_width`):
+    ``log(adam_max_width / min(shape))`` for a 2-D matrix that is not orthogonalised and
+    whose smaller dimension exceeds ``adam_max_width`` (when that is > 0), else 0.
+
+    It shrinks the step of a wide matrix on the Adam form (muP's 1 / width rate for
+    hidden layers) and of nothing else: vectors, convolution kernels, thin heads and
+    orthogonalised matrices (their step is already width-free) keep their step. An
+    embedding table wider than ``adam_max_width`` is shrunk too (a shape does not tell
+    it from a linear layer).
+    """
+    shape = tuple(shape)
+    width = cfg.adam_max_width
+    if width <= 0 or len(shape) != 2 or is_matrix(shape, cfg) or min(shape) <= width:
+        return 0.0
+    return math.log(width / min(shape))
+
+
+def shape_stats(shapes, cfg: NetConfig, like: Tensor) -> Tensor:
+    """``(len(shapes), 3)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape (the
+    per-tensor network's shape inputs), and its :func:`width_log_factor`."""
+    rows = tuple(
+        (0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s), width_log_factor(s, cfg))
+        for s in shapes
+    )
     return constant(rows, like.dtype, like.device)
 
 
@@ -224,8 +247,8 @@ def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
 
     0.1 * log rms of g, p, m_1..m_3 and sqrt(mean v); 0.1 * log(numel); 0.5 * rank. ``ms``
     (``(..., 11)``) holds the feature mean squares (rows 0 and 2-5 of the features are g, p
-    and m), ``v_mean`` (``(...)``) the mean of v and ``shape`` (``(..., 2)``) the
-    :func:`shape_stats`. Leading dims batch over tensors.
+    and m), ``v_mean`` (``(...)``) the mean of v and ``shape`` (``(..., 2)``) the first two
+    columns of the :func:`shape_stats`. Leading dims batch over tensors.
     """
     moments = torch.cat([ms[..., 0:1], ms[..., 2:6], v_mean.unsqueeze(-1)], dim=-1)
     logs = torch.log(safe_sqrt(moments) + TINY)

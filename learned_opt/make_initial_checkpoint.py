@@ -7,7 +7,8 @@ Presets (:data:`PRESETS`): ``adam_init`` (exactly Adam, lr 1e-3), ``ortho_init``
 (hidden matrices along the orthogonalised momentum at RMS 2e-3 per step, every other
 tensor exactly Adam at lr 1e-3; see :mod:`learned_opt.orthogonal`) and ``adapt_init``
 (``ortho_init`` with per-tensor step sizes adapted by
-:func:`~learned_opt.features.adapt_log_lr`).
+:func:`~learned_opt.features.adapt_log_lr`, and the Adam form of matrices wider than 256
+scaled down by their width: ``NetConfig.adam_max_width``).
 """
 
 from __future__ import annotations
@@ -41,11 +42,18 @@ PRESETS: dict[str, tuple[dict, str]] = {
         + "The starting point of the ortho meta-training chain.",
     ),
     "adapt_init": (
-        {"output": "ortho", "ortho_min_dim": 16, "max_log_scale": 3.0, "lr_adapt_rate": 0.3},
+        {
+            "output": "ortho",
+            "ortho_min_dim": 16,
+            "max_log_scale": 3.0,
+            "lr_adapt_rate": 0.3,
+            "adam_max_width": 256,
+        },
         _NOT_TRAINED
         + "The output heads are zero, so the local update is ortho_init's (orthogonalised "
         "momentum for 2-D matrices whose smaller dimension is 16 to 256, Adam(lr=1e-3) for "
-        "every other tensor), with each tensor's step size adapted: a log multiplier that "
+        "every other tensor, a matrix whose smaller dimension n exceeds 256 at 256 / n of "
+        "that), with each tensor's step size adapted: a log multiplier that "
         "moves by 0.3 * cos(gradient, momentum) per step within [-4, 7], its growth braked "
         "when gradients fall below a tenth of their running RMS. "
         + _MIXING

@@ -87,11 +87,14 @@ def test_brake_slows_growth_only_when_gradients_shrink():
     ],
     ids=["default", "stacked", "chunked", "small-chunks", "fused-eager", "fused-compiled"],
 )
-@pytest.mark.parametrize("lr", [1.0, 2.0])
-def test_every_layout_matches_the_differentiable_path(kwargs, lr):
+@pytest.mark.parametrize("lr, wide", [(1.0, False), (2.0, False), (1.0, True)])
+def test_every_layout_matches_the_differentiable_path(kwargs, lr, wide):
     # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
-    # 3, so every layout's shifted bounds are compared
+    # 3, so every layout's shifted bounds are compared. "wide": the 300 x 70 matrix takes
+    # the Adam form at 40 / 70 of its step (NetConfig.adam_max_width)
     cfg = ADAPT if lr == 1.0 else replace(ADAPT, lr_adapt_max=1.0)
+    if wide:
+        cfg = replace(cfg, ortho_max_dim=60, adam_max_width=40)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
