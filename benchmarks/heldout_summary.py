@@ -4,8 +4,15 @@ Speedup (the README's definition, :func:`learned_opt.meta_train.evaluation.speed
 steps the tuned baseline needs to reach a loss level / steps the learned side needs, at
 the worse of the two best smoothed levels; below 1 means slower. Wall-clock speedup: the
 step-count speedup times (baseline ms per step / learned ms per step), the step times
-measured side by side. A learned run *diverged* if its loss went non-finite or ended
-above where it started.
+measured side by side (at seed 0). A learned run *diverged* if its loss went non-finite
+or ended above where it started.
+
+Every row is taken over the suite's seeds (:func:`heldout_decentralized.over_seeds`): its
+speedups are the medians over the seeds of the per-seed speedups, each seed against the
+baselines tuned at that seed, with the per-seed step speedups in ``speedup_by_seed``; its
+losses and baselines are the first seed's. A row (or an lr-multiplier entry) *diverged*
+if its learned run diverged at any seed, and the summary's ``divergences`` counts such
+rows and entries (one diverging at two seeds counts once).
 """
 
 from __future__ import annotations
@@ -32,47 +39,77 @@ def _r(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(float(x), digits)
 
 
-def _single_row(suite, side: str, task: str, h: int, best: dict, curves: dict) -> dict:
-    lc = curves[1.0]
-    sp = speedup(lc, best["curve"])
+def _seed_scores(best: dict, curves: dict, ms: dict | None) -> dict:
+    """One seed's scores of a learned side against its tuned AdamW run ``best``: from its
+    curves by lr multiplier, and the step times ``ms`` (if measured) for the wall clock."""
+
+    def score(curve):
+        return {"speedup": speedup(curve, best["curve"]), "final": final_loss(curve),
+                "diverged": single.diverged(curve)}  # fmt: skip
+
+    out = score(curves[1.0])
+    if ms:
+        out["wall_speedup"] = out["speedup"] * ms["adamw"] / ms["learned"]
+    out["lr_mult"] = {m: score(c) for m, c in curves.items() if m != 1.0 and c is not None}
+    return out
+
+
+def _merge(scored: list[dict]) -> dict:
+    """Per-seed :func:`_seed_scores` (a row's, or an lr multiplier's) as one: the speedups
+    the medians over the seeds (:func:`dec.over_seeds`), ``diverged`` if any seed diverged,
+    the first seed's loss."""
+    merged = dec.over_seeds(scored)
+    merged.update(speedup=_r(merged["speedup"]), diverged=any(x["diverged"] for x in scored))
+    if "wall_speedup" in merged:
+        merged["wall_speedup"] = _r(merged["wall_speedup"])
+    return merged
+
+
+def _single_row(suite, side: str, task: str, h: int, bests: list[dict], runs: list[dict]) -> dict:
+    """A side's row of ``task`` at horizon ``h`` over the suite's seeds, from each seed's
+    tuned AdamW run and learned curves by lr multiplier (the AdamW and loss columns: the
+    first seed's)."""
     ms = suite.timing.get((side, task))
+    scored = [_seed_scores(best, curves, ms) for best, curves in zip(bests, runs)]
+    merged = _merge([{k: v for k, v in x.items() if k != "lr_mult"} for x in scored])
+    a = bests[0]
     row = {
         "task": task, "side": side, "horizon": h, "num_params": get_task(task).num_params,
-        "adamw": {"lr": best["lr"], "schedule": best["schedule"], "final": best["final"],
-                  "grid": best["grid"]},
-        "learned_final": final_loss(lc), "speedup": _r(sp), "diverged": single.diverged(lc),
-        "wall_speedup": _r(sp * ms["adamw"] / ms["learned"]) if ms else None,
-        "ms_per_step": ms, "lr_mult": {},
+        "adamw": {"lr": a["lr"], "schedule": a["schedule"], "final": a["final"], "grid": a["grid"]},
+        "adamw_by_seed": [{"lr": b["lr"], "schedule": b["schedule"]} for b in bests],
+        "learned_final": merged.pop("final"), "wall_speedup": None, **merged,
+        "seeds": list(suite.seeds), "ms_per_step": ms, "lr_mult": {},
     }  # fmt: skip
+    sp = row["speedup"]
     for mult in single.LR_MULTS[1:]:
-        c = curves.get(mult)
-        if c is None:
+        if any(mult not in x["lr_mult"] for x in scored):
             continue
-        sm = speedup(c, best["curve"])
-        bad = single.diverged(c)
+        m = _merge([x["lr_mult"][mult] for x in scored])
         row["lr_mult"][f"{mult:g}"] = {
-            "speedup": _r(sm), "final": final_loss(c), "diverged": bad,
-            "ratio_to_default": _r(sm / sp) if sp > 0 else None,
-            "within_2x": (not bad) and sm >= 0.5 * sp,
+            **m, "ratio_to_default": _r(m["speedup"] / sp) if sp > 0 else None,
+            "within_2x": (not m["diverged"]) and m["speedup"] >= 0.5 * sp,
         }  # fmt: skip
     return row
 
 
 def single_rows(suite) -> tuple[list[dict], dict]:
+    """One row per task, horizon and learned side, once every seed of it is in (AdamW's
+    grid complete, every learned run done)."""
     rows, panels = [], {}
     for task in suite.tasks:
-        runs = suite.adamw_runs(task)
         for h in suite.horizons(task):
-            best = single.best_adamw(runs, h)
-            if best is None or not suite.grid_complete(task, h):
-                continue  # a row only once its baseline is fully tuned
-            panel = {f"AdamW {best['schedule']} {best['lr']:g}": best["curve"]}
+            bests = [single.best_adamw(suite.adamw_runs(task, seed), h) for seed in suite.seeds]
+            if any(b is None or not suite.grid_complete(task, h, seed)
+                   for b, seed in zip(bests, suite.seeds)):  # fmt: skip
+                continue  # a row only once its baselines are fully tuned
+            panel = {f"AdamW {bests[0]['schedule']} {bests[0]['lr']:g}": bests[0]["curve"]}
             for side in suite.sides:
-                curves = {m: suite.learned_curve(side, task, m, h) for m in single.LR_MULTS}
-                if curves[1.0] is None:
+                runs = [{m: suite.learned_curve(side, task, m, h, seed) for m in single.LR_MULTS}
+                        for seed in suite.seeds]  # fmt: skip
+                if any(curves[1.0] is None for curves in runs):
                     continue
-                rows.append(_single_row(suite, side, task, h, best, curves))
-                panel[side] = curves[1.0]
+                rows.append(_single_row(suite, side, task, h, bests, runs))
+                panel[side] = runs[0][1.0]
             panels[f"{task} @{h}"] = panel
     return rows, panels
 
@@ -96,12 +133,10 @@ def decentralized_rows(suite) -> tuple[list[dict], dict]:
             learned = [suite.dec_learned.get((side, dec.setting_key(s))) for s in seeds]
             if any(run is None for run in learned):
                 continue
-            scored = [dec.score(run, base) for run, base in zip(learned, bases)]
-            merged = dec.over_seeds(scored)
-            row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **merged,
-                   "speedup": _r(merged["speedup"]), "wall_speedup": _r(merged["wall_speedup"]),
-                   "seeds": [s["seed"] for s in seeds],
-                   "diverged": any(single.diverged(run["curve"]) for run in learned)}  # fmt: skip
+            scored = [{**dec.score(run, base), "diverged": single.diverged(run["curve"])}
+                      for run, base in zip(learned, bases)]  # fmt: skip
+            row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **_merge(scored),
+                   "seeds": [s["seed"] for s in seeds]}  # fmt: skip
             rows.append(row)
             best = scored[0]["best_baseline"]
             label = f"{best} {bases[0][best]['lr']:g}"
@@ -123,7 +158,8 @@ def summarise(
     side: str, singles: list[dict], decs: list[dict], dec_side: str | None = None
 ) -> dict:
     """The issue's criteria for one learned side (its single-worker rows, and the
-    decentralized rows of ``dec_side``, by default the same side)."""
+    decentralized rows of ``dec_side``, by default the same side); ``divergences`` counts
+    the rows and lr-multiplier entries that diverged at some seed."""
     s = [r for r in singles if r["side"] == side]
     d = [r for r in decs if r["side"] == (dec_side or side)]
     mults = [m for r in s for m in r["lr_mult"].values()]
@@ -177,8 +213,8 @@ def assemble(suite, seconds: float) -> tuple[dict, dict]:
         "single": singles,
         "decentralized": decs,
         "expected_rows": {"single": expected_single, "decentralized": expected_dec},
-        "seed": 0,
-        "decentralized_seeds": suite.seeds,
+        "seeds": suite.seeds,  # of every row, single-worker and decentralized
+        "timing_seed": 0,  # of the single-worker step times
         "adamw_grid": list(suite.grid),
         "lr_mults": list(single.LR_MULTS),
         "wall_seconds": round(seconds, 1),

@@ -7,9 +7,10 @@ workers on label-skewed data, learned optimizer + learned mixing against tuned D
 D-Adam and DSGT, scored on the averaged model's loss on the whole training set. Speedups
 by step count (the README's definition) and by wall clock (the step-count speedup times
 the ratio of step times measured side by side), the learned side at lr multipliers 0.3
-and 3, and divergences. Single-worker runs use seed 0; each decentralized setting is run
-at every seed of ``--seeds`` (its data split, initialisation and batches; the baselines
-tuned afresh per seed) and scored by the median over the seeds of its speedups.
+and 3, and divergences. Every row, single-worker and decentralized, is run at every seed of
+``--seeds`` (its data split, initialisation and batches; AdamW and the decentralized
+baselines tuned afresh per seed) and scored by the median over the seeds of its speedups;
+the step times behind the wall-clock speedups are measured at seed 0 only.
 
 Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json``,
 so evaluating a new checkpoint only runs the learned side. Writes
@@ -20,7 +21,7 @@ and a PNG of loss curves beside it.
     python -m benchmarks.quality_heldout --checkpoint default adam_init
     python -m benchmarks.quality_heldout --quick --factory mypkg.rules:make_opt
     python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
-    python -m benchmarks.quality_heldout --seeds 0 1 2 3 4     # more decentralized seeds
+    python -m benchmarks.quality_heldout --seeds 0 1 2 3 4     # more seeds
 
 A factory ``module:function`` is a callable ``(params, lr_mult) -> torch.optim.Optimizer``;
 it is evaluated single-worker only (decentralized runs need a checkpoint's mixing head).
@@ -74,8 +75,9 @@ DEC_FULL = [
     _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
 ]
 DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve it
-#: Seeds of every decentralized setting (--quick: the first only). One seed's rows moved
-#: by up to 3.5x between seeds, so a row is the median over these.
+#: Seeds of every row, single-worker and decentralized (--quick: the first only). One
+#: seed's rows moved by up to 3.5x (decentralized) and 8x (single-worker) between seeds, so
+#: a row is the median over these.
 DEC_SEEDS = (0, 1, 2)
 
 
@@ -89,15 +91,16 @@ class Suite:
         self.sides = list(args.checkpoint) + list(args.factory)
         self.checkpoints = list(args.checkpoint)
         self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
-        self.lrs = {t: set(self.grid) for t in self.tasks}
-        self.extensions = {t: 0 for t in self.tasks}
         plan = DEC_QUICK if args.quick else DEC_FULL
         self.seeds = list(args.seeds or (DEC_SEEDS[:1] if args.quick else DEC_SEEDS))
+        # AdamW's grid per (task, seed), each extended at its own edge
+        self.lrs = {(t, seed): set(self.grid) for t in self.tasks for seed in self.seeds}
+        self.extensions = {ts: 0 for ts in self.lrs}
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
                          for seed in self.seeds]  # fmt: skip
         self.learned_cache = BaselineCache(LEARNED_CACHE)
         self.side_ids = {side: single.side_id(side) for side in self.sides}
-        self.learned: dict = {}  # (side, task, mult) -> curve
+        self.learned: dict = {}  # (side, task, mult, steps, seed) -> curve
         self.timing: dict = {}  # (side, task) -> ms per step
         self.dec_learned: dict = {}  # (side, setting key) -> result
         self.pending: dict = {}  # job ticket -> (kind, key, task)
@@ -107,66 +110,74 @@ class Suite:
         return [SHORT] if self.args.quick else [SHORT, LONG.get(task, DEFAULT_LONG)]
 
     # ------------------------------------------------------------------ AdamW grid
-    def adamw_key(self, task, schedule, lr, steps) -> str:
-        return f"single|{task}|{schedule}|{lr!r}|{steps}|0"
+    def adamw_key(self, task, schedule, lr, steps, seed) -> str:
+        return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"
 
-    def adamw_runs(self, task: str) -> dict[str, list[float]]:
-        """Cached AdamW curves of ``task`` on its current grid, keyed for best_adamw (a
-        constant run of the full suite's long horizon serves --quick's short one too)."""
+    def adamw_runs(self, task: str, seed: int) -> dict[str, list[float]]:
+        """Cached AdamW curves of ``task`` at ``seed`` on its current grid, keyed for
+        best_adamw (a constant run of the full suite's long horizon serves --quick's short
+        one too)."""
         out = {}
         lengths = {SHORT, LONG.get(task, DEFAULT_LONG)}
-        for lr in self.lrs[task]:
+        for lr in self.lrs[task, seed]:
             for schedule in single.SCHEDULES:
                 for steps in lengths:
-                    key = self.adamw_key(task, schedule, lr, steps)
+                    key = self.adamw_key(task, schedule, lr, steps, seed)
                     if key in self.cache.data:
                         out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
         return out
 
-    def submit_adamw(self, pool, task: str, lr: float, horizons: list[int]) -> None:
-        """AdamW at ``lr``: a cosine run at each horizon and a constant run as long as the
-        longest (its prefixes serve the shorter ones), unless cached."""
+    def submit_adamw(self, pool, task: str, lr: float, horizons: list[int], seed: int) -> None:
+        """AdamW at ``lr`` and ``seed``: a cosine run at each horizon and a constant run as
+        long as the longest (its prefixes serve the shorter ones), unless cached."""
         for schedule, steps in [("cosine", h) for h in horizons] + [("constant", max(horizons))]:
-            key = self.adamw_key(task, schedule, lr, steps)
+            key = self.adamw_key(task, schedule, lr, steps, seed)
             if key not in self.cache.data:
-                f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule)
+                f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule,
+                                seed=seed)  # fmt: skip
                 self.pending[f] = ("adamw", key, task)
 
-    def maybe_extend(self, pool, task: str) -> None:
-        """Per horizon, once its grid runs are in, add a rate beyond an edge that holds the
-        best (at most ``2 * MAX_EXTENSIONS`` in all); repeats while the added runs are cached."""
+    def busy_horizons(self, task: str, seed: int) -> set[int]:
+        """The horizons of the AdamW runs of ``task`` at ``seed`` still pending."""
+        keys = [k.split("|") for kind, k, t in self.pending.values()
+                if kind == "adamw" and t == task]  # fmt: skip
+        return {int(steps) for *_, steps, s in keys if int(s) == seed}
+
+    def maybe_extend(self, pool, task: str, seed: int) -> None:
+        """Per horizon, once its grid runs at ``seed`` are in, add a rate beyond an edge that
+        holds the best (at most ``2 * MAX_EXTENSIONS`` per seed); repeats while the added
+        runs are cached."""
         added = True
-        while added and self.extensions[task] < 2 * MAX_EXTENSIONS:
+        while added and self.extensions[task, seed] < 2 * MAX_EXTENSIONS:
             added = False
-            busy = {int(k.split("|")[4]) for kind, k, t in self.pending.values()
-                    if kind == "adamw" and t == task}  # fmt: skip
-            runs = self.adamw_runs(task)
+            busy = self.busy_horizons(task, seed)
+            runs = self.adamw_runs(task, seed)
+            lrs = self.lrs[task, seed]
             for h in self.horizons(task):
                 if h in busy:
                     continue
                 best = single.best_adamw({k: c for k, c in runs.items()
                                           if int(k.split("|")[2]) == h}, h)  # fmt: skip
-                new = best and single.edge_extension(best, sorted(self.lrs[task]))
-                if new and new not in self.lrs[task]:
-                    self.lrs[task].add(new)
-                    self.extensions[task] += 1
+                new = best and single.edge_extension(best, sorted(lrs))
+                if new and new not in lrs:
+                    lrs.add(new)
+                    self.extensions[task, seed] += 1
                     added = True
-                    print(f"  {task}: best AdamW lr {best['lr']:g} at the grid's edge at {h} "
-                          f"steps; adding {new:g}", flush=True)  # fmt: skip
+                    print(f"  {task} seed {seed}: best AdamW lr {best['lr']:g} at the grid's "
+                          f"edge at {h} steps; adding {new:g}", flush=True)  # fmt: skip
                     with pool.urgent():  # before the long tail already queued
-                        self.submit_adamw(pool, task, new, self.horizons(task))
+                        self.submit_adamw(pool, task, new, self.horizons(task), seed)
 
-    def grid_complete(self, task: str, h: int) -> bool:
-        """Whether every AdamW run of ``task``'s grid at horizon ``h`` is in (and no edge
-        extension for it is under way)."""
-        if any(kind == "adamw" and t == task and int(k.split("|")[4]) == h
-               for kind, k, t in self.pending.values()):  # fmt: skip
+    def grid_complete(self, task: str, h: int, seed: int) -> bool:
+        """Whether every AdamW run of ``task``'s grid at horizon ``h`` and ``seed`` is in
+        (and no edge extension for it is under way)."""
+        if h in self.busy_horizons(task, seed):
             return False
-        runs = self.adamw_runs(task)
+        runs = self.adamw_runs(task, seed)
         return all(
             f"cosine|{lr!r}|{h}" in runs
             and any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= h for k in runs)
-            for lr in self.lrs[task]
+            for lr in self.lrs[task, seed]
         )
 
     # ------------------------------------------------------------------ scheduling
@@ -179,34 +190,52 @@ class Suite:
             kind
         ]
 
+    def _cached(self, kind: str, key: tuple):
+        """The learned cache's result of a learned-side job, else None. A single-worker run
+        at seed 0 is also found under its key from before runs were keyed by seed (the same
+        key without the last field), so the runs measured then are reused."""
+        cache_key = self._learned_key(kind, key)
+        if cache_key is None:
+            return None
+        keys = [cache_key]
+        if kind == "learned" and key[-1] == 0:
+            keys.append(cache_key.rsplit("|", 1)[0])
+        return next((self.learned_cache.data[k] for k in keys if k in self.learned_cache.data),
+                    None)  # fmt: skip
+
     def submit_learned(self, pool, kind: str, key: tuple, task: str, fn, *args, **kwargs):
         """Submit a learned-side job unless the learned cache holds its result."""
-        cache_key = self._learned_key(kind, key)
-        if cache_key is not None and cache_key in self.learned_cache.data:
-            self._store(kind)[key] = self.learned_cache.data[cache_key]
+        cached = self._cached(kind, key)
+        if cached is not None:
+            self._store(kind)[key] = cached
             return
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 
     def submit_all(self, pool) -> None:
-        """Submit every job in the order that makes a run stopped early most useful: the
-        short horizon of every task (cheapest first; this is also all that --quick runs),
-        then the decentralized settings, the long horizon, and its lr-multiplier runs."""
+        """Submit every job in the order that makes a run stopped early most useful: seed by
+        seed, the short horizon of every task (cheapest first; this is also all that --quick
+        runs), then the decentralized settings, the long horizon, and its lr-multiplier runs
+        (the step timing, always at seed 0, in the first pass)."""
         order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
-        for task in order:
-            self.submit_task(pool, task, SHORT, single.LR_MULTS, timing=True)
-        self.submit_decentralized(pool)
-        if not self.args.quick:
+        for seed in self.seeds:
             for task in order:
-                long = LONG.get(task, DEFAULT_LONG)
-                self.submit_task(pool, task, long, single.LR_MULTS[:1])
+                self.submit_task(pool, task, SHORT, single.LR_MULTS, seed,
+                                 timing=seed == self.seeds[0])  # fmt: skip
+            self.submit_decentralized(pool, seed)
+            if not self.args.quick:
+                for task in order:
+                    long = LONG.get(task, DEFAULT_LONG)
+                    self.submit_task(pool, task, long, single.LR_MULTS[:1], seed)
+                for task in order:
+                    long = LONG.get(task, DEFAULT_LONG)
+                    self.submit_task(pool, task, long, single.LR_MULTS[1:], seed, grid=False)
+        for seed in self.seeds:
             for task in order:
-                long = LONG.get(task, DEFAULT_LONG)
-                self.submit_task(pool, task, long, single.LR_MULTS[1:], grid=False)
-        for task in order:
-            self.maybe_extend(pool, task)  # when whole grids were cached
+                self.maybe_extend(pool, task, seed)  # when whole grids were cached
 
-    def submit_decentralized(self, pool) -> None:
-        for s in self.settings:
+    def submit_decentralized(self, pool, seed: int) -> None:
+        """The decentralized settings at ``seed``: tuned baselines and checkpoints' runs."""
+        for s in (s for s in self.settings if s["seed"] == seed):
             key = dec.setting_key(s)
             if key not in self.cache.data:
                 f = pool.submit(dec.baseline_job, s["task"], s)
@@ -215,26 +244,28 @@ class Suite:
                 self.submit_learned(pool, "dec_learned", (side, key), s["task"],
                                     dec.learned_job, s["task"], s, side)  # fmt: skip
 
-    def submit_task(self, pool, task: str, steps: int, mults: tuple, grid: bool = True,
-                    timing: bool = False) -> None:  # fmt: skip
-        """A task's learned-side runs of ``steps`` steps at ``mults`` (and its step timing),
-        and with ``grid`` the AdamW grid at that horizon."""
+    def submit_task(self, pool, task: str, steps: int, mults: tuple, seed: int,
+                    grid: bool = True, timing: bool = False) -> None:  # fmt: skip
+        """A task's learned-side runs of ``steps`` steps at ``mults`` and ``seed`` (and its
+        step timing, at seed 0), and with ``grid`` the AdamW grid at that horizon and seed."""
         for side in self.sides:
             if timing:
                 self.submit_learned(pool, "timing", (side, task), task,
                                     single.timing_job, task, side)  # fmt: skip
             for mult in mults:
-                self.submit_learned(pool, "learned", (side, task, mult, steps), task,
-                                    single.run_job, task, side, steps, lr=mult)  # fmt: skip
+                key = (side, task, mult, steps, seed)
+                self.submit_learned(pool, "learned", key, task, single.run_job, task, side,
+                                    steps, lr=mult, seed=seed)  # fmt: skip
         if grid:
-            for lr in sorted(self.lrs[task]):
-                self.submit_adamw(pool, task, lr, [steps])
+            for lr in sorted(self.lrs[task, seed]):
+                self.submit_adamw(pool, task, lr, [steps], seed)
 
-    def learned_curve(self, side: str, task: str, mult: float, h: int) -> list[float] | None:
-        """The learned side's curve at horizon ``h``: its run of ``h`` steps, else the first
-        ``h`` steps of its longest run."""
+    def learned_curve(self, side: str, task: str, mult: float, h: int,
+                      seed: int) -> list[float] | None:  # fmt: skip
+        """The learned side's curve at horizon ``h`` and ``seed``: its run of ``h`` steps,
+        else the first ``h`` steps of its longest run."""
         for steps in (h, max(self.horizons(task))):
-            curve = self.learned.get((side, task, mult, steps))
+            curve = self.learned.get((side, task, mult, steps, seed))
             if curve is not None and len(curve) >= h:
                 return curve[:h]
         return None
@@ -247,10 +278,10 @@ class Suite:
         if kind == "adamw":
             self.cache.get(key, lambda: out["curve"])
             what = f"AdamW {key.split('|', 2)[2]}: final {final_loss(out['curve']):.4g}"
-            self.maybe_extend(pool, task)
+            self.maybe_extend(pool, task, int(key.rsplit("|", 1)[1]))
         elif kind == "learned":
             self._keep(kind, key, out["curve"])
-            what = f"{key[0]} x{key[2]:g}: final {final_loss(out['curve']):.4g}"
+            what = f"{key[0]} x{key[2]:g} seed {key[4]}: final {final_loss(out['curve']):.4g}"
         elif kind == "timing":
             self._keep(kind, key, out["ms_per_step"])
             what = f"{key[0]} timing: " + ", ".join(
@@ -286,8 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="200 steps, 3 AdamW rates, 2 of the decentralized settings")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
-                        help="seeds of each decentralized setting, its row the median over "
-                        f"them (default {' '.join(map(str, DEC_SEEDS))}; --quick: the first)")  # fmt: skip
+                        help="seeds of every row, single-worker and decentralized, each row "
+                        "the median over them, its baselines tuned per seed (default "
+                        f"{' '.join(map(str, DEC_SEEDS))}; --quick: the first)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     parser.add_argument("--record-cards", action="store_true",

@@ -98,13 +98,25 @@ def render_quality_heldout_adapt(r: dict) -> str:
 
 
 def _seeds(r: dict) -> str:
-    seeds = r.get("decentralized_seeds", [r["seed"]])
-    if len(seeds) == 1:
-        return f"Seed {r['seed']}."
+    """How the rows were taken over seeds: every row over ``seeds`` (a result of before
+    single-worker rows had seeds: those at ``seed``, decentralized ones at
+    ``decentralized_seeds``)."""
+    if "seeds" in r:
+        alone = dec = r["seeds"]
+    else:
+        alone, dec = [r["seed"]], r.get("decentralized_seeds", [r["seed"]])
+    if alone == dec and len(dec) == 1:
+        return f"Seed {dec[0]}."
+    first = "; the loss and best-tuned columns are the first seed's."
+    if alone == dec:
+        return (
+            f"Every row, single-worker and decentralized: {seeds_phrase(dec)}, each seed's "
+            "step speedup in brackets (the lr-multiplier columns: medians too; the step "
+            f"times behind the wall-clock speedups: seed {r.get('timing_seed', 0)}'s){first}"
+        )
     return (
-        f"Single-worker rows: seed {r['seed']}. Decentralized rows: {seeds_phrase(seeds)}, "
-        "each seed's step speedup in brackets; the loss and best-tuned columns are the first "
-        "seed's."
+        f"Single-worker rows: {seeds_phrase(alone)}. Decentralized rows: {seeds_phrase(dec)}, "
+        f"each seed's step speedup in brackets{first}"
     )
 
 

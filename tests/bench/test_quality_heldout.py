@@ -143,6 +143,12 @@ def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
     assert quality_heldout.main(argv) == 0  # baselines and the checkpoint's runs cached:
     out = capsys.readouterr().out  # only the factory runs again (3 multipliers, timing)
     assert "\n4 jobs on 1 processes" in "\n" + out
+    cache = tiny_suite / "learned.json"  # seed-0 runs cached before keys had a seed: reused
+    old = {(k[: -len("|0")] if k.startswith("learned|") else k): v
+           for k, v in json.loads(cache.read_text()).items()}  # fmt: skip
+    cache.write_text(json.dumps(old))
+    assert quality_heldout.main(argv) == 0
+    assert "\n4 jobs on 1 processes" in "\n" + capsys.readouterr().out
 
 
 def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
@@ -150,7 +156,7 @@ def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
             "--seeds", "0", "1", "2", "--jobs", "1"]  # fmt: skip
     assert quality_heldout.main(argv) == 0
     result = json.loads((tiny_suite / "quality_heldout_quick.json").read_text())
-    assert result["complete"] and result["decentralized_seeds"] == [0, 1, 2]
+    assert result["complete"] and result["seeds"] == [0, 1, 2]
     (row,) = result["decentralized"]  # one setting: one row, not one per seed
     assert row["seeds"] == [0, 1, 2] and len(row["speedup_by_seed"]) == 3
     assert row["speedup"] == pytest.approx(sorted(row["speedup_by_seed"])[1], abs=1e-4)
@@ -159,6 +165,40 @@ def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
     text = render_quality_heldout(result)
     per_seed = ", ".join(f"{x:.2f}" for x in row["speedup_by_seed"])
     assert f"({per_seed})" in text and "median over seeds 0, 1, 2" in text
+
+
+def test_single_worker_row_is_the_median_over_seeds(tiny_suite, monkeypatch, capsys):
+    from learned_opt.meta_train.evaluation import speedup
+
+    monkeypatch.setattr(quality_heldout, "DEC_QUICK", [])  # single-worker rows only
+    argv = ["--quick", "--tasks", "heldout_logreg_l2", "--checkpoint", "adam_init",
+            "--seeds", "0", "1", "2", "--jobs", "1"]  # fmt: skip
+    assert quality_heldout.main(argv) == 0
+    result = json.loads((tiny_suite / "quality_heldout_quick.json").read_text())
+    assert result["complete"] and result["seeds"] == [0, 1, 2]
+    (row,) = result["single"]  # one task and horizon: one row, not one per seed
+    assert row["seeds"] == [0, 1, 2] and len(row["speedup_by_seed"]) == 3
+    assert row["speedup"] == pytest.approx(sorted(row["speedup_by_seed"])[1], abs=1e-4)
+    cache = json.loads((tiny_suite / "baselines.json").read_text())
+    learned = json.loads((tiny_suite / "learned.json").read_text())
+    for seed, each in enumerate(row["speedup_by_seed"]):  # AdamW tuned afresh per seed
+        runs = {k.split("|", 2)[2].rsplit("|", 1)[0]: c for k, c in cache.items()
+                if k.startswith("single|") and k.endswith(f"|{seed}")}  # fmt: skip
+        best = single.best_adamw(runs, 30)
+        assert row["adamw_by_seed"][seed] == {"lr": best["lr"], "schedule": best["schedule"]}
+        (curve,) = [c for k, c in learned.items() if k.startswith("learned|")
+                    and k.endswith(f"|heldout_logreg_l2|1.0|30|{seed}")]  # fmt: skip
+        assert each == pytest.approx(speedup(curve, best["curve"]), abs=1e-4)
+    for m in row["lr_mult"].values():  # the multipliers: medians, against the median x1
+        assert m["speedup"] == pytest.approx(sorted(m["speedup_by_seed"])[1], abs=1e-4)
+        assert m["ratio_to_default"] == pytest.approx(m["speedup"] / row["speedup"], abs=1e-3)
+    text = render_quality_heldout(result)
+    per_seed = ", ".join(f"{x:.2f}" for x in row["speedup_by_seed"])
+    assert f"({per_seed})" in text and "Every row, single-worker and decentralized" in text
+
+    capsys.readouterr()
+    assert quality_heldout.main(argv) == 0  # every seed's runs cached: nothing runs
+    assert "\n0 jobs on 1 processes" in "\n" + capsys.readouterr().out
 
 
 def test_job_queue_runs_urgent_jobs_first():
