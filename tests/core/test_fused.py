@@ -131,7 +131,9 @@ def _ortho_net(seed: int = 0):
     adapted step sizes) with a perturbed theta, so every head is non-trivial."""
     from learned_opt import LearnedOptimizerNet, NetConfig
 
-    cfg = NetConfig(output="ortho", ortho_min_dim=16, max_log_scale=3.0, lr_adapt_rate=0.3)
+    cfg = NetConfig(
+        output="ortho", ortho_min_dim=16, max_log_scale=3.0, lr_adapt_rate=0.3, adam_max_width=256
+    )
     net = LearnedOptimizerNet(cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
