@@ -49,8 +49,8 @@ class NetConfig:
     # adam_max_width / n times the Adam step: a sign-like Adam step moves an n x n
     # matrix's spectral norm by about lr * n, so without it the first steps of a wide
     # layer are far too large (a 1024-wide MLP's loss rose 13x at lr x3). This is
-    # muP's 1 / width Adam rate for hidden layers, continuous with the orthogonalised
-    # step at adam_max_width = ortho_max_dim. See features.width_log_factor.
+    # muP's 1 / width Adam rate for hidden layers; adapt_init sets it to ortho_max_dim, so
+    # it scales the matrices too wide to orthogonalise. See features.width_log_factor.
     adam_max_width: int = 0
     ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor

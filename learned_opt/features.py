@@ -221,7 +221,8 @@ def width_log_factor(shape, cfg: NetConfig) -> float:
 
     It shrinks the step of a wide matrix on the Adam form (muP's 1 / width rate for
     hidden layers) and of nothing else: vectors, convolution kernels, thin heads and
-    orthogonalised matrices (their step is already width-free) keep their step. An
+    orthogonalised matrices (their step's RMS is fixed and spread over every direction,
+    not concentrated in the gradient's few) keep their step. An
     embedding table wider than ``adam_max_width`` is shrunk too (a shape does not tell
     it from a linear layer).
     """
