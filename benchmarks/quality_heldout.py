@@ -190,24 +190,11 @@ class Suite:
             kind
         ]
 
-    def _cached(self, kind: str, key: tuple):
-        """The learned cache's result of a learned-side job, else None. A single-worker run
-        at seed 0 is also found under its key from before runs were keyed by seed (the same
-        key without the last field), so the runs measured then are reused."""
-        cache_key = self._learned_key(kind, key)
-        if cache_key is None:
-            return None
-        keys = [cache_key]
-        if kind == "learned" and key[-1] == 0:
-            keys.append(cache_key.rsplit("|", 1)[0])
-        return next((self.learned_cache.data[k] for k in keys if k in self.learned_cache.data),
-                    None)  # fmt: skip
-
     def submit_learned(self, pool, kind: str, key: tuple, task: str, fn, *args, **kwargs):
         """Submit a learned-side job unless the learned cache holds its result."""
-        cached = self._cached(kind, key)
-        if cached is not None:
-            self._store(kind)[key] = cached
+        cache_key = self._learned_key(kind, key)
+        if cache_key is not None and cache_key in self.learned_cache.data:
+            self._store(kind)[key] = self.learned_cache.data[cache_key]
             return
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 

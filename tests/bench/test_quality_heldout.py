@@ -143,12 +143,6 @@ def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
     assert quality_heldout.main(argv) == 0  # baselines and the checkpoint's runs cached:
     out = capsys.readouterr().out  # only the factory runs again (3 multipliers, timing)
     assert "\n4 jobs on 1 processes" in "\n" + out
-    cache = tiny_suite / "learned.json"  # seed-0 runs cached before keys had a seed: reused
-    old = {(k[: -len("|0")] if k.startswith("learned|") else k): v
-           for k, v in json.loads(cache.read_text()).items()}  # fmt: skip
-    cache.write_text(json.dumps(old))
-    assert quality_heldout.main(argv) == 0
-    assert "\n4 jobs on 1 processes" in "\n" + capsys.readouterr().out
 
 
 def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
