@@ -33,6 +33,7 @@ from .features import (
     element_features,
     feature_rows,
     safe_sqrt,
+    shape_stats,
     stepped,
     sum_squares,
     update_moments,
@@ -199,7 +200,7 @@ def chunked_step_(
         old = torch.stack([states[i]["log_lr"] for i in live])
         log_lr = adapt_log_lr(
             old, live_sums[:, 2], live_sums[:, 0], live_sums[:, 3], means[:, -1],
-            sizes.index_select(0, rows), step, cfg, lr,
+            sizes.index_select(0, rows), step, cfg, lr, shape_stats(shapes, cfg, old)[:, 3],
         )  # fmt: skip
         torch._foreach_copy_([states[i]["log_lr"] for i in live], list(log_lr.unbind()))
     scales, bias, step_scales = tensor_context(

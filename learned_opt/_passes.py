@@ -212,8 +212,9 @@ def tensor_tables(
     and ``lr``: 0-d tensors. A skipped tensor's row is computed too, and never used."""
     if cfg.adapts_lr:
         log_lr = adapt_log_lr(
-            log_lr, sums[:, 14], sums[:, 16], sums[:, 15], sums[:, 13], numel, step, cfg, lr
-        )
+            log_lr, sums[:, 14], sums[:, 16], sums[:, 15], sums[:, 13], numel, step, cfg, lr,
+            stats[:, 3],
+        )  # fmt: skip
     ms, v_mean = sums[:, 2:13], sums[:, 13]
     scales, bias, scale = tensor_context(theta, cfg, ms, v_mean, stats, step, lr, log_lr)
     return scales, bias, scale, log_lr

@@ -107,6 +107,7 @@ def adapt_log_lr(
     step: Tensor | float,
     cfg: NetConfig,
     lr: Tensor | float = 1.0,
+    ceiling: Tensor | float | None = None,
 ) -> Tensor:
     """The per-tensor step-size adaptation: each tensor's new log step multiplier.
 
@@ -119,10 +120,11 @@ def adapt_log_lr(
         log_lr <- clamp(log_lr + lr_adapt_rate * c * (brake if c > 0 else 1), lo, hi)
 
     The bounds hold the whole multiplier ``lr * exp(log_lr)`` (``lr``: the user's step
-    multiplier) within ``[exp(lr_adapt_min), exp(lr_adapt_max)]``, widened to contain
-    ``lr`` itself: ``lo = min(lr_adapt_min - log lr, 0)``, ``hi = max(lr_adapt_max - log lr,
-    0)``. ``lr`` thus sets where the adaptation starts and not how far it may go: with the
-    bounds on ``log_lr`` alone, a multiplier of 0.3 kept logistic regression below its
+    multiplier) within ``[exp(lr_adapt_min), exp(ceiling)]``, widened to contain ``lr``
+    itself: ``lo = min(lr_adapt_min - log lr, 0)``, ``hi = max(ceiling - log lr, 0)``.
+    ``ceiling`` is each tensor's :func:`adapt_ceiling` (the fourth column of its
+    :func:`shape_stats`; ``lr_adapt_max`` when not given). ``lr`` thus sets where the
+    adaptation starts and not how far it may go: with the bounds on ``log_lr`` alone, a multiplier of 0.3 kept logistic regression below its
     tuned step (e^6.9 times the base).
 
     While successive gradients agree (a consistent slope, as in a convex problem) the
@@ -145,7 +147,8 @@ def adapt_log_lr(
     mult = torch.as_tensor(lr, dtype=log_lr.dtype, device=log_lr.device)
     log_mult = torch.log(torch.clamp(mult, min=TINY))
     lo = torch.clamp(cfg.lr_adapt_min - log_mult, max=0.0)
-    hi = torch.clamp(cfg.lr_adapt_max - log_mult, min=0.0)
+    top = cfg.lr_adapt_max if ceiling is None else ceiling
+    hi = torch.clamp(top - log_mult, min=0.0)
     return torch.minimum(torch.maximum(log_lr + rate * cosine, lo), hi)
 
 
@@ -233,11 +236,32 @@ def width_log_factor(shape, cfg: NetConfig) -> float:
     return math.log(width / min(shape))
 
 
+def adapt_ceiling(shape, cfg: NetConfig) -> float:
+    """The ceiling of a tensor's adapted log step multiplier (:func:`adapt_log_lr`):
+    ``cfg.lr_adapt_max``, lowered to ``cfg.lr_adapt_max_ortho`` (when set) for a matrix
+    that takes the orthogonalised step.
+
+    The adaptation reads the cosine of the gradient with the momentum, whose top singular
+    directions dominate it; an orthogonalised step moves all directions alike, so that
+    cosine cannot see the damage a grown step does in the weakly-driven ones.
+    """
+    top = float(cfg.lr_adapt_max)
+    if cfg.lr_adapt_max_ortho is not None and is_matrix(tuple(shape), cfg):
+        return min(top, float(cfg.lr_adapt_max_ortho))
+    return top
+
+
 def shape_stats(shapes, cfg: NetConfig, like: Tensor) -> Tensor:
-    """``(len(shapes), 3)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape (the
-    per-tensor network's shape inputs), and its :func:`width_log_factor`."""
+    """``(len(shapes), 4)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape (the
+    per-tensor network's shape inputs), its :func:`width_log_factor` and its
+    :func:`adapt_ceiling`."""
     rows = tuple(
-        (0.1 * math.log(max(math.prod(s), 1)), 0.5 * len(s), width_log_factor(s, cfg))
+        (
+            0.1 * math.log(max(math.prod(s), 1)),
+            0.5 * len(s),
+            width_log_factor(s, cfg),
+            adapt_ceiling(s, cfg),
+        )
         for s in shapes
     )
     return constant(rows, like.dtype, like.device)

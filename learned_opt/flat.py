@@ -23,6 +23,7 @@ from .features import (
     constant,
     element_features,
     safe_sqrt,
+    shape_stats,
     stepped,
     update_moments,
 )
@@ -89,8 +90,9 @@ def flat_step(
     if cfg.adapts_lr:
         m1 = m[..., 0, :]  # before this step's update
         g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
+        ceiling = shape_stats(layout.shapes, cfg, p)[:, 3]
         adapted = adapt_log_lr(
-            log_lr, g_dot_m, g_sum_squares, m_sum_squares, v_mean, sizes, step, cfg, lr
+            log_lr, g_dot_m, g_sum_squares, m_sum_squares, v_mean, sizes, step, cfg, lr, ceiling
         )
         new_log_lr = torch.where(ok, adapted, log_lr)
     x = element_features(p_in, g_in, m_new, v_new, expand(g_rms), cfg)  # [B, 11, P]

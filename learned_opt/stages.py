@@ -36,7 +36,7 @@ def tensor_context(
     ``ms`` (``(..., T, 11)``) are the feature mean squares, ``v_mean`` (``(..., T)``) the
     means of v and ``shapes`` the ``T`` tensors' shapes; leading dims stack rows (workers).
     ``shapes`` may instead be their :func:`~learned_opt.features.shape_stats` as a tensor
-    (``(T, 3)``), which a compiled caller passes so that no shape is baked into its code.
+    (``(T, 4)``), which a compiled caller passes so that no shape is baked into its code.
     Returns ``(feature_scales (..., T, 11), context_bias (..., T, H), scale (..., T))``:
     the normalisers of the features, the full first-layer bias of the per-element MLP, and
     the step scale ``-lr * step_mult * exp(log_scale)``, times ``exp(log_lr)`` (``(..., T)``,
@@ -45,7 +45,7 @@ def tensor_context(
     (:func:`~learned_opt.features.width_log_factor`).
     """
     stats = shapes if isinstance(shapes, Tensor) else shape_stats(shapes, cfg, ms)
-    stats = stats.expand(*ms.shape[:-1], 3)
+    stats = stats.expand(*ms.shape[:-1], 4)
     time = time_features(step, cfg, ms)
     log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v_mean, stats[..., :2]), time)
     log_scale = log_scale + stats[..., 2].to(log_scale.dtype)

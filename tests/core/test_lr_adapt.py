@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
-from learned_opt.features import adapt_log_lr, init_state
+from learned_opt.features import adapt_ceiling, adapt_log_lr, init_state
 from learned_opt.flat import flat_step, init_flat_state, tensor_step
 from learned_opt.meta_train.inner import InnerOptimizer
 from learned_opt.segments import FlatLayout
@@ -87,14 +87,19 @@ def test_brake_slows_growth_only_when_gradients_shrink():
     ],
     ids=["default", "stacked", "chunked", "small-chunks", "fused-eager", "fused-compiled"],
 )
-@pytest.mark.parametrize("lr, wide", [(1.0, False), (2.0, False), (1.0, True)])
-def test_every_layout_matches_the_differentiable_path(kwargs, lr, wide):
+@pytest.mark.parametrize(
+    "lr, variant", [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling")]
+)
+def test_every_layout_matches_the_differentiable_path(kwargs, lr, variant):
     # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
     # 3, so every layout's shifted bounds are compared. "wide": the 300 x 70 matrix takes
-    # the Adam form at 40 / 70 of its step (NetConfig.adam_max_width)
+    # the Adam form at 40 / 70 of its step (NetConfig.adam_max_width). "ortho_ceiling":
+    # the three orthogonalised matrices stop at 0.5, the other tensors grow past it
     cfg = ADAPT if lr == 1.0 else replace(ADAPT, lr_adapt_max=1.0)
-    if wide:
+    if variant == "wide":
         cfg = replace(cfg, ortho_max_dim=60, adam_max_width=40)
+    if variant == "ortho_ceiling":
+        cfg = replace(cfg, lr_adapt_max_ortho=0.5)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -123,6 +128,25 @@ def test_every_layout_matches_the_differentiable_path(kwargs, lr, wide):
     if lr != 1.0:  # up to the shifted ceiling
         ceiling = cfg.lr_adapt_max - math.log(lr)
         assert max(float(opt.state[p]["log_lr"]) for p in params) == pytest.approx(ceiling)
+    if variant == "ortho_ceiling":
+        grown = [float(opt.state[p]["log_lr"]) for p in params]
+        assert grown[:3] == pytest.approx([0.5] * 3)  # the orthogonalised matrices
+        assert min(grown[3:]) > 1.0
+
+
+def test_adapt_ceiling_lowers_only_orthogonalised_matrices():
+    capped = replace(ADAPT, lr_adapt_max_ortho=1.5)
+    ceilings = [adapt_ceiling(s, capped) for s in SHAPES]
+    assert ceilings == [1.5] * 3 + [ADAPT.lr_adapt_max] * (len(SHAPES) - 3)
+    assert [adapt_ceiling(s, ADAPT) for s in SHAPES] == [ADAPT.lr_adapt_max] * len(SHAPES)
+    # never above lr_adapt_max, nor above the gossip ceiling under gossip
+    assert adapt_ceiling((64, 32), replace(ADAPT, lr_adapt_max_ortho=9.0)) == ADAPT.lr_adapt_max
+    gossip = capped.under_gossip()
+    assert adapt_ceiling((64, 32), gossip) == min(1.5, ADAPT.lr_adapt_max_gossip)
+    assert adapt_ceiling((5,), gossip) == ADAPT.lr_adapt_max_gossip
+    # the Adam form ("adam" output) has no orthogonalised matrix to cap
+    adam = replace(capped, output="adam")
+    assert adapt_ceiling((64, 32), adam) == ADAPT.lr_adapt_max
 
 
 def _train(cfg: NetConfig, grads_fn, steps: int, gossip=False) -> tuple[float, torch.Tensor]:
@@ -253,6 +277,8 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_max_gossip": -1.0}, "lr_adapt_max_gossip"),
         ({"lr_adapt_min_gossip": 0.5}, "lr_adapt_min_gossip"),
         ({"lr_adapt_min_gossip": float("nan")}, "lr_adapt_min_gossip"),
+        ({"lr_adapt_max_ortho": -1.0}, "lr_adapt_max_ortho"),
+        ({"lr_adapt_max_ortho": float("nan")}, "lr_adapt_max_ortho"),
     ],
 )
 def test_bad_adaptation_settings_are_refused(fields, match):
