@@ -257,3 +257,33 @@ def render_gossip_validation(r: dict) -> str:
         f" {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`." + (f" {r['note']}." if r.get("note") else "")
     )
+
+
+@section("registry_sides")
+def render_registry_sides(r: dict) -> str:
+    labels = [s["label"] for s in r["sides"]]
+    keys = list(dict.fromkeys((row["task"], row["horizon"]) for row in r["rows"]))
+    speed = {(row["side"], row["task"], row["horizon"]): row for row in r["rows"]}
+    table = [[task, h] + [_x(speed[(label, task, h)]["speedup"]) for label in labels]
+             for task, h in keys]  # fmt: skip
+    for stat, name in (("median_speedup", "median"), ("median_speedup_h200", "median, 200"),
+                       ("median_speedup_h2000", "median, 2000")):  # fmt: skip
+        table.append([f"**{name}**", ""] + [f"**{_x(r['summary'][lb][stat])}**" for lb in labels])
+    table.append(
+        ["**rows below 0.8x**", ""] + [str(r["summary"][lb]["rows_below_0.8"]) for lb in labels]
+    )
+    sides = "; ".join(
+        f"`{s['label']}` = `{s['checkpoint']}`"
+        + ("" if not s["fields"] else " with " + ", ".join(f"{k}={v:g}" for k, v in s["fields"].items()))
+        for s in r["sides"]
+    )  # fmt: skip
+    return (
+        markdown_table(["task", "steps"] + [f"`{label}`" for label in labels], table)
+        + "\n\nStep speedup against the best of Adam, AdamW and SGD+momentum at the rates"
+        f" `benchmarks/quality_single.py` tuned per task and horizon (`{r['tuned_from']}`),"
+        f" single worker, the median over seeds {', '.join(map(str, r['seeds']))} (the baselines"
+        " at the rates tuned on seed 0); registry tasks only (the meta-training"
+        f" family's fixed tasks, none held out: where a change of the rule is chosen). Sides:"
+        f" {sides}. {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
+        f" `{r['command']}`."
+    )
