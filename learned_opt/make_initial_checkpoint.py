@@ -9,8 +9,7 @@ tensor exactly Adam at lr 1e-3; see :mod:`learned_opt.orthogonal`) and ``adapt_i
 (``ortho_init`` with per-tensor step sizes adapted by
 :func:`~learned_opt.features.adapt_log_lr`, and the Adam form of matrices wider than 256
 scaled down by their width: ``NetConfig.adam_max_width``; the adapted multiplier of an
-orthogonalised matrix at most e: ``NetConfig.lr_adapt_max_ortho``; no step below the
-base one: ``lr_adapt_min`` 0).
+orthogonalised matrix at most e: ``NetConfig.lr_adapt_max_ortho``).
 """
 
 from __future__ import annotations
@@ -51,16 +50,14 @@ PRESETS: dict[str, tuple[dict, str]] = {
             "lr_adapt_rate": 0.3,
             "adam_max_width": 256,
             "lr_adapt_max_ortho": 1.0,
-            "lr_adapt_min": 0.0,
         },
         _NOT_TRAINED
         + "The output heads are zero, so the local update is ortho_init's (orthogonalised "
         "momentum for 2-D matrices whose smaller dimension is 16 to 256, Adam(lr=1e-3) for "
         "every other tensor, a matrix whose smaller dimension n exceeds 256 at 256 / n of "
         "that), with each tensor's step size adapted: a log multiplier that "
-        "moves by 0.3 * cos(gradient, momentum) per step within [0, 7] ([0, 1] for "
-        "orthogonalised matrices), so a step grows while gradients agree and never falls "
-        "below the base step, its growth braked when gradients fall below a tenth of "
+        "moves by 0.3 * cos(gradient, momentum) per step within [-4, 7] ([-4, 1] for "
+        "orthogonalised matrices), its growth braked when gradients fall below a tenth of "
         "their running RMS. "
         + _MIXING
         + "The starting point of the adaptive meta-training chain.",
