@@ -58,9 +58,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "that), with each tensor's step size adapted: a log multiplier that "
         "moves by 0.3 * cos(gradient, momentum) per step within [-4, 7] ([-4, 1] for "
         "orthogonalised matrices), its growth braked when gradients fall below a tenth of "
-        "their running RMS. "
-        + _MIXING
-        + "The starting point of the adaptive meta-training chain.",
+        "their running RMS. " + _MIXING + "The starting point of the adaptive meta-training chain.",
     ),
 }
 
