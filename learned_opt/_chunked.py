@@ -192,7 +192,7 @@ def chunked_step_(
     means = torch.stack(
         [sum(next(partial) for _ in spans[i]) / tensors[i].n for i in live]
     )  # (T, 12): feature mean squares, then mean of v
-    shapes = [params[i].shape for i in live]
+    stats = shape_stats([params[i].shape for i in live], cfg, means)
     log_lr = None
     if adapt:
         rows = torch.tensor(live, device=sums.device)
@@ -200,11 +200,11 @@ def chunked_step_(
         old = torch.stack([states[i]["log_lr"] for i in live])
         log_lr = adapt_log_lr(
             old, live_sums[:, 2], live_sums[:, 0], live_sums[:, 3], means[:, -1],
-            sizes.index_select(0, rows), step, cfg, lr, shape_stats(shapes, cfg, old)[:, 3],
+            sizes.index_select(0, rows), step, cfg, lr, stats[:, 3],
         )  # fmt: skip
         torch._foreach_copy_([states[i]["log_lr"] for i in live], list(log_lr.unbind()))
     scales, bias, step_scales = tensor_context(
-        theta, cfg, means[:, :-1], means[:, -1], shapes, step, lr, log_lr
+        theta, cfg, means[:, :-1], means[:, -1], stats, step, lr, log_lr
     )
     layers = element_layers(theta, cfg, scales.dtype, bias.unsqueeze(-1), scales)
     step_scales = step_scales.tolist()

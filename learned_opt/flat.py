@@ -86,20 +86,18 @@ def flat_step(
     g_sum_squares = torch.where(ok, g_sum_squares, zero)
     g_rms = safe_sqrt(g_sum_squares / sizes)
     v_mean = segment_mean(v_new, layout)
+    stats = shape_stats(layout.shapes, cfg, p)  # once, for the adaptation and the context
     new_log_lr = log_lr
     if cfg.adapts_lr:
         m1 = m[..., 0, :]  # before this step's update
         g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
-        ceiling = shape_stats(layout.shapes, cfg, p)[:, 3]
         adapted = adapt_log_lr(
-            log_lr, g_dot_m, g_sum_squares, m_sum_squares, v_mean, sizes, step, cfg, lr, ceiling
+            log_lr, g_dot_m, g_sum_squares, m_sum_squares, v_mean, sizes, step, cfg, lr, stats[:, 3]
         )
         new_log_lr = torch.where(ok, adapted, log_lr)
     x = element_features(p_in, g_in, m_new, v_new, expand(g_rms), cfg)  # [B, 11, P]
     ms = segment_mean(x * x, layout).transpose(-1, -2)  # [B, T, 11]
-    scales, bias, scale = tensor_context(
-        theta, cfg, ms, v_mean, layout.shapes, step, lr, new_log_lr
-    )
+    scales, bias, scale = tensor_context(theta, cfg, ms, v_mean, stats, step, lr, new_log_lr)
     layers = element_layers(theta, cfg, p.dtype, expand(bias.transpose(-1, -2)))
     d, log_mag = element_mlp(layers, x * expand(scales.transpose(-1, -2)))
     new_p = apply_update(
