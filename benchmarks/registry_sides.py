@@ -29,6 +29,7 @@ import torch
 
 from benchmarks.common import RESULTS, machine, write_json
 from benchmarks.gossip_validation import parse_side
+from benchmarks.heldout_single import diverged
 from learned_opt.checkpoint import load_checkpoint
 from learned_opt.meta_train.evaluation import final_loss, run_curve, speedup
 from learned_opt.meta_train.inner import InnerOptimizer
@@ -92,8 +93,7 @@ def score(curves: dict, rates: dict, sides: list, seeds: list[int]) -> list[dict
                     "side": label, "task": task, "horizon": h,
                     "speedup": round(statistics.median(per_seed), 4),
                     "speedup_by_seed": [round(x, 4) for x in per_seed],
-                    "diverged": sum(not final_loss(curves[("side", label, task, s)][:h]) < 1e30
-                                    for s in seeds),
+                    "diverged": sum(diverged(curves[("side", label, task, s)][:h]) for s in seeds),
                 })  # fmt: skip
     return rows
 
