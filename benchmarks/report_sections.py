@@ -260,6 +260,7 @@ def render_gossip_validation(r: dict) -> str:
 
 
 @section("registry_sides")
+@section("registry_sides_lr")
 def render_registry_sides(r: dict) -> str:
     labels = [s["label"] for s in r["sides"]]
     keys = list(dict.fromkeys((row["task"], row["horizon"]) for row in r["rows"]))

@@ -40,7 +40,7 @@ STEPS = [
         "-m",
         "benchmarks.quality_heldout",
         "--checkpoint",
-        "adapt_init",
+        "adapt_init_2x",
         "gossip_adapt",
         "--record-cards",
     ],

@@ -138,7 +138,7 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     """Every optimizer compared, each on its own copy of the parameters: AdamW; the
     default network config (width 8, the Adam-form output) on the default path and on the
     eager one; and the shipped single-worker rule, ``LearnedOptimizer(params)`` without a
-    checkpoint (``adapt_init``: orthogonalised matrices, adapted step sizes)."""
+    checkpoint (``adapt_init_2x``: orthogonalised matrices, adapted step sizes)."""
     net = LearnedOptimizerNet(NetConfig(width=8))
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":

@@ -30,7 +30,7 @@ DEFAULT_CHECKPOINT = "gossip_adapt"
 #: The shipped checkpoint for single-worker training: what a ``LearnedOptimizer`` built
 #: without a checkpoint steps with alone (the best single-worker rows of the held-out
 #: suite, ``benchmarks/results/quality_heldout.json``).
-SINGLE_WORKER_CHECKPOINT = "adapt_init"
+SINGLE_WORKER_CHECKPOINT = "adapt_init_2x"
 _PACKAGE = "learned_opt.checkpoints"
 
 
