@@ -94,9 +94,9 @@ def parse_side(text: str) -> tuple[str, str, dict]:
 WORKER_FIELDS = {"share_state_every": int}
 
 
-def side_optimizer(checkpoint: str, fields: dict) -> InnerOptimizer:
+def side_optimizer(checkpoint: str, fields: dict, mixing: str = "learned") -> InnerOptimizer:
     """The checkpoint's optimizer, ``fields`` of its config (or :data:`WORKER_FIELDS`)
-    replaced, with learned mixing."""
+    replaced, with ``mixing`` ("learned", or "none" for a single worker)."""
     net, _ = load_checkpoint(checkpoint)
     worker = {}
     for key, kind in WORKER_FIELDS.items():
@@ -108,7 +108,7 @@ def side_optimizer(checkpoint: str, fields: dict) -> InnerOptimizer:
     config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
     cfg = dataclasses.replace(net.config, **config)
     theta = dict(net.named_parameters())
-    return InnerOptimizer("learned", 1.0, "learned", theta, cfg, **worker)
+    return InnerOptimizer("learned", 1.0, mixing, theta, cfg, **worker)
 
 
 def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:

@@ -18,7 +18,6 @@ A side is ``label=checkpoint[:field=value,...]`` (config fields replaced), as in
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -28,9 +27,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 import torch
 
 from benchmarks.common import RESULTS, machine, write_json
-from benchmarks.gossip_validation import parse_side
+from benchmarks.gossip_validation import parse_side, side_optimizer
 from benchmarks.heldout_single import diverged
-from learned_opt.checkpoint import load_checkpoint
 from learned_opt.meta_train.evaluation import final_loss, run_curve, speedup
 from learned_opt.meta_train.inner import InnerOptimizer
 from learned_opt.tasks import get_task
@@ -63,9 +61,7 @@ def _optimizer(side: tuple[str, str, dict] | None, kind: str, lr: float) -> Inne
     if side is None:
         return InnerOptimizer(kind, lr, "none")
     _, checkpoint, fields = side
-    net, _ = load_checkpoint(checkpoint)
-    cfg = dataclasses.replace(net.config, **fields)
-    return InnerOptimizer("learned", 1.0, "none", dict(net.named_parameters()), cfg)
+    return side_optimizer(checkpoint, fields, mixing="none")
 
 
 def run_job(task: str, side, kind: str, lr: float, seed: int) -> list[float]:
@@ -129,10 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     if len(set(labels)) != len(labels):
         parser.error(f"side labels must differ: {labels}")
     for label, checkpoint, fields in args.side:  # fail early on a bad side
-        net, _ = load_checkpoint(checkpoint)
         try:
-            dataclasses.replace(net.config, **fields)
-        except (TypeError, ValueError) as exc:
+            side_optimizer(checkpoint, fields, mixing="none")
+        except (TypeError, ValueError, OSError) as exc:
             parser.error(f"side {label!r}: {exc}")
     rates = tuned_rates(args.tasks)
     start = time.perf_counter()

@@ -70,3 +70,12 @@ def test_duplicate_labels_and_bad_fields_are_refused():
     for bad in ("no_such_field=1", "lr_adapt_rate=-1"):
         with pytest.raises(SystemExit):
             rs.main(["--side", f"a=adapt_init:{bad}"])
+    with pytest.raises(SystemExit):
+        rs.main(["--side", "a=no_such_checkpoint"])
+
+
+def test_a_side_runs_alone_with_its_config_replaced():
+    opt = rs._optimizer(("a", "adapt_init", {"step_mult": 2e-3}), "learned", 1.0)
+    assert opt.kind == "learned" and opt.mixing == "none" and opt.cfg.step_mult == 2e-3
+    base = rs._optimizer(None, "adam", 0.01)
+    assert base.kind == "adam" and base.mixing == "none"
