@@ -72,7 +72,7 @@ def render_step_overhead(result: dict) -> str:
         "(eager chunked)",
         "training step / AdamW (default: fused)",
         "(eager chunked)",
-        "shipped rule (`adapt_init`): step / AdamW",
+        "shipped single-worker rule (`adapt_init`; `adapt_init_2x` steps alike): step / AdamW",
         "training step / AdamW",
     ]
     rows = [

@@ -73,7 +73,8 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "multipliers (within [-4, 7], [-4, 1] for orthogonalised matrices). "
         + _MIXING
         + "Chosen on the registry tasks (median speedup 1.00x against adapt_init's 0.92x, "
-        "benchmarks/results/registry_sides_lr.json) before the held-out suite measured it.",
+        "benchmarks/results/registry_sides_lr.json); held-out probes were seen before the "
+        "choice (README, Known limits).",
     ),
 }
 

@@ -18,7 +18,7 @@ from benchmarks import common, quality_heldout  # noqa: E402
 from benchmarks import heldout_single as single  # noqa: E402
 from benchmarks.report_heldout import render_quality_heldout  # noqa: E402
 from learned_opt import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT  # noqa: E402
 
 
 def test_best_adamw_cuts_constant_runs_and_keeps_cosine_at_its_horizon():
@@ -221,16 +221,16 @@ def test_headline_is_the_shipped_default_one_rule_per_setting():
         return {"side": side, "task": "t", "horizon": 200, "speedup": speedup,
                 "wall_speedup": speedup, "diverged": False, "lr_mult": {}, **extra}  # fmt: skip
 
-    gossip = DEFAULT_CHECKPOINT
-    singles = [row("adapt_init", 1.5), row(gossip, 0.4)]
-    decs = [row("adapt_init", 0.6, workers=8), row(gossip, 1.2, workers=8)]
-    top = headline(["adapt_init", "ortho_init", gossip], singles, decs)
+    gossip, alone_rule = DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+    singles = [row(alone_rule, 1.5), row(gossip, 0.4)]
+    decs = [row(alone_rule, 0.6, workers=8), row(gossip, 1.2, workers=8)]
+    top = headline([alone_rule, "ortho_init", gossip], singles, decs)
     assert (top["side"], top["single_side"], top["decentralized_side"]) == (
-        "shipped default", "adapt_init", gossip)  # fmt: skip
+        "shipped default", alone_rule, gossip)  # fmt: skip
     assert top["median_speedup_single"] == 1.5 and top["median_speedup_decentralized"] == 1.2
     assert top["min_speedup"] == 1.2 and top["rows_below_0.8"] == []
-    alone = headline(["adapt_init"], singles, decs)  # one rule measured: that rule
-    assert alone["side"] == "adapt_init" and alone["median_speedup_decentralized"] == 0.6
+    alone = headline([alone_rule], singles, decs)  # one rule measured: that rule
+    assert alone["side"] == alone_rule and alone["median_speedup_decentralized"] == 0.6
 
 
 def test_record_cards_writes_the_table_into_shipped_cards_only(tmp_path, monkeypatch):
