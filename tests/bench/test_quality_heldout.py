@@ -145,6 +145,17 @@ def test_suite_end_to_end_and_cached_rerun(tiny_suite, capsys):
     assert "\n4 jobs on 1 processes" in "\n" + out
 
 
+def test_a_factory_alone_tunes_no_decentralized_baseline(tiny_suite):
+    argv = ["--quick", "--tasks", "heldout_logreg_l2", "--checkpoint", "--factory",
+            "torch.optim:SGD", "--jobs", "1"]  # fmt: skip
+    assert quality_heldout.main(argv) == 0
+    result = json.loads((tiny_suite / "quality_heldout_quick.json").read_text())
+    assert result["complete"] and result["decentralized"] == [] and len(result["single"]) == 1
+    assert result["expected_rows"]["decentralized"] == 0
+    cache = json.loads((tiny_suite / "baselines.json").read_text())
+    assert cache and not any(k.startswith("dec|") for k in cache)
+
+
 def test_decentralized_row_is_the_median_over_seeds(tiny_suite):
     argv = ["--quick", "--tasks", "heldout_logreg_l2", "--checkpoint", "adam_init",
             "--seeds", "0", "1", "2", "--jobs", "1"]  # fmt: skip
