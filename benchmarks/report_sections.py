@@ -273,6 +273,9 @@ def render_registry_sides(r: dict) -> str:
     table.append(
         ["**rows below 0.8x**", ""] + [str(r["summary"][lb]["rows_below_0.8"]) for lb in labels]
     )
+    table.append(  # non-finite or ended above the first loss, over every row and seed
+        ["**diverged runs**", ""] + [str(r["summary"][lb]["diverged_runs"]) for lb in labels]
+    )
     sides = "; ".join(
         f"`{s['label']}` = `{s['checkpoint']}`"
         + ("" if not s["fields"] else " with " + ", ".join(f"{k}={v:g}" for k, v in s["fields"].items()))

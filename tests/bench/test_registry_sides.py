@@ -62,6 +62,7 @@ def test_score_takes_the_best_baseline_per_seed_and_the_median():
                "tuned_from": "quality_single.json", "wall_seconds": 60.0, "command": "c"}  # fmt: skip
     text = render_registry_sides(payload)
     assert f"| t | 2000 | {long['speedup']:.2f}x |" in text and "rows below 0.8x" in text
+    assert "| **diverged runs** |  | 0 |" in text
 
 
 def test_duplicate_labels_and_bad_fields_are_refused():
