@@ -95,6 +95,17 @@ def resolve_side(side: str) -> Factory:
     return fn
 
 
+def shipped_default(params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
+    """The shipped single-worker rule as a factory: ``LearnedOptimizer(params, lr=lr_mult)``
+    without a checkpoint. A factory runs single-worker only, so a run of it alone, say at
+    seeds beyond the suite's, tunes no decentralized baseline::
+
+        python -m benchmarks.quality_heldout --checkpoint \\
+            --factory benchmarks.heldout_single:shipped_default --seeds 3 4
+    """
+    return LearnedOptimizer(params, lr=lr_mult)
+
+
 def adamw(lr: float) -> Factory:
     """AdamW at ``lr`` (torch's defaults otherwise) as a factory ignoring the multiplier."""
     return lambda params, lr_mult=1.0: torch.optim.AdamW(params, lr=lr * lr_mult)

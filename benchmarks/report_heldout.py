@@ -97,6 +97,11 @@ def render_quality_heldout_adapt(r: dict) -> str:
     return _render(r, "quality_heldout_adapt")
 
 
+@section("quality_heldout_seeds34")
+def render_quality_heldout_seeds34(r: dict) -> str:
+    return _render(r, "quality_heldout_seeds34")
+
+
 def _seeds(r: dict) -> str:
     """How the rows were taken over seeds: every row over ``seeds`` (a result of before
     single-worker rows had seeds: those at ``seed``, decentralized ones at
@@ -141,13 +146,18 @@ def _render(r: dict, name: str) -> str:
     if "single_side" in r["summary"]:
         lines.insert(0, _summary_line(r["summary"]["side"], r["summary"]))
     summaries = "\n".join(f"- {line}" for line in lines)
+    decentralized = ""
+    if r["decentralized"] or r["expected_rows"]["decentralized"]:  # none: factories alone
+        decentralized = (
+            "\n\nDecentralized (simulated workers, label-skewed data), learned optimizer with "
+            "learned mixing against the best of D-SGD, D-Adam and DSGT, each Metropolis-mixed "
+            "and tuned per setting; scored on the averaged model's loss on the whole training "
+            "set:\n\n" + _decentralized_table(r)
+        )
     return (
         "Single worker, against AdamW tuned per task and horizon:\n\n"
         + _single_table(r)
-        + "\n\nDecentralized (simulated workers, label-skewed data), learned optimizer with "
-        "learned mixing against the best of D-SGD, D-Adam and DSGT, each Metropolis-mixed and "
-        "tuned per setting; scored on the averaged model's loss on the whole training set:\n\n"
-        + _decentralized_table(r)
+        + decentralized
         + f"\n\n{summaries}\n\n{partial}Targets: median {t['median_speedup_single']} single "
         f"and {t['median_speedup_decentralized']} decentralized, minimum "
         f"{t['min_speedup']}, {t['divergences']} divergences. Speedup = steps the tuned "
