@@ -99,7 +99,7 @@ class Suite:
         # factories run single-worker only: without a checkpoint no decentralized row is
         # scored, so no decentralized baseline is tuned either
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
-                         for seed in self.seeds if self.checkpoints]  # fmt: skip
+                         for seed in self.seeds] if self.checkpoints else []  # fmt: skip
         self.learned_cache = BaselineCache(LEARNED_CACHE)
         self.side_ids = {side: single.side_id(side) for side in self.sides}
         self.learned: dict = {}  # (side, task, mult, steps, seed) -> curve

@@ -65,12 +65,10 @@ def test_any_torch_optimizer_runs_on_a_task_through_a_factory():
 
 
 def test_the_shipped_default_as_a_factory():
-    from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
-
     factory = single.resolve_side("benchmarks.heldout_single:shipped_default")
     opt = factory([torch.zeros(3, requires_grad=True)], 0.5)
     assert opt.param_groups[0]["lr"] == 0.5
-    assert opt.card == single.load_checkpoint(SINGLE_WORKER_CHECKPOINT)[1]
+    assert opt.card == load_checkpoint(SINGLE_WORKER_CHECKPOINT)[1]
 
 
 @pytest.mark.parametrize(
