@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -29,6 +30,12 @@ from .membership import ON_FAILURE
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES, check_share_state_every, shares_state
 from .topology import Topology, get_topology
+
+#: The warning of a gossip run with one worker (a torchrun of one process, devices=1).
+NOTHING_TO_MIX = (
+    "GossipOptimizer: world size 1, so there is nothing to mix; each step is the local "
+    "optimizer's step alone"
+)
 
 
 def default_communicator(
@@ -206,6 +213,8 @@ class GossipOptimizer:
         self.mixing = mixing
         self.communicator = communicator
         self.topology = communicator.topology
+        if self.topology.world_size == 1:
+            warnings.warn(NOTHING_TO_MIX, UserWarning, stacklevel=2)
         self.net = mixing_net
         if mixing == "learned" and self.net is None:
             raise ValueError(

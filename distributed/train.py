@@ -35,13 +35,39 @@ import torch.distributed as dist
 
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
-from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_tasks
 
 from .averaging import all_reduce_mean_
 from .compression import default_consensus_step, get_compressor
 from .gossip import GossipOptimizer
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
+
+#: What a core-only install (no ``[tasks]`` extra) prints instead of a traceback per rank.
+TASKS_EXTRA = (
+    "learned-opt train needs the tasks extra ({} is missing): pip install 'learned-opt[tasks]'"
+)
+
+
+def _missing_extra(module: str) -> SystemExit:
+    """Exit with one line on rank 0 (and silently on the others) naming the extra to install."""
+    if os.environ.get("RANK", "0") == "0":
+        print(TASKS_EXTRA.format(module), file=sys.stderr, flush=True)
+    return SystemExit(1)
+
+
+try:
+    from learned_opt.tasks import PARTITION_SCHEMES, get_task, list_tasks
+except ImportError as exc:  # numpy, which the tasks import at once
+    raise _missing_extra(exc.name or "numpy") from None
+
+
+def require_tasks_extra() -> None:
+    """Exit with one line unless scikit-learn, which the tasks' datasets need, imports."""
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        raise _missing_extra("scikit-learn") from None
+
 
 DEFAULT_LR = {"learned": 1.0, "adam": 1e-3, "sgd": 0.1}
 
@@ -352,6 +378,7 @@ def format_summary(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     """Entry point: joins (or creates) the process group, trains, prints, cleans up."""
+    require_tasks_extra()
     args = parse_args(argv)
     created = False
     if not dist.is_initialized():

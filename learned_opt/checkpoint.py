@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import warnings
+import zipfile
 from importlib import resources
 from pathlib import Path
 
@@ -59,6 +60,17 @@ def _load_problem(exc: BaseException) -> str:
     return f"truncated, corrupt or not a torch file ({first})"
 
 
+def _truncated_zip(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file that starts as a zip archive (torch's format) but lacks the
+    record every zip archive ends with: the file was cut short."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return head == b"PK\x03\x04" and not zipfile.is_zipfile(path)
+
+
 def read_torch_file(path: str | os.PathLike, what: str = "a checkpoint"):
     """``torch.load(path, weights_only=True)`` onto the CPU, so reading can never run code.
 
@@ -70,7 +82,9 @@ def read_torch_file(path: str | os.PathLike, what: str = "a checkpoint"):
             warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # truncated zip, random bytes, pickled code, a folder, ...
-        if isinstance(exc, OSError):
+        if _truncated_zip(path):
+            problem = "truncated: the file ends before its zip archive does (a partial copy?)"
+        elif isinstance(exc, OSError):
             problem = f"cannot be opened ({type(exc).__name__}: {exc.strerror or exc})"
         else:
             problem = _load_problem(exc)

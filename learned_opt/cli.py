@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         from learned_opt.distributed.train import main as train_main
 
-        return train_main(rest) or 0
+        train_main(rest)  # returns the run's summary, which is not an exit status
+        return 0
     print(f"unknown command {command!r}; run 'learned-opt --help'", file=sys.stderr)
     return 2
 

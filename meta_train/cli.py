@@ -32,11 +32,11 @@ def meta_cli_main(args: list[str] | None = None):
 
     command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
     MetaTrainModule.launch_command = command
-    if args is None:  # LightningCLI reads sys.argv itself
-        sys.argv[1:] = resolve_config_args(sys.argv[1:])
-    else:
-        args = resolve_config_args(list(args))
     try:
+        if args is None:  # LightningCLI reads sys.argv itself
+            sys.argv[1:] = resolve_config_args(sys.argv[1:])
+        else:
+            args = resolve_config_args(list(args))
         MetaCLI(
             MetaTrainModule,
             TaskSeedDataModule,
@@ -44,9 +44,17 @@ def meta_cli_main(args: list[str] | None = None):
             seed_everything_default=0,
             save_config_kwargs={"overwrite": True},
             trainer_defaults=dict(TRAINER_DEFAULTS),
+            # a parse error is raised, not printed after 70 lines of usage
+            parser_kwargs={"exit_on_error": False},
         )
-    except (UsageError, CheckpointError) as exc:
-        print(f"learned-opt-meta: error: {exc}", file=sys.stderr)
+    except (UsageError, CheckpointError, argparse.ArgumentError) as exc:
+        message = " ".join(str(exc).split())  # jsonargparse's message may span lines
+        print(f"learned-opt-meta: error: {message}", file=sys.stderr)
+        if isinstance(exc, argparse.ArgumentError):
+            print(
+                "learned-opt-meta: run 'learned-opt-meta fit --help' for the options",
+                file=sys.stderr,
+            )
         raise SystemExit(2) from None
 
 

@@ -48,11 +48,19 @@ def shipped_configs() -> list[str]:
 
 
 def resolve_config_args(args: list[str]) -> list[str]:
-    """``args`` with each ``--config <shipped name>`` replaced by the shipped file's path."""
+    """``args`` with each ``--config <shipped name>`` replaced by the shipped file's path;
+    a :class:`UsageError` when a config is neither a shipped name nor a file."""
 
     def resolve(value: str) -> str:
         shipped = CONFIG_DIR / f"{value}.yaml"
-        return str(shipped) if not is_explicit_path(value) and shipped.is_file() else value
+        if not is_explicit_path(value) and shipped.is_file():
+            return str(shipped)
+        if not Path(value).is_file():
+            raise UsageError(
+                f"--config {value}: no such file, and not a shipped config "
+                f"(shipped: {', '.join(shipped_configs())})"
+            )
+        return value
 
     out: list[str] = []
     for i, arg in enumerate(args):

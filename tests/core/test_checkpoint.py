@@ -110,12 +110,13 @@ def test_missing_file(tmp_path):
     _assert_error(tmp_path / "absent.pt", "no such file")
 
 
-def test_truncated_file(saved, tmp_path):
+@pytest.mark.parametrize("kept", [0.1, 0.5, 0.75, 0.99])
+def test_truncated_file(saved, tmp_path, kept):
     _, path = saved
     data = path.read_bytes()
     bad = tmp_path / "truncated.pt"
-    bad.write_bytes(data[: len(data) // 2])
-    _assert_error(bad, "cannot be read", "truncated")
+    bad.write_bytes(data[: int(len(data) * kept)])
+    _assert_error(bad, "cannot be read", "truncated: the file ends before its zip archive")
 
 
 def test_random_bytes(tmp_path):

@@ -14,6 +14,7 @@ from learned_opt.meta_train.data import TaskSeedDataModule
 from learned_opt.meta_train.meta_cli import (
     TRAINER_DEFAULTS,
     MetaCLI,
+    UsageError,
     resolve_config_args,
     shipped_configs,
 )
@@ -31,15 +32,36 @@ def _parse(tmp_path, *args) -> MetaCLI:
     )
 
 
-def test_shipped_config_names_resolve_and_paths_stay_paths():
+def test_shipped_config_names_resolve_and_paths_stay_paths(tmp_path, monkeypatch):
     assert {"smoke", "default", "finetune"} <= set(shipped_configs())
     resolved = resolve_config_args(["fit", "--config", "smoke", "--config=finetune", "-x"])
     assert resolved == [
         "fit", "--config", str(CONFIG_DIR / "smoke.yaml"),
         f"--config={CONFIG_DIR / 'finetune.yaml'}", "-x",
     ]  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
     for path in ("./smoke", "smoke.yaml", "configs/smoke", "unknown"):
+        with pytest.raises(UsageError, match="no such file, and not a shipped config"):
+            resolve_config_args(["--config", path])
+        (tmp_path / path).write_text("model: {}\n")
         assert resolve_config_args(["--config", path]) == ["--config", path]
+
+
+@pytest.mark.parametrize(
+    "args, first",
+    [
+        (["fit", "--config", "nosuch"], "--config nosuch: no such file, and not a shipped"),
+        (["fit", "--model.no_such_field=3"], "unrecognized arguments: --model.no_such_field"),
+    ],
+)
+def test_parse_errors_print_at_most_three_lines(capsys, monkeypatch, args, first):
+    monkeypatch.setattr(sys, "argv", ["learned-opt-meta"])  # as from the console
+    with pytest.raises(SystemExit) as info:
+        meta_cli_main(args)
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) <= 3 and lines[0].startswith(f"learned-opt-meta: error: {first}"), lines
 
 
 def test_finetune_config_refers_to_the_shipped_stage1_by_name():
