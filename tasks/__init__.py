@@ -33,8 +33,10 @@ from .registry import (
     check_not_held_out,
     get_task,
     is_held_out,
+    is_validation,
     list_heldout_tasks,
     list_tasks,
+    list_validation_tasks,
 )
 
 __all__ = [
@@ -53,11 +55,13 @@ __all__ = [
     "get_family",
     "get_task",
     "is_held_out",
+    "is_validation",
     "label_skew",
     "list_datasets",
     "list_families",
     "list_heldout_tasks",
     "list_tasks",
+    "list_validation_tasks",
     "load_dataset",
     "partition_indices",
     "stack_params",

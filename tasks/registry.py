@@ -3,7 +3,9 @@
 Two kinds of fixed task live here: the held-in tasks (``TASK_SPECS``, used for
 validation and the benchmarks) and the held-out tasks (:mod:`learned_opt.tasks.heldout`),
 marked so that meta-training can never sample or validate on them:
-:func:`check_not_held_out` is called on every meta-training config.
+:func:`check_not_held_out` is called on every meta-training config. The validation tasks
+(:mod:`learned_opt.tasks.validation`), on which choices about the rule are made, carry
+the same refusal.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import functools
 from .base import Task, TaskSpec, from_description
 from .families import get_family
 from .heldout import HELDOUT_BUILDERS
+from .validation import VALIDATION_BUILDERS
 
 __all__ = [
     "TASK_SPECS",
     "check_not_held_out",
     "get_task",
     "is_held_out",
+    "is_validation",
     "list_heldout_tasks",
     "list_tasks",
+    "list_validation_tasks",
 ]
 
 TASK_SPECS: dict[str, TaskSpec] = {
@@ -70,6 +75,16 @@ def list_heldout_tasks() -> list[str]:
     return list(HELDOUT_BUILDERS)
 
 
+def list_validation_tasks() -> list[str]:
+    """Names of the validation tasks, where choices about the rule are made."""
+    return list(VALIDATION_BUILDERS)
+
+
+def is_validation(name: str) -> bool:
+    """Whether ``name`` is a validation task."""
+    return name in VALIDATION_BUILDERS
+
+
 def is_held_out(name: str) -> bool:
     """Whether ``name`` is a held-out task or the name of a held-out family."""
     if name in HELDOUT_BUILDERS:
@@ -81,7 +96,8 @@ def is_held_out(name: str) -> bool:
 
 
 def check_not_held_out(names) -> None:
-    """Raise ``ValueError`` if any of ``names`` (task or family names) is held out.
+    """Raise ``ValueError`` if any of ``names`` (task or family names) is held out or is
+    a validation task.
 
     Meta-training calls this on every config field that names tasks or families it
     samples or validates on.
@@ -93,25 +109,32 @@ def check_not_held_out(names) -> None:
             f"{bad} held out for evaluation: meta-training may never sample or validate on "
             f"held-out tasks or families (held-out tasks: {list_heldout_tasks()})"
         )
+    chosen_on = [n for n in names if is_validation(n)]
+    if chosen_on:
+        raise ValueError(
+            f"{chosen_on} kept for choosing the rule: meta-training may never sample or "
+            f"validate on validation tasks (validation tasks: {list_validation_tasks()})"
+        )
 
 
 @functools.cache
 def _cached(name: str) -> Task:
     if name in HELDOUT_BUILDERS:
         return HELDOUT_BUILDERS[name]()
+    if name in VALIDATION_BUILDERS:
+        return VALIDATION_BUILDERS[name]()
     return Task(TASK_SPECS[name])
 
 
 def get_task(name: str) -> Task:
-    """A fixed task (held-in or held-out) by name, or any task from a ``describe()`` line
+    """A fixed task (held-in, held-out or validation) by name, or any task from a ``describe()`` line
     (contains "=").
 
     Raises ``ValueError`` naming the valid choices for an unknown name.
     """
     if "=" in name:
         return from_description(name)
-    if name not in TASK_SPECS and name not in HELDOUT_BUILDERS:
-        raise ValueError(
-            f"unknown task {name!r}; valid choices: {list_tasks() + list_heldout_tasks()}"
-        )
+    if name not in TASK_SPECS and name not in HELDOUT_BUILDERS and name not in VALIDATION_BUILDERS:
+        valid = list_tasks() + list_heldout_tasks() + list_validation_tasks()
+        raise ValueError(f"unknown task {name!r}; valid choices: {valid}")
     return _cached(name)
