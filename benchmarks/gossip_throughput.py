@@ -112,7 +112,7 @@ def consensus_study(steps: int = 200, workers: int = 8, seed: int = 0) -> dict:
         params = [
             {k: v.clone().requires_grad_(True) for k, v in init.items()} for _ in range(workers)
         ]
-        opts = [LearnedOptimizer(list(p.values()), DEFAULT_CHECKPOINT) for p in params]
+        opts = [LearnedOptimizer(list(p.values()), checkpoint=DEFAULT_CHECKPOINT) for p in params]
         theta = opts[0].theta(torch.device("cpu"), torch.float32)
         curve, losses = {}, []
         for step in range(steps):

@@ -40,8 +40,19 @@ def checked_lr(lr, where: str = "lr") -> float:
     return float(value)
 
 
+#: The error of a positional argument after ``params``.
+KEYWORD_ONLY = (
+    "LearnedOptimizer(params, {!r}): everything after params is keyword-only; lr= is a "
+    "multiplier of the learned step (default 1.0, not a learning rate like Adam's 1e-3), "
+    "and a checkpoint is passed as checkpoint='name or path'"
+)
+
+
 class LearnedOptimizer(Optimizer):
     """A meta-trained optimizer, used like any ``torch.optim`` optimizer.
+
+    Everything after ``params`` is keyword-only: ``LearnedOptimizer(params, 1e-3)`` raises a
+    ``TypeError`` (``lr`` is a multiplier, not Adam's learning rate).
 
     Args:
         params: parameters or param-group dicts, as for any torch optimizer.
@@ -106,9 +117,9 @@ class LearnedOptimizer(Optimizer):
     def __init__(
         self,
         params: Iterable[Tensor] | Iterable[dict],
+        *positional,
         checkpoint: str | os.PathLike | None = None,
         lr: float = 1.0,
-        *,
         net: LearnedOptimizerNet | None = None,
         chunk_size: int = DEFAULT_CHUNK,
         small_tensor_size: int = SMALL_TENSOR_SIZE,
@@ -116,6 +127,8 @@ class LearnedOptimizer(Optimizer):
         stack_same_shape: bool | None = None,
         fused: bool | str | None = None,
     ):
+        if positional:  # the Adam(params, 1e-3) habit would make every step 1000x too small
+            raise TypeError(KEYWORD_ONLY.format(positional[0]))
         checked_lr(lr, "learning-rate multiplier lr")
         check_fused(fused)
         if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -335,7 +348,14 @@ class LearnedOptimizer(Optimizer):
         """Load optimizer state. State tensors take the dtype a fresh state of the parameter
         would have (float32 for float32/bf16/fp16 parameters, float64 for float64 ones,
         whatever they were saved in) and the parameter's device; so a run resumed on the
-        same parameters continues bit-for-bit."""
+        same parameters continues bit-for-bit.
+
+        A state dict of another optimizer, or one saved for parameters of other shapes, is
+        refused with a one-line :class:`~learned_opt._state_dict.StateDictError` (a
+        ``ValueError``) naming the parameter and what differs; nothing is loaded then."""
+        from ._state_dict import check_state_dict
+
+        check_state_dict(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = chain.from_iterable(g["params"] for g in self.param_groups)

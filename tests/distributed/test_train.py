@@ -110,7 +110,7 @@ def test_the_shipped_rule_follows_where_the_optimizer_steps():
     single, gossip = (load_checkpoint(n)[1] for n in (SINGLE_WORKER_CHECKPOINT, DEFAULT_CHECKPOINT))
     assert single != gossip
     p = torch.zeros(4, requires_grad=True)
-    fresh, named = LearnedOptimizer([p]), LearnedOptimizer([p], SINGLE_WORKER_CHECKPOINT)
+    fresh, named = LearnedOptimizer([p]), LearnedOptimizer([p], checkpoint=SINGLE_WORKER_CHECKPOINT)
     assert fresh.card == single and fresh.net.config.adapts_lr  # alone: the single-worker rule
     stepped = LearnedOptimizer([p])
     p.grad = torch.ones(4)

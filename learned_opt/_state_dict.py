@@ -1,0 +1,89 @@
+"""The check ``LearnedOptimizer.load_state_dict`` runs before it changes anything.
+
+A state dict of another optimizer (``torch.optim.Adam``'s, say), or one saved for
+parameters of other shapes, is refused with one line naming the parameter and what
+differs; torch's own ``load_state_dict`` would accept either, and the next step would fail
+far from the cause (a bare ``KeyError``, or a size assertion of the compiled kernel).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+from torch import Tensor
+
+#: Per-parameter state of a LearnedOptimizer: required keys, then optional ones.
+REQUIRED_STATE = ("m", "v")
+OPTIONAL_STATE = ("log_lr", "nonfinite_skips")
+#: Hyper-parameters of torch's built-in optimizers that a LearnedOptimizer's groups lack.
+FOREIGN_GROUP_KEYS = (
+    "betas", "momentum", "eps", "amsgrad", "dampening", "nesterov", "weight_decay", "alpha",
+    "rho", "lr_decay", "initial_accumulator_value", "momentum_decay", "etas", "step_sizes",
+)  # fmt: skip
+
+
+class StateDictError(ValueError):
+    """A state dict that a LearnedOptimizer cannot load; nothing was loaded."""
+
+
+def _shape(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def _check_entry(index: int, p: Tensor, entry: dict) -> None:
+    """One parameter's saved state against the parameter it would be loaded into."""
+    where = f"parameter {index} (shape {_shape(p)})"
+    if not entry:
+        return  # a parameter that has not stepped yet
+    unknown = sorted(set(entry) - set(REQUIRED_STATE) - set(OPTIONAL_STATE))
+    missing = [k for k in REQUIRED_STATE if k not in entry]
+    if unknown or missing:
+        raise StateDictError(
+            f"{where}: saved state has keys {sorted(entry)}, a LearnedOptimizer's has "
+            f"{list(REQUIRED_STATE + OPTIONAL_STATE)}: a state dict of another optimizer?"
+        )
+    expected = {"m": (3, *_shape(p)), "v": _shape(p)}
+    for key, shape in expected.items():
+        value = entry[key]
+        if not isinstance(value, Tensor) or not value.is_floating_point():
+            raise StateDictError(f"{where}: saved {key} is not a floating-point tensor")
+        if _shape(value) != shape:
+            raise StateDictError(
+                f"{where}: saved {key} has shape {_shape(value)}, expected {shape}: "
+                "state saved for other parameters, or in another order?"
+            )
+    log_lr = entry.get("log_lr")
+    if log_lr is not None and (not isinstance(log_lr, Tensor) or log_lr.numel() != 1):
+        raise StateDictError(f"{where}: saved log_lr is not a one-element tensor")
+
+
+def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
+    """Raise :class:`StateDictError` (one line) unless ``state_dict`` is a LearnedOptimizer's
+    state for parameters of the shapes in ``param_groups``."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        raise StateDictError("not an optimizer state dict (no 'state' and 'param_groups')")
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups):
+        raise StateDictError(
+            f"saved state has {len(saved_groups)} param groups, this optimizer {len(param_groups)}"
+        )
+    for g, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        if len(saved["params"]) != len(group["params"]):
+            raise StateDictError(
+                f"param_groups[{g}] has {len(saved['params'])} parameters in the saved "
+                f"state, {len(group['params'])} here"
+            )
+    saved_ids = chain.from_iterable(g["params"] for g in saved_groups)
+    params = chain.from_iterable(g["params"] for g in param_groups)
+    for index, (pid, p) in enumerate(zip(saved_ids, params)):
+        entry = state_dict["state"].get(pid, {})
+        if not isinstance(entry, dict):
+            raise StateDictError(f"parameter {index}: saved state is not a dict")
+        _check_entry(index, p, entry)
+    for g, saved in enumerate(saved_groups):  # another optimizer's state before any step
+        foreign = sorted(k for k in FOREIGN_GROUP_KEYS if k in saved)
+        if foreign:
+            raise StateDictError(
+                f"param_groups[{g}] holds {', '.join(foreign)}: a state dict of another "
+                "optimizer (a LearnedOptimizer's groups hold lr, a multiplier, and step)"
+            )

@@ -1,0 +1,89 @@
+"""Habits from ``torch.optim`` that must fail at once with one line, changing nothing:
+a positional learning rate, and a state dict of another optimizer or other parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optim_table import fixed_grads, make_params, perturbed_net
+
+from learned_opt import LearnedOptimizer
+
+
+@pytest.mark.parametrize("second", [1e-3, "adapt_init_2x"])
+def test_positional_second_argument_is_refused_in_one_line(second):
+    with pytest.raises(TypeError) as info:
+        LearnedOptimizer(make_params(), second)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "keyword-only" in message and "multiplier of the learned step (default 1.0" in message
+    assert "checkpoint='name or path'" in message and repr(second) in message
+
+
+def _stepped(params, steps: int = 2) -> LearnedOptimizer:
+    opt = LearnedOptimizer(params, net=perturbed_net())
+    for k in range(steps):
+        fixed_grads(params, k)
+        opt.step()
+    return opt
+
+
+def _snapshot(opt):
+    return {
+        id(p): {k: v.clone() for k, v in s.items() if torch.is_tensor(v)}
+        for p, s in opt.state.items()
+    }, [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _adam_state(params):
+    adam = torch.optim.Adam(params, lr=3e-4)
+    fixed_grads(params, 0)
+    adam.step()
+    return adam.state_dict()
+
+
+def _other_shapes_state(params):
+    other = [torch.nn.Parameter(torch.zeros(p.shape[0] + 1, *p.shape[1:])) for p in params]
+    return _stepped(other).state_dict()
+
+
+@pytest.mark.parametrize(
+    "saved, fragment",
+    [
+        (
+            _adam_state,
+            "parameter 0 (shape (7, 5)): saved state has keys ['exp_avg', 'exp_avg_sq', 'step']",
+        ),
+        (
+            lambda params: torch.optim.Adam(params, lr=3e-4).state_dict(),
+            "param_groups[0] holds amsgrad, betas, eps, weight_decay: a state dict of another optimizer",
+        ),
+        (
+            _other_shapes_state,
+            "parameter 0 (shape (7, 5)): saved m has shape (3, 8, 5), expected (3, 7, 5)",
+        ),
+        (lambda params: {"state": {}}, "not an optimizer state dict"),
+    ],
+)
+def test_foreign_or_mismatched_state_dict_is_refused_and_nothing_changes(saved, fragment):
+    params = make_params()
+    opt = _stepped(params)
+    before_state, before_groups = _snapshot(opt)
+    state_dict = saved(make_params())
+    with pytest.raises(ValueError) as info:
+        opt.load_state_dict(state_dict)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    after_state, after_groups = _snapshot(opt)
+    assert after_groups == before_groups
+    assert before_state.keys() == after_state.keys()
+    for key, tensors in before_state.items():
+        assert all(torch.equal(v, after_state[key][name]) for name, v in tensors.items())
+
+
+def test_own_state_dict_still_loads():
+    params = make_params()
+    opt = _stepped(params)
+    fresh = LearnedOptimizer(params, net=perturbed_net())
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["step"] == 2
+    assert all(torch.equal(fresh.state[p]["v"], opt.state[p]["v"]) for p in params)
