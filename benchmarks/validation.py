@@ -1,0 +1,359 @@
+"""Validation benchmark: a rule on the validation family, where every choice about it is made.
+
+Single worker: every problem of :data:`learned_opt.tasks.validation.SINGLE_PROBLEMS` (a
+task and a horizon) against AdamW tuned per problem and seed over 6 learning rates
+(extended at an edge) x constant/cosine, the way the held-out suite tunes it
+(:mod:`benchmarks.heldout_single`), and beside the zero-tuning anchors
+(:mod:`benchmarks.validation_anchors`: schedule-free AdamW, Prodigy constant and cosine,
+Muon with AdamW). Speedups by step count (steps tuned AdamW needs to reach a loss level /
+steps the side needs, :func:`learned_opt.meta_train.evaluation.speedup`) and by wall clock
+(the step speedup times the ratio of step times measured side by side at seed 0, optimizer
+included); a run *diverged* if its loss went non-finite or ended above where it started.
+A row is the median over the seeds. Decentralized: every setting of
+:data:`~learned_opt.tasks.validation.DECENTRALIZED_PROBLEMS`, run as the held-out suite
+runs its settings (:mod:`benchmarks.heldout_decentralized`: the averaged model's
+training-set loss, learned mixing, tuned D-SGD, D-Adam and DSGT).
+
+The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
+label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` fields
+replaced (as in :mod:`benchmarks.registry_sides`). Tuned baselines and anchor runs are
+cached in ``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
+Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
+rewritten as results come in.
+
+    python -m benchmarks.validation --checkpoint adapt_init_2x --jobs 1
+    python -m benchmarks.validation --side e3=adapt_init_2x:lr_adapt_max_ortho=3 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from benchmarks import heldout_decentralized as dec
+from benchmarks import heldout_single as single
+from benchmarks import validation_anchors as anchors
+from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.gossip_validation import WORKER_FIELDS, learned_run, parse_side
+from benchmarks.job_queue import JobQueue
+from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
+from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.meta_train.evaluation import BaselineCache
+from learned_opt.network import LearnedOptimizerNet
+from learned_opt.tasks.validation import DECENTRALIZED_PROBLEMS, SINGLE_PROBLEMS
+
+CACHE = RESULTS / "validation_baselines.json"
+SEEDS = (0, 1)
+MAX_EXTENSIONS = 2
+
+
+# ----------------------------------------------------------------------------- jobs
+def side_factory(checkpoint: str, fields: dict) -> single.Factory:
+    """The rule as a factory ``(params, lr_mult) -> LearnedOptimizer``: the checkpoint, its
+    config's ``fields`` replaced (the simulated workers' fields have no effect here)."""
+    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
+    if not config:
+        return single.resolve_side(checkpoint)
+    net, _ = load_checkpoint(checkpoint)
+    replaced = LearnedOptimizerNet(dataclasses.replace(net.config, **config))
+    replaced.load_state_dict(net.state_dict())
+    return lambda params, lr_mult=1.0: LearnedOptimizer(params, net=replaced, lr=lr_mult)
+
+
+def typed_fields(checkpoint: str, fields: dict) -> dict:
+    """``fields`` (parsed as floats) with whole numbers made ``int`` where the checkpoint's
+    config holds an ``int`` (``ns_steps=3`` must not become ``3.0``)."""
+    cfg = load_checkpoint(checkpoint)[0].config
+    out = {}
+    for key, value in fields.items():
+        current = getattr(cfg, key, None)
+        whole = isinstance(current, int) and not isinstance(current, bool)
+        out[key] = int(value) if whole and float(value).is_integer() else value
+    return out
+
+
+def learned_job(task: str, side: tuple, steps: int, seed: int) -> dict:
+    """The rule's run (multiplier 1) of ``steps`` steps at ``seed``."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    curve = single.run(task, side_factory(side[1], side[2]), steps, seed=seed)
+    return {"curve": curve, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def timing_job(task: str, side: tuple, steps: int) -> dict:
+    """Median ms per training step of AdamW, the rule and every anchor, side by side."""
+    torch.set_num_threads(1)
+    factories = {"adamw": single.adamw(1e-3), "learned": side_factory(side[1], side[2])}
+    found = anchors.factories(task, steps)
+    factories.update((a, found[a]) for a in ("schedulefree_adamw", "prodigy_constant",
+                                             "muon_adamw"))  # fmt: skip
+    ms = single.time_side_by_side(task, factories)
+    ms["prodigy_cosine"] = ms["prodigy_constant"]  # the same step
+    return {"ms_per_step": ms}
+
+
+def dec_learned_job(setting: dict, side: tuple) -> dict:
+    return learned_run(setting, side[1], side[2])
+
+
+def adamw_key(task, schedule, lr, steps, seed) -> str:
+    return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"
+
+
+def anchor_key(task, anchor, steps, seed) -> str:
+    return f"anchor|{task}|{anchor}|{steps}|{seed}|{anchors.versions()}"
+
+
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when the rule's code has uncommitted changes
+    (the files :func:`single.code_hash` reads are the ones that count)."""
+    root = RESULTS.parents[1]
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "learned_opt", "distributed", "meta_train/inner.py")
+    return head + ("+dirty" if dirty.stdout.strip() else "")
+
+
+# ----------------------------------------------------------------------------- the run
+class Run:
+    """The jobs of one invocation, their results and the baseline cache."""
+
+    def __init__(self, args, side: tuple):
+        self.args, self.side = args, side
+        self.cache = BaselineCache(CACHE)
+        wanted = lambda task: not args.problems or task in args.problems  # noqa: E731
+        self.problems = [(t, h, k) for t, h, k in SINGLE_PROBLEMS
+                         if wanted(t) and (not args.quick or h <= 500)]  # fmt: skip
+        settings = [] if args.no_decentralized else [s for s in DECENTRALIZED_PROBLEMS
+                                                     if wanted(s["task"])]  # fmt: skip
+        self.settings = settings[:2] if args.quick else settings
+        self.seeds = list(args.seeds or (SEEDS[:1] if args.quick else SEEDS))
+        self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
+        self.lrs = {(t, h, s): set(self.grid) for t, h, _ in self.problems for s in self.seeds}
+        self.extensions = dict.fromkeys(self.lrs, 0)
+        self.learned: dict = {}  # (task, horizon, seed) -> curve
+        self.timing: dict = {}  # task -> ms per step by optimizer
+        self.dec_learned: dict = {}  # (setting index, seed) -> run
+        self.pending: dict = {}  # ticket -> (kind, key)
+        self.failed: list[str] = []  # jobs that raised, one line each
+
+    # ------------------------------------------------------------------ AdamW
+    def adamw_runs(self, task: str, h: int, seed: int) -> dict[str, list[float]]:
+        """Cached AdamW curves of the problem's grid, keyed for :func:`single.best_adamw`."""
+        out = {}
+        for lr in self.lrs[task, h, seed]:
+            for schedule in single.SCHEDULES:
+                key = adamw_key(task, schedule, lr, h, seed)
+                if key in self.cache.data:
+                    out[f"{schedule}|{lr!r}|{h}"] = self.cache.data[key]
+        return out
+
+    def grid_complete(self, task: str, h: int, seed: int) -> bool:
+        return len(self.adamw_runs(task, h, seed)) == 2 * len(self.lrs[task, h, seed])
+
+    def submit(self, pool, kind: str, key, fn, *args, **kwargs) -> None:
+        self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key)
+
+    def submit_adamw(self, pool, task: str, h: int, seed: int, lr: float) -> None:
+        for schedule in single.SCHEDULES:
+            key = adamw_key(task, schedule, lr, h, seed)
+            if key not in self.cache.data:
+                self.submit(pool, "cached", key, single.run_job, task, None, h, lr=lr,
+                            schedule=schedule, seed=seed)  # fmt: skip
+
+    def maybe_extend(self, pool, task: str, h: int, seed: int) -> None:
+        """Once the problem's grid is in, add a rate beyond an edge that holds the best."""
+        while self.grid_complete(task, h, seed) and self.extensions[task, h, seed] < MAX_EXTENSIONS:
+            lrs = self.lrs[task, h, seed]
+            best = single.best_adamw(self.adamw_runs(task, h, seed), h)
+            new = single.edge_extension(best, sorted(lrs))
+            if not new or new in lrs:
+                return
+            lrs.add(new)
+            self.extensions[task, h, seed] += 1
+            print(f"  {task}@{h} seed {seed}: best AdamW lr {best['lr']:g} at the grid's edge; "
+                  f"adding {new:g}", flush=True)  # fmt: skip
+            with pool.urgent():
+                self.submit_adamw(pool, task, h, seed, new)
+
+    # ------------------------------------------------------------------ scheduling
+    def submit_problem(self, pool, task: str, h: int, seed: int) -> None:
+        self.submit(pool, "learned", (task, h, seed), learned_job, task, self.side, h, seed)
+        for lr in sorted(self.lrs[task, h, seed]):
+            self.submit_adamw(pool, task, h, seed, lr)
+        for a in anchors.ANCHORS:
+            key = anchor_key(task, a, h, seed)
+            if key not in self.cache.data:
+                self.submit(pool, "cached", key, anchors.run_anchor, task, a, h, seed)
+        if seed == self.seeds[0] and task not in self.timing:
+            self.timing[task] = None
+            self.submit(pool, "timing", task, timing_job, task, self.side, h)
+
+    def submit_all(self, pool) -> None:
+        """Seed by seed: the problems of up to 500 steps, the decentralized settings, then
+        the long problems, so that a run stopped early holds whole rows."""
+        for seed in self.seeds:
+            for task, h, _ in sorted(self.problems, key=lambda p: p[1]):
+                if h <= 500:
+                    self.submit_problem(pool, task, h, seed)
+            for i, s in enumerate(self.settings):
+                setting = dict(s, seed=seed)
+                if dec.setting_key(setting) not in self.cache.data:
+                    self.submit(pool, "dec_base", dec.setting_key(setting), dec.baseline_job,
+                                s["task"], setting)  # fmt: skip
+                self.submit(pool, "dec_learned", (i, seed), dec_learned_job, setting, self.side)
+            for task, h, _ in sorted(self.problems, key=lambda p: p[1]):
+                if h > 500:
+                    self.submit_problem(pool, task, h, seed)
+        for key in self.lrs:
+            self.maybe_extend(pool, *key)  # whole grids already cached
+
+    def record(self, pool, ticket, future) -> None:
+        kind, key = self.pending.pop(ticket)
+        try:
+            out = future.result()
+        except Exception as exc:  # one broken job must not lose the others' hours
+            self.failed.append(f"{kind} {key}: {type(exc).__name__}: {str(exc)[:200]}")
+            print(f"[{len(self.pending)} left] FAILED {self.failed[-1]}", flush=True)
+            return
+        if kind in ("cached", "dec_base"):
+            self.cache.get(key, lambda: out["curve"] if kind == "cached" else out)
+            if key.startswith("single|"):
+                _, task, _, _, h, seed = key.split("|")
+                self.maybe_extend(pool, task, int(h), int(seed))
+        elif kind == "learned":
+            self.learned[key] = out["curve"]
+        elif kind == "timing":
+            self.timing[key] = out["ms_per_step"]
+        else:
+            self.dec_learned[key] = out
+        print(f"[{len(self.pending)} left] {kind} {key}"
+              + (f" ({out['seconds']} s)" if "seconds" in out else ""), flush=True)  # fmt: skip
+
+    # ------------------------------------------------------------------ result
+    def single_rows(self) -> list[dict]:
+        rows = []
+        for task, h, kind in self.problems:
+            bests, scored = [], []
+            for seed in self.seeds:
+                curves = {
+                    a: self.cache.data.get(anchor_key(task, a, h, seed)) for a in anchors.ANCHORS
+                }
+                learned = self.learned.get((task, h, seed))
+                if (
+                    not self.grid_complete(task, h, seed)
+                    or learned is None
+                    or None in curves.values()
+                ):
+                    break
+                bests.append(single.best_adamw(self.adamw_runs(task, h, seed), h))
+                scored.append(score_seed(bests[-1], learned, curves, self.timing.get(task)))
+            if len(scored) < len(self.seeds):
+                continue
+            a = bests[0]
+            rows.append({
+                "task": task, "horizon": h, "kind": kind,
+                "adamw": {"lr": a["lr"], "schedule": a["schedule"], "final": r4(a["final"]),
+                          "grid": {k: r4(v) for k, v in a["grid"].items()}},
+                "adamw_by_seed": [{"lr": b["lr"], "schedule": b["schedule"]} for b in bests],
+                "learned": merge([x["learned"] for x in scored]),
+                "anchors": {n: merge([x["anchors"][n] for x in scored]) for n in anchors.ANCHORS},
+                "ms_per_step": self.timing.get(task),
+            })  # fmt: skip
+        return rows
+
+    def dec_rows(self) -> list[dict]:
+        rows = []
+        for i, s in enumerate(self.settings):
+            per_seed = []
+            for seed in self.seeds:
+                base = self.cache.data.get(dec.setting_key(dict(s, seed=seed)))
+                run = self.dec_learned.get((i, seed))
+                if base is None or run is None:
+                    break
+                per_seed.append(dec_row(s, run, base))
+            if len(per_seed) < len(self.seeds):
+                continue
+            rows.append({**per_seed[0], "speedup": r4(statistics.median(r["speedup"] for r in per_seed)),
+                         "speedup_by_seed": [r["speedup"] for r in per_seed],
+                         "diverged": any(r["diverged"] for r in per_seed),
+                         "worse_than_dadam": any(r["worse_than_dadam"] for r in per_seed)})  # fmt: skip
+        return rows
+
+    def payload(self, seconds: float, command: str) -> dict:
+        singles, decs = self.single_rows(), self.dec_rows()
+        complete = len(singles) == len(self.problems) and len(decs) == len(self.settings)
+        complete = complete and not self.failed
+        label, checkpoint, fields = self.side
+        return {
+            "benchmark": "validation", "complete": complete, "quick": self.args.quick,
+            "side": {"label": label, "checkpoint": checkpoint, "fields": fields},
+            "summary": summarise(singles, decs), "targets": TARGETS,
+            "single": singles, "decentralized": decs, "seeds": self.seeds,
+            "adamw_grid": list(self.grid), "anchors": list(anchors.ANCHORS),
+            "anchor_versions": anchors.versions(), "timing_seed": self.seeds[0],
+            "failed_jobs": self.failed, "code_hash": single.code_hash(), "commit": commit(),
+            "wall_seconds": round(seconds, 1), "command": command, **machine(),
+        }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    rule = parser.add_mutually_exclusive_group(required=True)
+    rule.add_argument("--checkpoint", help="a shipped checkpoint name or a path")
+    rule.add_argument("--side", type=parse_side, help="label=checkpoint:field=value,...")
+    parser.add_argument("--quick", action="store_true",
+                        help="problems of up to 500 steps, 3 AdamW rates, one seed, two "
+                        "decentralized settings")  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help=f"seeds of every row (default {' '.join(map(str, SEEDS))})")  # fmt: skip
+    parser.add_argument("--problems", nargs="*", help="only these validation tasks")
+    parser.add_argument("--no-decentralized", action="store_true")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    side = args.side or (args.checkpoint, args.checkpoint, {})
+    try:
+        side = (side[0], side[1], typed_fields(side[1], side[2]))
+        side_factory(side[1], side[2])
+    except (TypeError, ValueError, OSError) as exc:
+        parser.error(f"side {side[0]!r}: {exc}")
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds repeats a seed: {args.seeds}")
+    known = {t for t, _, _ in SINGLE_PROBLEMS}
+    if set(args.problems or ()) - known:
+        parser.error(
+            f"unknown problems {sorted(set(args.problems) - known)}; valid: {sorted(known)}"
+        )
+    run = Run(args, side)
+    name = args.out or ("validation_quick" if args.quick else "validation")
+    command = "python -m benchmarks.validation " + " ".join(sys.argv[1:] if argv is None else argv)
+    start = time.perf_counter()
+
+    with ProcessPoolExecutor(args.jobs) as executor:
+        pool = JobQueue(executor, args.jobs)
+        run.submit_all(pool)
+        print(f"{len(run.pending)} jobs on {args.jobs} processes", flush=True)
+        while run.pending:
+            for ticket, future in pool.wait_any():
+                run.record(pool, ticket, future)
+            write_json(name, run.payload(time.perf_counter() - start, command), quiet=True)
+    payload = run.payload(time.perf_counter() - start, command)
+    write_json(name, payload)
+    s = payload["summary"]
+    print(f"{side[0]}: median {s['median_speedup']} (short {s['median_speedup_short']}, long "
+          f"{s['median_speedup_long']}), min {s['min_speedup']}, divergences {s['divergences']}; "
+          f"decentralized median {s['median_speedup_decentralized']}; anchors "
+          f"{s['anchors_median_speedup']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The validation benchmark: its scoring on tiny curves, its rule with replaced config
+fields, the anchors' Muon split, and a whole run of one tiny problem with its cache."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+from benchmarks import validation as val  # noqa: E402
+from benchmarks import validation_anchors as anchors  # noqa: E402
+from benchmarks import validation_scores as scores  # noqa: E402
+
+ADAMW = [1.0 - 0.009 * i for i in range(100)]  # reaches 0.109 at its last step
+TWICE = [max(0.1, 1.0 - 0.018 * i) for i in range(100)]  # the same levels in half the steps
+
+
+def test_a_rule_twice_as_fast_scores_about_2x_and_a_rising_one_diverges():
+    best = {"curve": ADAMW}
+    rising = [1.0 + 0.01 * i for i in range(100)]
+    ms = {"adamw": 1.0, "learned": 4.0, "muon_adamw": 1.0}
+    got = scores.score_seed(best, TWICE, {"muon_adamw": rising}, ms)
+    assert got["learned"]["speedup"] == pytest.approx(2.0, rel=0.1)  # the smoothing lags a little
+    assert got["learned"]["wall_speedup"] == pytest.approx(got["learned"]["speedup"] / 4)
+    assert not got["learned"]["diverged"]
+    assert got["anchors"]["muon_adamw"]["diverged"]
+    merged = scores.merge([got["learned"], {**got["learned"], "speedup": 1.0, "diverged": True}])
+    assert merged["speedup"] == pytest.approx((got["learned"]["speedup"] + 1.0) / 2, abs=1e-3)
+    assert merged["diverged"] and len(merged["speedup_by_seed"]) == 2
+
+
+def test_summary_splits_short_and_long_runs():
+    def row(task, h, sp, anchor_sp):
+        one = {"speedup": sp, "diverged": False, "wall_speedup": sp / 2}
+        return {"task": task, "horizon": h, "learned": one,
+                "anchors": {"prodigy_cosine": {"speedup": anchor_sp, "diverged": h > 500}}}  # fmt: skip
+
+    rows = [row("a", 200, 1.0, 1.0), row("b", 200, 2.0, 0.5), row("c", 2000, 0.8, 1.2)]
+    s = scores.summarise(rows, [])
+    assert s["median_speedup"] == 1.0 and s["median_speedup_short"] == 1.5
+    assert s["median_speedup_long"] == 0.8 and s["rows_below_0.9"] == ["c@2000"]
+    assert s["anchors_median_speedup"] == {"prodigy_cosine": 1.0}
+    assert s["anchors_divergences"] == {"prodigy_cosine": 1} and s["divergences"] == 0
+
+
+def test_decentralized_row_flags_a_final_loss_worse_than_dadam():
+    def base(final):
+        return {"lr": 0.1, "final": final, "consensus": 0.0, "curve": [1.0] * 9 + [final]}
+
+    baselines = {"D-SGD": base(0.9), "D-Adam": base(0.5), "DSGT": base(0.7)}
+    setting = {"task": "t", "workers": 4, "topology": "ring", "partition": "sampled", "alpha": 0.1}
+    worse = scores.dec_row(setting, {"curve": [1.0] * 9 + [0.6], "consensus": 0.0}, baselines)
+    assert worse["worse_than_dadam"] and worse["best_baseline"] == "D-Adam"
+    better = scores.dec_row(setting, {"curve": [0.4] * 10, "consensus": 0.0}, baselines)
+    assert not better["worse_than_dadam"] and better["speedup"] > 1
+
+
+def test_a_side_replaces_config_fields_with_their_types():
+    fields = val.typed_fields("adapt_init_2x", {"lr_adapt_max_ortho": 3.0, "ns_steps": 3.0})
+    assert fields == {"lr_adapt_max_ortho": 3.0, "ns_steps": 3} and type(fields["ns_steps"]) is int
+    opt = val.side_factory("adapt_init_2x", fields)([nn.Parameter(torch.zeros(8, 8))], 0.5)
+    assert opt.net.config.ns_steps == 3 and opt.net.config.lr_adapt_max_ortho == 3.0
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_muon_takes_hidden_matrices_only():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    names = [n for (n, _), h in zip(model.named_parameters(), anchors.hidden_matrices(model)) if h]
+    assert names == ["1.weight", "2.weight"]
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3))
+    assert anchors.hidden_matrices(mlp) == [False, False, True, False, False, False]
+
+
+def test_a_whole_tiny_run_then_a_rerun_from_the_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(val, "SINGLE_PROBLEMS", [("val_blobs_softmax", 30, "tabular")])
+    setting = dict(task="val_blobs_softmax", workers=4, topology="ring", partition="sampled",
+                   alpha=0.3, horizon=6, every=1, seed=0)  # fmt: skip
+    monkeypatch.setattr(val, "DECENTRALIZED_PROBLEMS", [setting])
+    monkeypatch.setattr(val, "CACHE", tmp_path / "cache.json")
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    argv = ["--checkpoint", "adapt_init_2x", "--seeds", "0", "--jobs", "1", "--out", "tiny"]
+    assert val.main(argv) == 0
+    first = capsys.readouterr().out
+    out = json.loads((tmp_path / "tiny.json").read_text())
+    assert out["complete"] and not out["failed_jobs"]
+    (row,) = out["single"]
+    assert set(row["anchors"]) == set(anchors.ANCHORS) and row["learned"]["speedup"] > 0
+    assert row["ms_per_step"]["learned"] > 0 and out["summary"]["decentralized_rows"] == 1
+    assert val.main(argv) == 0  # only the rule runs again
+    assert "3 jobs on 1 processes" in capsys.readouterr().out and "3 jobs" not in first
