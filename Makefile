@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv test demo bench lint clean wheel-check
+.PHONY: venv test demo bench lint docs clean wheel-check
 
 venv: $(STAMP)
 
@@ -27,8 +27,18 @@ lint: $(STAMP)
 	for d in tasks distributed meta_train checkpoints; do cp -r $$d $(LINT_TREE)/learned_opt/$$d; done
 	cd $(LINT_TREE) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
-test: $(STAMP) lint
+test: $(STAMP) lint docs
 	$(VPY) -m pytest $(if $(SLOW),,-m "not slow")
+
+# the site: result pages regenerated from benchmarks/results, then built with warnings as
+# errors; the API pages read the packages from a copy laid out as installed (as lint does)
+API_TREE := build/api
+docs: $(STAMP)
+	$(VPY) benchmarks/report.py
+	rm -rf $(API_TREE) && mkdir -p $(API_TREE)
+	cp -r learned_opt $(API_TREE)/learned_opt
+	for d in tasks distributed meta_train checkpoints; do cp -r $$d $(API_TREE)/learned_opt/$$d; done
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # the built wheel, installed with core dependencies only, runs the README quick start (CI)
 wheel-check: $(STAMP)

@@ -60,8 +60,8 @@ def code_hash() -> str:
 
 def side_id(side: str) -> str | None:
     """A learned side's cache identity: a checkpoint's name, a hash of what it steps with
-    (its config and theta, not its card: ``--record-cards`` rewriting the card must not
-    throw the runs away) and the :func:`code_hash` (a changed rule or changed code is
+    (its config and theta, not its card: an edited card must not throw the runs
+    away) and the :func:`code_hash` (a changed rule or changed code is
     evaluated afresh); ``None`` for a factory, whose code cannot be pinned down."""
     if is_factory(side):
         return None

@@ -39,7 +39,6 @@ from concurrent.futures import ProcessPoolExecutor
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, curves_png, machine, write_json
-from benchmarks.heldout_cards import record_cards
 from benchmarks.heldout_summary import assemble
 from benchmarks.job_queue import JobQueue
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
@@ -311,9 +310,6 @@ def main(argv: list[str] | None = None) -> int:
                         f"{' '.join(map(str, DEC_SEEDS))}; --quick: the first)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
-    parser.add_argument("--record-cards", action="store_true",
-                        help="after a complete full run, write each shipped checkpoint's "
-                        "rows and summary into its card (benchmarks/heldout_cards.py)")  # fmt: skip
     parser.add_argument("--cached-only", action="store_true",
                         help="run nothing: assemble the result from the caches (what is "
                         "missing is left out and the result marked partial)")  # fmt: skip
@@ -321,8 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     sides = list(args.checkpoint) + list(args.factory)
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds repeats a seed: {args.seeds}")
-    if args.record_cards and args.quick:
-        parser.error("--record-cards records a full run, not --quick")
     if not sides:
         parser.error("give at least one --checkpoint or --factory")
     unknown = sorted(set(args.tasks or []) - set(list_heldout_tasks()))
@@ -368,11 +362,6 @@ def main(argv: list[str] | None = None) -> int:
                 snapshot(quiet=True)
     payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)
-    if args.record_cards and not payload["complete"]:
-        print("--record-cards: the run is partial, no card was changed")
-    elif args.record_cards:
-        for path in record_cards(payload):
-            print(f"recorded the held-out table in the card of {path}")
     s = payload["summary"]
     print(f"{s['side']}: median speedup single {s['median_speedup_single']}, decentralized "
           f"{s['median_speedup_decentralized']}, min {s['min_speedup']}, divergences "

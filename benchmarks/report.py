@@ -1,16 +1,18 @@
-"""Regenerate the result tables in README.md from ``benchmarks/results/*.json``.
+"""Regenerate the result tables of README.md and docs/ from ``benchmarks/results/*.json``.
 
-Run: ``python benchmarks/report.py`` (``--check`` exits 1 if README.md is out of date).
+Run: ``python benchmarks/report.py`` (``--check`` exits 1 if a page is out of date).
 
-README.md marks each generated section with a pair of comments::
+A page marks each generated section with a pair of comments::
 
     <!-- results:NAME -->
     ...generated, do not edit...
     <!-- /results:NAME -->
 
 and ``NAME`` is rendered from ``benchmarks/results/NAME.json`` by the function registered
-with ``@section("NAME")``. To add a section, register a renderer here and put the marker
-pair in README.md. Markers without a result file or renderer are left as they are.
+with ``@section("NAME")``. A view of the same file is ``NAME:VIEW`` (a function registered
+as ``@section("NAME:VIEW")``), and ``NAME:VIEW:ARG`` passes ``ARG`` to it (a checkpoint's
+name, say). To add a section, register a renderer and put the marker pair in a page.
+Markers without a result file or renderer are left as they are.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +30,15 @@ if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: Plots the docs show, copied into docs/assets/ (not tracked: ``make docs`` copies them).
+ASSETS = ("quality_heldout.png",)
+
+
+def pages() -> list[Path]:
+    """The pages with generated sections: README.md and every page under docs/."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
 
 RENDERERS: dict[str, Callable[[dict], str]] = {}
 
@@ -59,6 +71,9 @@ def _load_cell(r: dict) -> str:
 
 @section("step_overhead")
 def render_step_overhead(result: dict) -> str:
+    """Step cost against AdamW: the optimizer step alone and the whole training step, for
+    the default build and for the shipped single-worker rule."""
+
     def ratio(r, key):
         return f"{r[key]:.2f}x" if key in r else "-"
 
@@ -68,12 +83,10 @@ def render_step_overhead(result: dict) -> str:
         "threads",
         "machine",
         "AdamW step ms",
-        "optimizer step / AdamW (default: fused)",
-        "(eager chunked)",
-        "training step / AdamW (default: fused)",
-        "(eager chunked)",
-        "shipped single-worker rule (`adapt_init`; `adapt_init_2x` steps alike): step / AdamW",
+        "optimizer step / AdamW",
         "training step / AdamW",
+        "shipped rule: optimizer step / AdamW",
+        "shipped rule: training step / AdamW",
     ]
     rows = [
         [
@@ -83,23 +96,27 @@ def render_step_overhead(result: dict) -> str:
             _load_cell(r),
             f"{r['adamw_foreach_step_ms']:.1f}",
             f"**{ratio(r, 'learned_default_step_ratio')}**",
-            ratio(r, "learned_eager_step_ratio"),
-            f"**{ratio(r, 'learned_default_train_ratio')}**"
-            if "learned_default_train_ratio" in r
-            else "(step only)",
-            ratio(r, "learned_eager_train_ratio"),
+            ratio(r, "learned_default_train_ratio"),
             ratio(r, "learned_shipped_step_ratio"),
             ratio(r, "learned_shipped_train_ratio"),
         ]
         for r in result["rows"]
     ]
     m = result["machine"]
-    first = max(r["learned_default_first_step_ms"] for r in result["rows"]) / 1e3
+    firsts = [
+        r["learned_default_first_step_ms"]
+        for r in result["rows"]
+        if "learned_default_first_step_ms" in r
+    ]
+    first = (
+        f" The first step of the run took {max(firsts) / 1e3:.0f} s (the one-time compile)."
+        if firsts
+        else ""
+    )
     cold = result.get("cold_compile")
     cold_note = (
-        f" In a new process with an empty inductor cache, the first step of the 0.5M "
-        f"transformer took {cold['seconds']:.0f} s ({cold['threads']} threads, load average "
-        f"{cold['load_average_before'][0]:.1f}): the one-time compile of the passes."
+        f" In a new process with an empty compile cache, the first step of the "
+        f"{cold['workload']} took {cold['seconds']:.0f} s ({cold['threads']} threads)."
         if cold
         else ""
     )
@@ -108,15 +125,42 @@ def render_step_overhead(result: dict) -> str:
     return (
         markdown_table(header, rows)
         + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
-        f"{load_note}), torch {m['torch']}, width "
-        f"{result['width']} ({result['flops_per_element']} FLOPs per element); median of "
+        f"{load_note}), torch {m['torch']}, width {result['width']}; median of "
         f"{result['repeats']} steps after {result['warmup']} warm-up steps, every optimizer on "
         f"its own copy of the model, taking turns step by step, so that a busy machine slows "
-        f"them alike (the machine is shared: compare ratios, not times). AdamW with "
-        f"`foreach=True`. Compile route: {result['compile_route']}; the first step of the run "
-        f"took {first:.0f} s (the one-time compile; inductor's on-disk cache makes later "
-        f"processes faster).{cold_note} Command: `{result['command']}`. Targets: "
-        f"{result['targets']}."
+        f"them alike (compare ratios, not times). AdamW with `foreach=True`.{first}"
+        f"{cold_note} Command: `{result['command']}`. Targets: {result['targets']}."
+    )
+
+
+@section("step_overhead:brief")
+def render_step_overhead_brief(result: dict) -> str:
+    """The shipped single-worker rule's step cost against AdamW, one row per workload
+    measured as is (no competing processes)."""
+    rows = [
+        [
+            r["workload"],
+            f"{r['params']:,}",
+            r.get("threads", 2),
+            f"{r['learned_shipped_step_ratio']:.1f}x",
+            f"{r['learned_shipped_train_ratio']:.2f}x"
+            if "learned_shipped_train_ratio" in r
+            else "-",
+        ]
+        for r in result["rows"]
+        if r.get("load") == "as is" and "learned_shipped_step_ratio" in r
+    ]
+    header = [
+        "workload",
+        "params",
+        "CPU threads",
+        "optimizer step / AdamW's",
+        "training step / AdamW's",
+    ]
+    m = result["machine"]
+    return (
+        markdown_table(header, rows) + f"\n\nOn {m['processor']}, torch {m['torch']}; the "
+        "training step is forward, backward and optimizer step (`-`: not measured)."
     )
 
 
@@ -134,32 +178,41 @@ def render(text: str, results: Path = RESULTS) -> str:
     """``text`` with every registered, measured section replaced by a fresh rendering."""
 
     def replace(match: re.Match) -> str:
-        name = match.group(1)
+        marker = match.group(1)
+        name, *view = marker.split(":")
+        key = ":".join([name, *view[:1]])
         path = results / f"{name}.json"
-        if name not in RENDERERS or not path.exists():
+        if key not in RENDERERS or not path.exists():
             return match.group(0)
-        body = RENDERERS[name](json.loads(path.read_text()))
-        return f"<!-- results:{name} -->\n{body}\n<!-- /results:{name} -->"
+        body = RENDERERS[key](json.loads(path.read_text()), *view[1:])
+        return f"<!-- results:{marker} -->\n{body}\n<!-- /results:{marker} -->"
 
-    pattern = re.compile(r"<!-- results:([\w-]+) -->.*?<!-- /results:\1 -->", re.DOTALL)
+    pattern = re.compile(r"<!-- results:([\w:.-]+) -->.*?<!-- /results:\1 -->", re.DOTALL)
     return pattern.sub(replace, text)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    ap.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = ap.parse_args(argv)
     _load_sections()
-    old = README.read_text()
-    new = render(old)
-    if args.check:
-        if new != old:
-            print("README.md results are out of date: run python benchmarks/report.py")
-            return 1
-        return 0
-    if new != old:
-        README.write_text(new)
-        print(f"updated {README}")
+    stale = []
+    for page in pages():
+        old = page.read_text()
+        new = render(old)
+        if new == old:
+            continue
+        stale.append(page.relative_to(ROOT))
+        if not args.check:
+            page.write_text(new)
+            print(f"updated {page.relative_to(ROOT)}")
+    if not args.check:
+        (DOCS / "assets").mkdir(exist_ok=True)
+        for name in ASSETS:
+            shutil.copyfile(RESULTS / name, DOCS / "assets" / name)
+    if args.check and stale:
+        print(f"out of date: {', '.join(map(str, stale))}: run python benchmarks/report.py")
+        return 1
     return 0
 
 

@@ -173,3 +173,59 @@ def _render(r: dict, name: str) -> str:
         f"`{r['command']}`. Plot: "
         f"`benchmarks/results/{name}.png`."
     )
+
+
+@section("quality_heldout:headline")
+def render_headline(r: dict) -> str:
+    """The front page's one table: the shipped default against what users would pick."""
+    s = r["summary"]
+
+    def lowest(rows: list[dict]) -> str:
+        return _x(min(x["speedup"] for x in rows)) if rows else "-"
+
+    single = [x for x in r["single"] if x["side"] == s["single_side"]]
+    dec = [x for x in r["decentralized"] if x["side"] == s["decentralized_side"]]
+    header = ["setting", "compared with", "runs", "median speedup in steps",
+              "median speedup in wall-clock time", "lowest run (steps)"]  # fmt: skip
+    rows = [
+        [f"one worker (`{s['single_side']}`)", "AdamW, lr and schedule tuned per task",
+         len(single), f"**{_x(s['median_speedup_single'])}**",
+         _x(s["median_wall_speedup_single"]), lowest(single)],
+        [f"gossip workers (`{s['decentralized_side']}`)",
+         "best of D-SGD, D-Adam, DSGT, each tuned", len(dec),
+         f"**{_x(s['median_speedup_decentralized'])}**",
+         _x(s["median_wall_speedup_decentralized"]), lowest(dec)],
+    ]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\nFive held-out tasks never seen in meta-training, {seeds_phrase(r['seeds'])}; "
+        f"divergences: {s['divergences']}. Speedup: steps the tuned baseline needs to reach "
+        "a loss level divided by the steps ours needs (above 1: faster). Wall-clock time "
+        "counts each side's whole training step; on these small CPU models the learned step "
+        "costs more than it saves. Measured on "
+        f"{r['machine']}, torch {r['torch']}."
+    )
+
+
+@section("quality_heldout:card")
+def render_card_rows(r: dict, side: str) -> str:
+    """One checkpoint's rows of the held-out suite, for its model card."""
+    single = [x for x in r["single"] if x["side"] == side]
+    dec = [x for x in r["decentralized"] if x["side"] == side]
+    out = []
+    if single:
+        header = ["task", "steps", "speedup steps / wall (per seed)", "at lr x0.3", "at lr x3"]
+        rows = [[x["task"].removeprefix("heldout_"), x["horizon"], _pair(x),
+                 _mult(x, "0.3"), _mult(x, "3")] for x in single]  # fmt: skip
+        out.append("One worker, against AdamW tuned per task and horizon:\n\n"
+                   + markdown_table(header, rows))  # fmt: skip
+    if dec:
+        header = ["task", "workers", "topology", "Dirichlet alpha", "best tuned baseline",
+                  "speedup steps / wall (per seed)"]  # fmt: skip
+        rows = [[x["task"].removeprefix("heldout_"), x["workers"], x["topology"], x["alpha"],
+                 x["best_baseline"], _pair(x)] for x in dec]  # fmt: skip
+        out.append("Gossip workers (learned mixing), against the best tuned of D-SGD, D-Adam "
+                   "and DSGT:\n\n" + markdown_table(header, rows))  # fmt: skip
+    out.append(_summary_line(side, r["summaries"][side]))
+    out.append(f"{_seeds(r)} {_measured(r)}")
+    return "\n\n".join(out)

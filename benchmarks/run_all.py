@@ -1,13 +1,14 @@
-"""``make bench``: run every benchmark, then regenerate the README's result sections.
+"""``make bench``: the benchmark suite, then the generated pages (``report.py``).
 
-Order and rough duration on 2 CPU cores (measured 2026-11-29):
-step_overhead (~2 min), gossip_throughput (~2 min), gossip_step (~1 min),
-gossip_compression (~8 min per partition, loaded machine), meta_train_throughput (~2 min),
-quality_single (~25 min), quality_decentralized (~15 min), quality_heldout (the held-out
-suite, the README's headline table, every row over three seeds, the two shipped rules:
-about 70 min with the committed baseline cache, learned runs only; about 2 hours cold),
-then report.py.
-``compare_estimators.py`` (about 15 minutes) is not part of it: run it on its own.
+Each step writes one result file under ``benchmarks/results/``, which the docs' results
+page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU cores:
+
+- ``quality_heldout``: the held-out suite for the two shipped rules, every row over three
+  seeds (about 70 min with the committed baseline cache, about 2 hours cold);
+- ``quality_heldout --seeds 3 4``: the single-worker rule at two further seeds;
+- ``step_overhead``: step cost against AdamW (about 15 min);
+- ``gossip_step``: one full decentralized step on local gloo workers (a few minutes);
+- ``gossip_compression``: the compressed exchange, two partitions (about 15 min).
 """
 
 from __future__ import annotations
@@ -20,32 +21,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "gossip_adapt"],
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "--factory", "benchmarks.heldout_single:shipped_default",
+     "--seeds", "3", "4", "--out", "quality_heldout_seeds34"],
     ["benchmarks/step_overhead.py"],
-    ["benchmarks/gossip_throughput.py"],
-    ["benchmarks/gossip_step.py"],
+    ["benchmarks/gossip_step.py", "--rounds", "4"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
-    [
-        "benchmarks/gossip_compression.py",
-        "--partition",
-        "iid",
-        "--specs",
-        "topk:0.01",
-        "topk:0.04",
-        "sign",
-    ],
-    ["-m", "benchmarks.meta_train_throughput"],
-    ["-m", "benchmarks.quality_single"],
-    ["-m", "benchmarks.quality_decentralized"],
-    [
-        "-m",
-        "benchmarks.quality_heldout",
-        "--checkpoint",
-        "adapt_init_2x",
-        "gossip_adapt",
-        "--record-cards",
-    ],
+    ["benchmarks/gossip_compression.py", "--partition", "iid", "--specs", "topk:0.01",
+     "topk:0.04", "sign"],
     ["benchmarks/report.py"],
-]
+]  # fmt: skip
 
 
 def main() -> int:

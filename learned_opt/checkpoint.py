@@ -30,7 +30,7 @@ FORMAT_VERSION = "learned-opt/1"
 DEFAULT_CHECKPOINT = "gossip_adapt"
 #: The shipped checkpoint for single-worker training: what a ``LearnedOptimizer`` built
 #: without a checkpoint steps with alone (the best single-worker rows of the held-out
-#: suite, ``benchmarks/results/quality_heldout.json``).
+#: suite: see the results page of the docs).
 SINGLE_WORKER_CHECKPOINT = "adapt_init_2x"
 _PACKAGE = "learned_opt.checkpoints"
 

@@ -91,7 +91,7 @@ def test_side_id_tracks_the_checkpoint_content(tmp_path):
     a = single.side_id(str(path))
     path.write_bytes((ROOT / "checkpoints" / "default.pt").read_bytes())
     assert single.side_id(str(path)) != a
-    net, card = load_checkpoint(path)  # a rewritten card (--record-cards) keeps the identity
+    net, card = load_checkpoint(path)  # a rewritten card keeps the identity
     b = single.side_id(str(path))
     save_checkpoint(net, path, {**card, "heldout": {"note": "recorded"}})
     assert single.side_id(str(path)) == b
@@ -105,7 +105,6 @@ def test_side_id_tracks_the_checkpoint_content(tmp_path):
         (["--tasks", "digits_mlp"], "unknown held-out tasks"),
         (["--factory", "not_a_factory"], "module:function"),
         (["--checkpoint"], "at least one"),
-        (["--quick", "--record-cards"], "records a full run"),
         (["--seeds", "1", "1"], "repeats a seed"),
     ],
 )
@@ -249,38 +248,3 @@ def test_headline_is_the_shipped_default_one_rule_per_setting():
     assert top["min_speedup"] == 1.2 and top["rows_below_0.8"] == []
     alone = headline([alone_rule], singles, decs)  # one rule measured: that rule
     assert alone["side"] == alone_rule and alone["median_speedup_decentralized"] == 0.6
-
-
-def test_record_cards_writes_the_table_into_shipped_cards_only(tmp_path, monkeypatch):
-    import shutil
-
-    from benchmarks.heldout_cards import record_cards
-    from learned_opt import checkpoint as ck
-
-    shutil.copy(ROOT / "checkpoints" / "adam_init.pt", tmp_path / "adam_init.pt")
-    before, old_card = load_checkpoint(tmp_path / "adam_init.pt")
-    monkeypatch.setattr(ck, "_shipped_dir", lambda: tmp_path)  # the shipped files: a copy
-    other = tmp_path / "mine.pt"
-    save_checkpoint(before, other, {"name": "mine"})
-    single_row = {"task": "t", "horizon": 200, "speedup": 1.5, "wall_speedup": 0.5,
-                  "diverged": False, "side": "adam_init", "lr_mult": {}}  # fmt: skip
-    dec_row = {"task": "t", "workers": 4, "topology": "ring", "alpha": 0.3, "speedup": 0.9,
-               "diverged": False, "side": "adam_init", "baselines": {}}  # fmt: skip
-    payload = {
-        "complete": True, "quick": False, "date": "2026-12-01", "command": "python -m x",
-        "sides": ["adam_init", str(other), "torch.optim:SGD"],
-        "summaries": {"adam_init": {"median_speedup_single": 1.5}},
-        "single": [single_row, {**single_row, "side": str(other)}], "decentralized": [dec_row],
-    }  # fmt: skip
-    assert record_cards(payload) == [tmp_path / "adam_init.pt"]
-    after, card = load_checkpoint("adam_init")
-    entry = card.pop("heldout")
-    assert card == old_card  # the rest of the card, theta and the config are unchanged
-    for k, v in before.state_dict().items():
-        assert torch.equal(after.state_dict()[k], v)
-    assert entry["summary"] == {"median_speedup_single": 1.5}
-    assert entry["single"] == [{k: single_row[k] for k in entry["single"][0]}]
-    assert entry["decentralized"][0]["workers"] == 4 and entry["measured"] == "2026-12-01"
-    assert "heldout" not in load_checkpoint(other)[1]  # a file side is not a shipped card
-    with pytest.raises(ValueError, match="complete, full"):
-        record_cards({**payload, "quick": True})

@@ -2,21 +2,22 @@
 
 Builds the ``MetaTrainModule`` of the config, runs a few warm-up meta-steps, then times
 ``--steps`` meta-steps of the configured estimator (no validation, no logging). Writes
-``benchmarks/results/meta_train_throughput.json``.
+``experiments/results/meta_train_throughput.json``.
 
-    python -m benchmarks.meta_train_throughput [--config meta_train/configs/default.yaml]
+    python -m experiments.meta_train_throughput [--config meta_train/configs/default.yaml]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
 import torch
 import yaml
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import machine
 from learned_opt.meta_train.data import step_seeds
 from learned_opt.meta_train.inner import make_inner_optimizer
 from learned_opt.meta_train.module import MetaTrainModule
@@ -65,7 +66,9 @@ def main() -> None:
         }
         print(f"{estimator}: {results[estimator]['inner_steps_x_workers_per_s']:.0f} inner steps x "
               f"workers / s, {results[estimator]['seconds_per_meta_step']:.2f} s per meta-step", flush=True)  # fmt: skip
-    write_json("meta_train_throughput", {"config": args.config, "results": results, **machine()})
+    out = Path(__file__).parent / "results" / "meta_train_throughput.json"
+    out.write_text(json.dumps({"config": args.config, "results": results, **machine()}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

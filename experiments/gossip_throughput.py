@@ -1,7 +1,7 @@
 """Gossip throughput on local processes, and learned-vs-Metropolis consensus in simulation.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_throughput.py`` (``--quick``: 1M only,
-``--skip-consensus``). Writes ``benchmarks/results/gossip_throughput.json``.
+Run: ``OMP_NUM_THREADS=1 python experiments/gossip_throughput.py`` (``--quick``: 1M only,
+``--skip-consensus``). Writes ``experiments/results/gossip_throughput.json``.
 
 Part 1 (gloo, ring topology, 2 and 4 local processes, 1M and 10M float32 parameters in
 10 tensors), median ms per step of:

@@ -3,9 +3,9 @@
 Runs ``meta_train/configs/default.yaml`` twice, side by side, once per estimator, each on
 one CPU thread for the same ``--minutes``; then measures each result's validation (the
 same tasks, horizon and tuned-Adam baselines as meta-training) and writes
-``benchmarks/results/estimators.json``.
+``experiments/results/estimators.json``.
 
-    python benchmarks/compare_estimators.py --minutes 5
+    python experiments/compare_estimators.py --minutes 5
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "experiments" / "results"
 
 
 def main() -> None:
