@@ -5,9 +5,8 @@ Public API::
     from learned_opt import LearnedOptimizer, list_pretrained
     opt = LearnedOptimizer(model.parameters())          # the shipped default checkpoint
 
-The step itself is :func:`learned_opt.functional.learned_step` (in place, the layout
-chosen per device and size) and :func:`learned_opt.flat.flat_step` (differentiable, for
-meta-training). The core (this package) imports torch only: never Lightning or TensorBoard.
+The step is written once, in :mod:`learned_opt.step` (differentiable: meta-training
+unrolls it, and it is the eager path), and :mod:`learned_opt.kernel` runs it compiled. The core (this package) imports torch only: never Lightning or TensorBoard.
 """
 
 from .checkpoint import (

@@ -2,26 +2,20 @@
 
 The formulas act on a layout-neutral view: element tensors are ``[..., n]`` (momenta
 ``[..., 3, n]``, features ``[..., F, n]``) and per-tensor values reach the elements by
-broadcasting. The layouts (a chunk of one tensor, same-shape tensors stacked as rows,
-flat segments of many tensors; see :mod:`learned_opt.segments`) differ only in what ``n``
-and the leading dims mean and in how they sum over a tensor.
+broadcasting (see :mod:`learned_opt.segments` and :mod:`learned_opt.step`).
 
-Functions that take ``out=`` (or ``inplace=``) write into the given memory on the no-grad
-fast path and build new tensors otherwise: the same expression either way, so the
-formula exists once. All of them work under ``torch.func.vmap`` and autograd when no
-output memory is given.
+All of them work under ``torch.func.vmap``, autograd and ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from .config import MOMENTUM_DECAYS, NUM_ELEMENT_FEATURES, SECOND_MOMENT_DECAY, NetConfig
+from .config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
 from .orthogonal import is_matrix
 
 #: Added inside the per-tensor normalisation x * rsqrt(NORM_EPS + mean(x^2)).
@@ -33,10 +27,8 @@ TINY = 1e-12
 def constant(values: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A cached tensor of ``values`` (nested tuples) on ``device``: building it again on
     every call would cost an accelerator a host-to-device copy each time. Never modify it.
-    (Under ``torch.compile``, or while a dispatch mode is active, such as ``make_fx``'s
-    tracing of a fused pass, the tensor is built in the graph, where it is a constant: a
-    cached one would be the tracer's placeholder, wrong for every later caller.)"""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+    (Under ``torch.compile`` the tensor is built in the graph, where it is a constant.)"""
+    if torch.compiler.is_compiling():
         return torch.tensor(values, dtype=dtype, device=device)
     return _cached_constant(values, dtype, device)
 
@@ -70,30 +62,12 @@ def stepped(g_sum_squares: Tensor, p_sum_squares: Tensor) -> Tensor:
     return torch.isfinite(g_sum_squares + p_sum_squares)
 
 
-def update_moments(
-    g: Tensor, m: Tensor | Sequence[Tensor], v: Tensor, inplace: bool = False
-) -> tuple[Tensor | tuple[Tensor, ...], Tensor]:
+def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """New momenta ``m`` (``[..., 3, n]``, decays :data:`MOMENTUM_DECAYS`) and second moment
-    ``v`` (``[..., n]``) after gradient ``g`` (``[..., n]``); written into ``m`` and ``v``
-    when ``inplace``.
-
-    ``m`` may instead be the three momentum rows (a sequence of ``[..., n]`` tensors); the
-    new momenta are then rows too, each ``lerp(m_k, g, 1 - decay_k)``, the same formula one
-    row at a time. A compiled caller passes rows so that every op has the shape of ``g``
-    and the compiler fuses them all into one loop over the elements."""
-    if not isinstance(m, Tensor):
-        rows = m
-        m_new = tuple(
-            row.lerp_(g, 1.0 - b) if inplace else torch.lerp(row, g, 1.0 - b)
-            for row, b in zip(rows, MOMENTUM_DECAYS)
-        )
-    else:
-        weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
-        g_rows = g.unsqueeze(-2)
-        m_new = m.lerp_(g_rows.expand_as(m), weights) if inplace else torch.lerp(m, g_rows, weights)
-    out = v if inplace else None
-    v_new = torch.mul(v, SECOND_MOMENT_DECAY, out=out)
-    v_new = torch.addcmul(v_new, g, g, value=1.0 - SECOND_MOMENT_DECAY, out=out)
+    ``v`` (``[..., n]``) after gradient ``g`` (``[..., n]``)."""
+    weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
+    m_new = torch.lerp(m, g.unsqueeze(-2), weights)
+    v_new = torch.addcmul(v * SECOND_MOMENT_DECAY, g, g, value=1.0 - SECOND_MOMENT_DECAY)
     return m_new, v_new
 
 
@@ -157,59 +131,20 @@ def safe_sqrt(x: Tensor) -> Tensor:
     return torch.sqrt(x + TINY * TINY)
 
 
-def sum_squares(x: Tensor) -> Tensor:
-    """``sum(x^2)`` over all elements as a dot product (no temporary the size of ``x``)."""
-    flat = x.reshape(-1)
-    return torch.dot(flat, flat)
-
-
-def feature_rows(
-    p: Tensor,
-    g: Tensor,
-    m: Tensor | Sequence[Tensor],
-    v: Tensor,
-    g_rms: Tensor | float,
-    cfg: NetConfig,
-    out: Tensor | None = None,
-) -> list[Tensor]:
-    """The 11 unnormalised per-element features, as rows ``[..., n]``.
+def element_features(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, g_rms: Tensor | float, cfg: NetConfig
+) -> Tensor:
+    """The 11 unnormalised per-element features, ``[..., 11, n]``.
 
     Rows: g, clip(g), p, m_1..m_3, m_k * rsqrt(v + eps) (3), g * rsqrt(v + eps),
     rsqrt(v + eps). ``clip(g)`` is ``g / rms(g)`` clipped to ``+-cfg.clip_value``; ``g_rms``
-    (broadcastable to ``g``) is the rms over the whole tensor, so the features of a chunk
-    equal those of the full tensor. ``m`` is ``[..., 3, n]`` or its three rows (see
-    :func:`update_moments`). The rows that are inputs (g, p, m) are returned as they are;
-    the computed rows are written into the matching rows of ``out`` (``[..., 11, n]``) when
-    it is given.
+    (broadcastable to ``g``) is the rms over the whole tensor. ``m`` is ``[..., 3, n]``.
     """
-    rows: list = [None] * NUM_ELEMENT_FEATURES if out is None else list(out.unbind(-2))
-    m_rows = m.unbind(-2) if isinstance(m, Tensor) else tuple(m)
-    r = torch.rsqrt(torch.add(v, cfg.eps, out=rows[10]), out=rows[10])
-    clip_g = torch.div(g, g_rms + TINY, out=rows[1])
-    clip_g = torch.clamp(clip_g, -cfg.clip_value, cfg.clip_value, out=rows[1])
-    m_r = [torch.mul(m_k, r, out=rows[6 + k]) for k, m_k in enumerate(m_rows)]
-    g_r = torch.mul(g, r, out=rows[9])
-    return [g, clip_g, p, *m_rows, *m_r, g_r, r]
-
-
-def element_features(
-    p: Tensor,
-    g: Tensor,
-    m: Tensor,
-    v: Tensor,
-    g_rms: Tensor | float,
-    cfg: NetConfig,
-    out: Tensor | None = None,
-) -> Tensor:
-    """The :func:`feature_rows` as one tensor ``[..., 11, n]``, built in ``out`` (contiguous)
-    on the no-grad fast path."""
-    rows = feature_rows(p, g, m, v, g_rms, cfg, out)
-    if out is None:
-        return torch.stack(rows, dim=-2)
-    for dst, row in zip(out.unbind(-2), rows):
-        if dst.data_ptr() != row.data_ptr():  # an input row, not computed in place
-            dst.copy_(row)
-    return out
+    r = torch.rsqrt(v + cfg.eps)
+    clip_g = torch.clamp(g / (g_rms + TINY), -cfg.clip_value, cfg.clip_value)
+    m_rows = m.unbind(-2)
+    rows = [g, clip_g, p, *m_rows, *(m_k * r for m_k in m_rows), g * r, r]
+    return torch.stack(rows, dim=-2)
 
 
 def feature_scales(mean_squares: Tensor) -> Tensor:
@@ -297,17 +232,14 @@ def bias_correction(decay: float, step: Tensor | float, like: Tensor) -> Tensor 
     return 1.0 - decay**step
 
 
-def adam_direction(
-    m1: Tensor, v: Tensor, step: Tensor | float, eps: float, out: Tensor | None = None
-) -> Tensor:
+def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:
     """Bias-corrected Adam direction ``m_hat / (sqrt(v_hat) + eps)`` from the 0.9 momentum,
-    as ``(sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))`` (two passes fewer).
-    ``step`` is a Python number or a tensor; ``out`` (shaped like ``v``) receives it."""
+    as ``(sqrt(bc2) / bc1) * m1 / (sqrt(v) + eps * sqrt(bc2))``. ``step`` is a Python
+    number or a tensor (broadcastable)."""
     bc1 = bias_correction(MOMENTUM_DECAYS[0], step, v)
     bc2 = bias_correction(SECOND_MOMENT_DECAY, step, v)
     root_bc2 = bc2**0.5
-    denom = torch.add(torch.sqrt(v, out=out), eps * root_bc2, out=out)
-    return torch.mul(torch.div(m1, denom, out=out), root_bc2 / bc1, out=out)
+    return m1 / (torch.sqrt(v) + eps * root_bc2) * (root_bc2 / bc1)
 
 
 def edge_features(

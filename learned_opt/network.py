@@ -5,7 +5,7 @@ also a pure function of a ``theta`` dict (``dict(net.named_parameters())``), so 
 code runs under ``torch.func.functional_call``, ``grad`` and ``vmap`` in meta-training.
 
 The per-element MLP outputs a direction ``d`` and a log magnitude; the output stage that
-turns them into the update is :func:`learned_opt.stages.apply_update` (Adam is built in;
+turns them into the update is :func:`learned_opt.step.apply_update` (Adam is built in;
 zero-initialised heads give exactly Adam).
 
 Mixing weights lie in ``[0, 1 / max_degree]`` and start at Metropolis-Hastings
@@ -27,7 +27,7 @@ Theta = dict[str, Tensor]
 
 
 class LearnedOptimizerNet(nn.Module):
-    """Holds theta. ``forward`` is the per-tensor local step (see :func:`flat.tensor_step`)."""
+    """Holds theta. ``forward`` is the per-tensor local step (see :func:`learned_opt.step.tensor_step`)."""
 
     def __init__(self, config: NetConfig | None = None):
         super().__init__()
@@ -68,7 +68,7 @@ class LearnedOptimizerNet(nn.Module):
 
     def forward(self, p, g, m, v, step, lr=1.0):  # noqa: D401 - functional_call entry
         """Differentiable local step of one tensor; returns ``(new_p, new_m, new_v)``."""
-        from .flat import tensor_step
+        from .step import tensor_step
 
         return tensor_step(self.theta(), self.config, p, g, m, v, step, lr)
 
@@ -91,8 +91,13 @@ def tensor_head(theta: Theta, cfg: NetConfig, stats: Tensor, time: Tensor) -> tu
     h = F.relu(_linear(theta, "tensor_in", x))
     out = _linear(theta, "tensor_out", h)
     log_scale = cfg.max_log_scale * torch.tanh(out[..., 0] / cfg.max_log_scale)
-    bias = out[..., 1:] + theta["elem_in.bias"].to(x.dtype) + _linear(theta, "elem_time", time)
-    return log_scale, bias
+    return log_scale, out[..., 1:] + element_bias(theta, time)
+
+
+def element_bias(theta: Theta, time: Tensor) -> Tensor:
+    """The per-element MLP's own first-layer bias with the time features folded in
+    (``(width,)``); the per-tensor network's context is added to it."""
+    return theta["elem_in.bias"].to(time.dtype) + _linear(theta, "elem_time", time)
 
 
 Layers = tuple[tuple[Tensor, Tensor], ...]
@@ -109,7 +114,7 @@ def element_layers(
     per-tensor feature normalisation into the first layer's columns, so the features are
     never rescaled per element; ``None`` means the features come normalised. ``exp_mult``
     is folded into the magnitude row of the output layer. Leading dims of ``first_bias``
-    and ``feature_scales`` batch over tensors (see :func:`layers_of`).
+    and ``feature_scales`` batch over tensors.
     """
     out_mult = constant(((1.0,), (cfg.exp_mult,)), dtype, first_bias.device)
     w_in = theta["elem_in.weight"].to(dtype)
@@ -124,54 +129,17 @@ def element_layers(
     )
 
 
-def layers_of(layers: Layers, i: int) -> Layers:
-    """Tensor ``i``'s layers from :func:`element_layers` built for a batch of tensors."""
-    (w1, b1), *shared = layers
-    return ((w1[i], b1[i]), *shared)
-
-
-def element_mlp(
-    layers: Layers, x: Tensor, out: tuple[Tensor, Tensor, Tensor] | None = None
-) -> tuple[Tensor, Tensor]:
+def element_mlp(layers: Layers, x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-element MLP on features ``x`` (``[..., F, n]``): 2 hidden ReLU layers.
 
-    Returns ``(d, log_mag)``, each ``[..., n]``: the direction and ``exp_mult * a``. ``out``
-    (contiguous buffers of shapes ``(H, n)``, ``(H, n)``, ``(2, n)``; 2-D ``x`` only)
-    receives the activations on the no-grad fast path.
+    Returns ``(d, log_mag)``, each ``[..., n]``: the direction and ``exp_mult * a``.
     """
     h = x
     for i, (w, b) in enumerate(layers):
-        if h.dim() == 2 and w.dim() == 2 and b.dim() == 2:
-            h = torch.addmm(b, w, h, out=None if out is None else out[i])
-        else:  # leading dims over tensors or rows: broadcast matmul
-            h = torch.matmul(w, h) + b
+        h = torch.matmul(w, h) + b
         if i < len(layers) - 1:
-            h = h.relu_()
+            h = torch.relu(h)
     return h[..., 0, :], h[..., 1, :]
-
-
-def element_mlp_rows(layers: Layers, rows) -> tuple[Tensor, Tensor]:
-    """:func:`element_mlp` evaluated as straight-line scalar math per element.
-
-    ``rows`` are the ``F`` feature rows (each ``[..., n]``; a sequence, not a stacked
-    tensor) and ``layers`` those of :func:`element_layers` for one tensor (weights
-    ``(..., out, in)``, biases ``(..., out, 1)`` or ``(..., out, n)``). Each output is
-    ``b_j + sum_k w_jk * h_k`` over rows, so every op is elementwise: a compiler
-    (``torch.compile``'s inductor) fuses the whole MLP into one loop over the elements
-    that keeps the ``H`` activations in registers, instead of materialising ``(H, n)``
-    blocks for small matrix products. Same result as :func:`element_mlp` up to the order
-    of float additions (tested); eagerly it is slow (about 200 small ops).
-    """
-    h = list(rows)
-    for i, (w, b) in enumerate(layers):
-        out = []
-        for j in range(w.shape[-2]):
-            acc = b[..., j, :]
-            for k in range(w.shape[-1]):
-                acc = acc + w[..., j, k, None] * h[k]
-            out.append(torch.relu(acc) if i < len(layers) - 1 else acc)
-        h = out
-    return h[0], h[1]
 
 
 def edge_weight(

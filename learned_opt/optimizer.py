@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from itertools import chain
 
@@ -19,9 +20,9 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .features import compute_dtype, init_state
-from .functional import DEFAULT_CHUNK, SMALL_TENSOR_SIZE, check_fused, learned_step
+from .kernel import Kernels
 from .network import LearnedOptimizerNet, Theta
-from .workers import ChunkRunner
+from .step import Parts, active_parts
 
 
 def checked_lr(lr, where: str = "lr") -> float:
@@ -71,34 +72,23 @@ class LearnedOptimizer(Optimizer):
             of ``param_groups`` that makes it negative, infinite or NaN raises a
             ``ValueError`` instead of corrupting the parameters.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
-        chunk_size: elements processed at a time on the fast path on CPU (accelerators
-            use :data:`learned_opt._chunked.ACCELERATOR_CHUNK`).
-        small_tensor_size: tensors of at most this many elements (biases, norms) are
-            stepped together in one batched call instead of one call each; 0 turns
-            batching off (see :func:`learned_opt.functional.learned_step`).
-        workers: threads that step CPU chunks in parallel, each with one intra-op
-            thread (see :mod:`learned_opt.workers`); default ``torch.get_num_threads()``
-            at each step.
-        stack_same_shape: step large tensors of one shape together, stacked
-            (see :func:`learned_opt.functional.learned_step`): a few dozen kernel launches per shape
-            instead of per tensor. Default (``None``): on accelerators, where the step is
-            bound by launches, but not on CPU, where the chunked path keeps data in cache.
-        fused: step each large tensor in one fused pass (features, per-element MLP and
-            update in one loop over the elements) compiled by ``torch.compile``. ``None``
-            (default): on CPU, where it measured faster than the eager chunked path (see
-            the README's step-overhead table); ``True``: on every device; ``False``:
-            never; ``"eager"``: the same math uncompiled (slow; for tests). The first
-            step compiles it (tens of seconds on 2 cores, once per process, config and
-            dtype); if compiling fails, one warning says why and the eager path steps.
-            The environment variable ``LEARNED_OPT_FUSED`` (``0``, ``1``, ``eager``)
-            changes what ``None`` means.
+        compile: run the step compiled by ``torch.compile`` (the default), or always run
+            the eager reference (``False``; also the environment variable
+            ``LEARNED_OPT_COMPILE=0``). ``step()`` never waits for a compile: the first
+            steps of a model run the reference while a background thread compiles the
+            kernel (see :mod:`learned_opt.kernel`), and the steps after that run it. If
+            compiling fails, one warning says why and the reference keeps stepping.
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
-    ``v`` in float32 (float64 for float64 parameters), and ``nonfinite_skips``: how many
-    steps this tensor's update was skipped because its gradient or the parameter itself
-    held NaN or Inf. Such a gradient never reaches the parameter or the state, and a
-    non-finite parameter never spreads to the rest of its tensor. The step count is per param group
-    (``group["step"]``). Theta lives in ``self.net``, not in ``state_dict()``.
+    ``v`` in float32 (float64 for float64 parameters), the adapted log step multiplier
+    ``log_lr``, the tensor's own step count ``step`` (its bias correction counts its own
+    steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal
+    first step), and ``nonfinite_skips``: how many steps this tensor's update was skipped
+    because its gradient or the parameter itself held NaN or Inf. Such a gradient never
+    reaches the parameter or the state, and a non-finite parameter never spreads to the
+    rest of its tensor; a parameter that holds NaN or Inf warns once, naming it.
+    ``group["step"]`` counts the group's steps. Theta lives in ``self.net``, not in
+    ``state_dict()``.
 
     A parameter is left alone, with no state, until its gradient is non-zero somewhere: the
     learned step from zero state is not zero (its MLP has biases), so a tensor whose
@@ -121,22 +111,13 @@ class LearnedOptimizer(Optimizer):
         checkpoint: str | os.PathLike | None = None,
         lr: float = 1.0,
         net: LearnedOptimizerNet | None = None,
-        chunk_size: int = DEFAULT_CHUNK,
-        small_tensor_size: int = SMALL_TENSOR_SIZE,
-        workers: int | None = None,
-        stack_same_shape: bool | None = None,
-        fused: bool | str | None = None,
+        compile: bool = True,
     ):
         if positional:  # the Adam(params, 1e-3) habit would make every step 1000x too small
             raise TypeError(KEYWORD_ONLY.format(positional[0]))
         checked_lr(lr, "learning-rate multiplier lr")
-        check_fused(fused)
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"Invalid chunk_size: {chunk_size!r} (must be a positive int)")
-        if not isinstance(small_tensor_size, int) or small_tensor_size < 0:
-            raise ValueError(
-                f"Invalid small_tensor_size: {small_tensor_size!r} (must be an int >= 0)"
-            )
+        if not isinstance(compile, bool):
+            raise ValueError(f"Invalid compile: {compile!r} (must be True or False)")
         #: built without a checkpoint or net: the shipped rule follows where it steps
         self.shipped_default = net is None and checkpoint is None
         if net is None:
@@ -147,21 +128,19 @@ class LearnedOptimizer(Optimizer):
             self.checkpoint_path, card = None, {}
         self.net = net
         self.card = card
-        self.chunk_size = chunk_size
-        self.small_tensor_size = small_tensor_size
+        self.compile = compile
         self.last_loss: Tensor | float | None = None
         self._theta_cache: dict[tuple, Theta] = {}
-        self._runner = ChunkRunner(workers)  # also holds the reused scratch buffers
-        self.stack_same_shape = stack_same_shape
-        self.fused = fused
+        self._parts: Parts | None = None
+        self._kernels = Kernels(compile)
+        self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
         self.gossip = False
         super().__init__(params, dict(lr=lr, step=0))
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
-    #: state, param groups). Theta (``net``) is small; caches and threads are rebuilt.
+    #: state, param groups). Theta (``net``) is small; caches and kernels are rebuilt.
     _PICKLED = (
-        "net", "card", "checkpoint_path", "chunk_size", "small_tensor_size", "stack_same_shape",
-        "fused", "last_loss", "gossip", "shipped_default",
+        "net", "card", "checkpoint_path", "compile", "last_loss", "gossip", "shipped_default",
     )  # fmt: skip
 
     def add_param_group(self, param_group: dict) -> None:
@@ -178,7 +157,6 @@ class LearnedOptimizer(Optimizer):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED})
-        state["workers"] = self._runner.workers
         if isinstance(self.last_loss, Tensor):  # the closure's loss holds its autograd graph
             state["last_loss"] = self.last_loss.detach()
         return state
@@ -187,7 +165,8 @@ class LearnedOptimizer(Optimizer):
         # Called by unpickling and deepcopy with the whole state, and by torch's
         # load_state_dict with only state and param groups.
         state = dict(state)
-        workers = state.pop("workers", None)
+        for stale in ("workers", "chunk_size", "small_tensor_size", "stack_same_shape", "fused"):
+            state.pop(stale, None)  # settings of earlier versions
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("step", 0)
@@ -201,19 +180,18 @@ class LearnedOptimizer(Optimizer):
         defaults = {
             "card": {},
             "checkpoint_path": None,
-            "chunk_size": DEFAULT_CHUNK,
-            "small_tensor_size": SMALL_TENSOR_SIZE,
-            "stack_same_shape": None,
-            "fused": None,
+            "compile": True,
             "last_loss": None,
             "gossip": False,
             "shipped_default": False,
             "_theta_cache": {},
+            "_parts": None,
+            "_warned": set(),
         }
         for name, default in defaults.items():
             self.__dict__.setdefault(name, default)
-        if "_runner" not in self.__dict__:
-            self._runner = ChunkRunner(workers)
+        if "_kernels" not in self.__dict__:
+            self._kernels = Kernels(self.compile)
 
     @property
     def config(self):
@@ -288,6 +266,21 @@ class LearnedOptimizer(Optimizer):
     def refresh_theta(self) -> None:
         """Drop cached copies of theta after ``self.net`` was changed in place."""
         self._theta_cache.clear()
+        self._parts = None
+
+    @property
+    def parts(self) -> Parts:
+        """Which networks of theta can change the step (:func:`~learned_opt.step.active_parts`):
+        a rule whose heads are zero evaluates none."""
+        if self._parts is None:
+            self._parts = active_parts(dict(self.net.named_parameters()))
+        return self._parts
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the compiles queued so far have finished; returns whether every
+        set of tensors stepped so far runs its compiled kernel. For benchmarks and tests:
+        ``step()`` itself never waits."""
+        return self._kernels.wait(timeout)
 
     def _group_items(self, group: dict) -> list[tuple[Tensor, Tensor, dict]]:
         """``(param, grad, state)`` of the group's parameters to step; state created lazily.
@@ -312,8 +305,10 @@ class LearnedOptimizer(Optimizer):
                     continue
                 state.update(init_state(p))
                 state["nonfinite_skips"] = 0
-            elif "log_lr" not in state:  # state saved before step sizes were adapted
+            if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
+            if "step" not in state:  # state saved when the group counted the steps
+                state["step"] = torch.tensor(float(group["step"]), dtype=state["v"].dtype)
             items.append((p, p.grad, state))
         return items
 
@@ -326,23 +321,40 @@ class LearnedOptimizer(Optimizer):
             with torch.enable_grad():
                 closure_loss = closure()
         self.last_loss = loss if loss is not None else closure_loss
+        cfg, parts = self.step_config, self.parts
         for index, group in enumerate(self.param_groups):
             lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
             items = self._group_items(group)
             if not items:
                 continue
             group["step"] += 1
-            params, grads, states = zip(*items)
-            oks = learned_step(
-                self.theta, self.step_config, params, grads, states, group["step"],
-                lr, chunk_size=self.chunk_size,
-                small_tensor_size=self.small_tensor_size,
-                stack_same_shape=self.stack_same_shape, runner=self._runner,
-                fused=self.fused,
-            )  # fmt: skip
-            for state, ok in zip(states, oks):
-                state["nonfinite_skips"] += not ok
+            by_kind: dict[tuple, list] = {}  # one kernel per device and compute dtype
+            for item in items:
+                by_kind.setdefault((item[0].device, item[2]["v"].dtype), []).append(item)
+            for (device, dtype), kind in by_kind.items():
+                theta = self.theta(device, dtype)
+                params, grads, states = zip(*kind)
+                tensors = [{k: s[k] for k in ("m", "v", "log_lr", "step")} for s in states]
+                oks = self._kernels.step(theta, cfg, parts, params, grads, tensors, lr)
+                for p, state, ok in zip(params, states, oks.tolist()):
+                    if not ok:
+                        self._skipped(index, group, p, state)
         return closure_loss
+
+    def _skipped(self, index: int, group: dict, p: Tensor, state: dict) -> None:
+        """Count a skipped update, and warn once per parameter that itself holds NaN or Inf
+        (a non-finite gradient alone is skipped silently, as a loss scaler expects)."""
+        state["nonfinite_skips"] = state.get("nonfinite_skips", 0) + 1
+        position = next(i for i, q in enumerate(group["params"]) if q is p)
+        if (index, position) not in self._warned and not bool(torch.isfinite(p).all()):
+            self._warned.add((index, position))
+            warnings.warn(
+                f"LearnedOptimizer: parameter {position} of param group {index} (shape "
+                f"{tuple(p.shape)}) holds NaN or Inf; its updates are skipped from now on "
+                f"(counted in nonfinite_skips: {self.nonfinite_skips})",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load optimizer state. State tensors take the dtype a fresh state of the parameter

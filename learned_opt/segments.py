@@ -4,10 +4,9 @@ A step works on element tensors ``[..., P]`` whose last dim concatenates the ele
 ``T`` parameter tensors (segments); leading dims stack independent rows (workers, or
 same-shape tensors). Per-tensor quantities are ``[..., T]``: :func:`segment_sum` and
 :func:`segment_mean` reduce elements to them, :func:`segment_expand` broadcasts them back.
-Every formula of :mod:`learned_opt.features` and :mod:`learned_opt.stages` is written on
-such a view, so the same code serves one tensor (one segment, one row), same-shape tensors
-stacked as rows, and all tensors of a model packed into one flat vector. The chunked CPU
-path sees one segment a piece at a time and sums its pieces in order.
+Every formula of :mod:`learned_opt.features` and :mod:`learned_opt.step` is written on
+such a view, so the same code serves one tensor (one segment, one row) and all tensors of
+a model packed into one flat vector, with workers stacked as rows.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every inner optimizer here is a pure function over parameter tensors stacked along a
 leading worker dimension ``[N, ...]``, flattened to ``[N, P]``. The learned optimizer is
-the core's differentiable :func:`learned_opt.flat.flat_step` (the math that
+the core's differentiable :func:`learned_opt.step.flat_step` (the math that
 ``LearnedOptimizer`` runs in place), on every worker at once; mixing is the
 :class:`~learned_opt.distributed.simulated.SimulatedCommunicator`, i.e. the same local-update
 and mixing functions as deployment.
@@ -24,8 +24,8 @@ from learned_opt.distributed.simulated import (
 )
 from learned_opt.distributed.topology import get_topology
 from learned_opt.features import adam_direction
-from learned_opt.flat import flat_step, init_flat_state
 from learned_opt.segments import FlatLayout, segment_mean
+from learned_opt.step import flat_step, init_flat_state
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.

@@ -11,8 +11,8 @@ import torch
 
 from learned_opt.config import NetConfig
 from learned_opt.features import edge_features, init_state, time_features
-from learned_opt.flat import tensor_step
 from learned_opt.network import edge_weight
+from learned_opt.step import tensor_step
 
 
 def _figure():

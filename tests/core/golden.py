@@ -38,7 +38,7 @@ def golden_inputs(seed: int = 0) -> dict[str, dict[str, torch.Tensor]]:
 def pure_step(theta, cfg, t: dict) -> dict[str, torch.Tensor]:
     """The pure step of one golden tensor ``t``: new ``p``, ``m``, ``v`` (and ``log_lr``
     when ``cfg`` adapts step sizes)."""
-    from learned_opt.flat import tensor_step
+    from learned_opt.step import tensor_step
 
     log_lr = t["log_lr"] if cfg.adapts_lr else None
     out = tensor_step(theta, cfg, t["p"], t["g"], t["m"], t["v"], STEP, LR, log_lr=log_lr)

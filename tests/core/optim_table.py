@@ -45,17 +45,8 @@ OPTIMIZERS = [
         "learned-perturbed", lambda params: LearnedOptimizer(params, net=perturbed_net()), 1.0
     ),
     OptimInfo(
-        "learned-perturbed-w32-chunked",  # one call per tensor: the chunked fast path
-        lambda params: LearnedOptimizer(
-            params, net=perturbed_net(32, seed=1), chunk_size=16, small_tensor_size=0
-        ),
-        1.0,
-    ),
-    OptimInfo(
-        "learned-perturbed-fused",  # one fused pass per tensor, uncompiled (math as compiled)
-        lambda params: LearnedOptimizer(
-            params, net=perturbed_net(seed=2), small_tensor_size=0, fused="eager"
-        ),
+        "learned-perturbed-w32",
+        lambda params: LearnedOptimizer(params, net=perturbed_net(32, seed=1)),
         1.0,
     ),
     OptimInfo("torch-adam", lambda params: torch.optim.Adam(params, lr=1e-3), 1e-3),
@@ -332,20 +323,3 @@ MUTANTS = [
     (check_sparse_rejected, mutant("densifies_sparse")),
     (check_zero_grad, mutant("keeps_grads")),
 ]
-
-
-def spy_layouts(monkeypatch, names=("packed", "stacked", "chunked")) -> dict[str, list]:
-    """Record the shapes each of ``learned_step``'s layouts (``NAME_step_`` in
-    :mod:`learned_opt.functional`) was called with, and still run it."""
-    from learned_opt import functional
-
-    seen: dict[str, list] = {name: [] for name in names}
-    for name in names:
-        real = getattr(functional, f"{name}_step_")
-
-        def spy(theta, cfg, params, *rest, _real=real, _name=name, **kw):
-            seen[_name].append(sorted(tuple(p.shape) for p in params))
-            return _real(theta, cfg, params, *rest, **kw)
-
-        monkeypatch.setattr(functional, f"{name}_step_", spy)
-    return seen

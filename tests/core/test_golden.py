@@ -1,7 +1,9 @@
-"""Every path of the step gives the shipped checkpoints' recorded updates, to 1e-5.
+"""Both implementations of the step give the shipped checkpoints' recorded updates, to 1e-5.
 
 The reference (``data/golden_updates.pt``, see ``golden.py``) was recorded from the pure
-step before the step math was written once; a refactor of any layout must keep it.
+step; a refactor must keep it. The eager in-place step here skips the networks whose heads
+are zero (:func:`learned_opt.step.active_parts`) and must still match; the compiled kernel
+is checked against the same references in ``test_kernel.py``.
 """
 
 from __future__ import annotations
@@ -12,15 +14,10 @@ import pytest
 import torch
 from golden import GOLDEN, LR, STEP, golden_inputs, pure_step
 
-from learned_opt import list_pretrained, load_checkpoint, stages
-from learned_opt._chunked import chunked_step_
-from learned_opt._fused import fused_step_, fuses_whole
-from learned_opt._stacked import packed_step_, stacked_step_
-from learned_opt.flat import flat_step
-from learned_opt.functional import learned_step
-from learned_opt.orthogonal import needs_whole_tensor
+from learned_opt import list_pretrained, load_checkpoint, step
+from learned_opt.kernel import step_tensors
 from learned_opt.segments import FlatLayout
-from learned_opt.workers import ChunkRunner
+from learned_opt.step import active_parts, flat_step
 
 REFERENCE = torch.load(GOLDEN, weights_only=True)
 
@@ -50,67 +47,30 @@ def _flat_step(theta, cfg, inputs):
     }
 
 
-def _in_place(fn):
-    def run(theta, cfg, inputs):
-        params = [t["p"].clone() for t in inputs.values()]
-        states = [{key: t[key].clone() for key in ("m", "v", "log_lr")} for t in inputs.values()]
-        grads = [t["g"] for t in inputs.values()]
-        oks = fn(theta, cfg, params, grads, states)
-        assert all(bool(ok) for ok in oks)
-        return {k: {"p": p, **s} for k, p, s in zip(inputs, params, states)}
-
-    return run
-
-
-def _stacked(theta, cfg, params, grads, states):
-    (w1, w2), rest = (0, 1), range(2, len(params))
-    flags = stacked_step_(
-        theta, cfg, *([x[i] for i in (w1, w2)] for x in (params, grads, states)), STEP, LR
-    )
-    for i in rest:
-        flags = torch.cat(
-            [flags, stacked_step_(theta, cfg, [params[i]], [grads[i]], [states[i]], STEP, LR)]
-        )
-    return flags.tolist()
+def in_place(fn, theta, cfg, inputs):
+    """Run ``fn`` (:func:`~learned_opt.kernel.step_tensors`, eager or compiled) on copies of
+    the golden inputs, each tensor at step count ``STEP``; return the new tensors."""
+    params = [t["p"].clone() for t in inputs.values()]
+    states = [
+        {**{key: t[key].clone() for key in ("m", "v", "log_lr")}, "step": torch.tensor(STEP - 1.0)}
+        for t in inputs.values()
+    ]
+    grads = [t["g"] for t in inputs.values()]
+    oks = fn(theta, cfg, active_parts(theta), params, grads, states, torch.tensor(LR))
+    assert oks.all()
+    assert all(float(s["step"]) == STEP for s in states)
+    return {k: {"p": p, **s} for k, p, s in zip(inputs, params, states)}
 
 
 PATHS = {
     "tensor_step": _tensor_step,
     "flat_step": _flat_step,
-    "packed": _in_place(lambda th, c, *a: packed_step_(th, c, *a, STEP, LR)),
-    "stacked": _in_place(_stacked),
-    "chunked": _in_place(
-        lambda th, c, *a: chunked_step_(th, c, *a, STEP, LR, chunk=100, runner=ChunkRunner(2))
-    ),
-    "learned_step": _in_place(
-        lambda th, c, *a: learned_step(th, c, *a, STEP, LR, small_tensor_size=300)
-    ),
-    # the fused pass uncompiled (compiled: test_fused.py, slow), every tensor one call
-    "fused": _in_place(lambda th, c, *a: fused_step_(th, c, *a, STEP, LR, compiled=False)),
-    "fused_packed": _in_place(  # the small tensors packed into one pass
-        lambda th, c, *a: fused_step_(th, c, *a, STEP, LR, compiled=False, small_tensor_size=300)
-    ),
-    "learned_step_fused": _in_place(
-        lambda th, c, *a: learned_step(th, c, *a, STEP, LR, small_tensor_size=8, fused="eager")
-    ),
+    "step_tensors": lambda theta, cfg, inputs: in_place(step_tensors, theta, cfg, inputs),
 }
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("checkpoint", list_pretrained())
-def test_every_path_gives_the_recorded_updates(checkpoint, path):
-    net, _ = load_checkpoint(checkpoint)
-    inputs = golden_inputs()
-    shapes = [t["p"].shape for t in inputs.values()]
-    if path == "chunked":  # the dispatcher never sends such tensors there
-        refused = any(needs_whole_tensor(net.config, s) for s in shapes)
-    else:  # the fused step takes "ortho" matrices (direction pass, then Newton-Schulz)
-        refused = path.startswith("fused") and not all(fuses_whole(net.config, s) for s in shapes)
-    if refused:
-        with pytest.raises(ValueError, match="cannot step them"):
-            PATHS[path](net.theta(), net.config, inputs)
-        return
-    got = PATHS[path](net.theta(), net.config, inputs)
+def check_recorded(checkpoint: str, got: dict, inputs: dict, adapts_lr: bool) -> None:
+    """``got`` (new tensors per golden input) equals the recorded updates of ``checkpoint``."""
     for name, ref in REFERENCE[checkpoint].items():
         new = got[name]
         update = (ref["p"] - inputs[name]["p"]).abs().max()
@@ -118,15 +78,23 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
         assert err <= 1e-5 * update + 1e-9, f"{name}: {err:.2e} of update {update:.2e}"
         torch.testing.assert_close(new["m"], ref["m"], rtol=1e-5, atol=1e-8)
         torch.testing.assert_close(new["v"], ref["v"], rtol=1e-5, atol=1e-10)
-        if net.config.adapts_lr:
+        if adapts_lr:
             torch.testing.assert_close(new["log_lr"], ref["log_lr"], rtol=1e-5, atol=1e-7)
 
 
-def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, scratch=None, shapes=None):
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("checkpoint", list_pretrained())
+def test_every_path_gives_the_recorded_updates(checkpoint, path):
+    net, _ = load_checkpoint(checkpoint)
+    inputs = golden_inputs()
+    got = PATHS[path](net.theta(), net.config, inputs)
+    check_recorded(checkpoint, got, inputs, net.config.adapts_lr)
+
+
+def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, shapes):
     """A changed output stage (twice the update), to be swapped into ``apply_update``."""
-    before = p.clone()
-    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, scratch, shapes)  # noqa: F821
-    return torch.add(new, new - before, out=new if scratch is not None else None)
+    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, shapes)  # noqa: F821
+    return new + (new - p)
 
 
 def test_changing_the_output_stage_once_changes_every_path(monkeypatch):
@@ -135,13 +103,10 @@ def test_changing_the_output_stage_once_changes_every_path(monkeypatch):
     inputs = golden_inputs()
     before = {path: fn(net.theta(), net.config, inputs) for path, fn in PATHS.items()}
     original = types.FunctionType(
-        stages.apply_update.__code__,
-        stages.__dict__,
-        "apply_update",
-        stages.apply_update.__defaults__,
+        step.apply_update.__code__, step.__dict__, "apply_update", step.apply_update.__defaults__
     )
-    monkeypatch.setitem(stages.__dict__, "_original_apply_update", original)
-    monkeypatch.setattr(stages.apply_update, "__code__", _doubled_update.__code__)
+    monkeypatch.setitem(step.__dict__, "_original_apply_update", original)
+    monkeypatch.setattr(step.apply_update, "__code__", _doubled_update.__code__)
     for path, fn in PATHS.items():
         after = fn(net.theta(), net.config, inputs)
         for name, t in inputs.items():

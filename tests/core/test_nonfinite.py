@@ -4,14 +4,16 @@ counted (``nonfinite_skips``)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from optim_table import fixed_grads, make_params, perturbed_net
 
 from learned_opt import LearnedOptimizer
 from learned_opt.features import init_state
-from learned_opt.flat import flat_step, init_flat_state, tensor_step
 from learned_opt.segments import FlatLayout
+from learned_opt.step import flat_step, init_flat_state, tensor_step
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -71,38 +73,34 @@ def _same(a, b) -> bool:
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-#: Each in-place layout of ``LearnedOptimizer``, chosen by its settings.
-LAYOUTS = {
-    "chunked": dict(small_tensor_size=0, stack_same_shape=False, chunk_size=8, fused=False),
-    "packed": dict(small_tensor_size=10_000),
-    "stacked": dict(small_tensor_size=0, stack_same_shape=True, fused=False),
-    "fused": dict(small_tensor_size=0, fused="eager"),  # uncompiled; compiled: test_fused.py
-    "fused-packed": dict(small_tensor_size=10_000, fused="eager"),  # the small ones packed
-}
-
-
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_bad_parameter_skips_only_that_tensor(layout, bad):
+def test_bad_parameter_skips_only_that_tensor_and_warns_once(bad):
     """A NaN or Inf in a parameter (finite gradient) does not spread over its tensor: the
-    tensor is skipped and counted, the others step as if it were not there."""
+    tensor is skipped and counted, the others step as if it were not there, and one warning
+    names the parameter."""
     params, clean = make_params(), make_params()
     params.append(torch.nn.Parameter(params[0].detach().clone()))  # a twin shape to stack
     clean.append(torch.nn.Parameter(clean[0].detach().clone()))
-    opt = LearnedOptimizer(params, net=perturbed_net(), **LAYOUTS[layout])
-    ref = LearnedOptimizer(clean[1:], net=perturbed_net(), **LAYOUTS[layout])
+    opt = LearnedOptimizer(params, net=perturbed_net())
+    ref = LearnedOptimizer(clean[1:], net=perturbed_net())
     with torch.no_grad():
         params[0][1, 2] = bad
     before = params[0].detach().clone()
     fixed_grads(params, 0)
     fixed_grads(clean, 0)
-    opt.step()
+    with pytest.warns(RuntimeWarning, match=r"parameter 0 of param group 0 \(shape \(7, 5\)\)"):
+        opt.step()
     ref.step()
     assert _same(params[0], before)
     assert not opt.state[params[0]]["m"].any() and not opt.state[params[0]]["v"].any()
     assert [opt.state[p]["nonfinite_skips"] for p in params] == [1, 0, 0, 0]
+    assert opt.nonfinite_skips == 1
     for p, q in zip(params[1:], clean[1:]):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the second skip is counted, not warned
+        opt.step()
+    assert opt.nonfinite_skips == 2
 
 
 @pytest.mark.parametrize("bad", [float("nan"), -float("inf")])

@@ -47,13 +47,8 @@ def _inputs(device, dtype=None):
         OptimizerInput(params=None, kwargs={}, desc="default"),
         OptimizerInput(params=None, kwargs={"lr": 0.5}, desc="lr 0.5"),
         OptimizerInput(params=None, kwargs={"lr": torch.tensor(0.5)}, desc="Tensor lr"),
-        OptimizerInput(
-            params=None, kwargs={"small_tensor_size": 0, "chunk_size": 16}, desc="chunked path"
-        ),
         OptimizerInput(params=None, kwargs={"checkpoint": "adam_init"}, desc="adam_init"),
-        OptimizerInput(
-            params=None, kwargs={"small_tensor_size": 0, "fused": "eager"}, desc="fused path"
-        ),
+        OptimizerInput(params=None, kwargs={"compile": False}, desc="reference only"),
     ]
 
 
@@ -71,14 +66,9 @@ def _error_inputs(device, dtype):
         bad_lr(float("nan"), "nan lr", "finite and >= 0"),
         bad_lr("0.1", "string lr", "must be a number"),
         ErrorOptimizerInput(
-            OptimizerInput(params=None, kwargs={"fused": "yes"}, desc="fused 'yes'"),
+            OptimizerInput(params=None, kwargs={"compile": "yes"}, desc="compile 'yes'"),
             error_type=ValueError,
-            error_regex="Invalid fused",
-        ),
-        ErrorOptimizerInput(
-            OptimizerInput(params=None, kwargs={"chunk_size": 0}, desc="chunk_size 0"),
-            error_type=ValueError,
-            error_regex="chunk_size",
+            error_regex="Invalid compile",
         ),
     ]
 
@@ -264,7 +254,7 @@ def test_deepcopy_and_pickle_copy_everything_and_step_alike(optim_input):
         copied = make_copy(opt)
         public = {k for k in opt.__dict__ if not k.startswith("_")}
         assert {k for k in copied.__dict__ if not k.startswith("_")} == public
-        assert copied.card == opt.card and copied.chunk_size == opt.chunk_size
+        assert copied.card == opt.card and copied.compile == opt.compile
         twin = [p for g in copied.param_groups for p in g["params"]]
         for p, q in zip(params, twin):
             p.grad = torch.full_like(p, 0.3)

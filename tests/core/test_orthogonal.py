@@ -1,16 +1,15 @@
-"""The "ortho" output parameterisation: Newton-Schulz, the zero-heads rule, every layout."""
+"""The "ortho" output parameterisation: Newton-Schulz, the zero-heads rule, both layouts."""
 
 import pytest
 import torch
 from torch.func import grad, vmap
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, save_checkpoint
-from learned_opt._chunked import chunked_step_
 from learned_opt.features import init_state
-from learned_opt.flat import flat_step, init_flat_state
-from learned_opt.functional import learned_step
+from learned_opt.kernel import step_tensors
 from learned_opt.orthogonal import is_matrix, newton_schulz, unit_rms
 from learned_opt.segments import FlatLayout
+from learned_opt.step import ALL_PARTS, flat_step, init_flat_state
 
 ORTHO = NetConfig(output="ortho")
 
@@ -71,7 +70,7 @@ def _random_theta(cfg, seed=1):
 
 @pytest.mark.parametrize("normalize", [False, True])
 def test_layouts_agree(normalize):
-    """Packed (many segments), stacked (one segment per row) and the optimizer agree."""
+    """The flat step (many segments) and the in-place step (one tensor each) agree."""
     cfg = NetConfig(output="ortho", normalize=normalize)
     theta = _random_theta(cfg)
     gen = torch.Generator().manual_seed(2)
@@ -84,24 +83,11 @@ def test_layouts_agree(normalize):
     new_p, _, _ = flat_step(
         theta, cfg, layout, flat(params), flat(grads), state["m"], state["v"], 1
     )
-    # the in-place dispatcher: small tensors packed, the rest stacked per shape
+    # the in-place step, one tensor at a time
     ps = [p.clone() for p in params]
-    states = [init_state(p) for p in ps]
-    learned_step(theta, cfg, ps, grads, states, 1, small_tensor_size=32)
+    states = [{**init_state(p), "step": torch.tensor(0.0)} for p in ps]
+    step_tensors(theta, cfg, ALL_PARTS, ps, grads, states, torch.tensor(1.0))
     torch.testing.assert_close(flat(ps), new_p, rtol=1e-5, atol=1e-6)
-
-
-def test_chunked_path_refuses_whole_tensor_outputs():
-    """Orthogonalised matrices and normalised tensors never take the chunked layout; tensors
-    of the Adam form under "ortho" still do (the dispatcher sends them there)."""
-    theta = _net(ORTHO).theta()
-    for cfg, shape in ((ORTHO, (32, 32)), (NetConfig(normalize=True), (4096,))):
-        p = torch.zeros(shape)
-        with pytest.raises(ValueError, match="chunks cannot step them"):
-            chunked_step_(theta, cfg, [p], [torch.ones(shape)], [init_state(p)], 1)
-    p = torch.zeros(4096)
-    assert chunked_step_(theta, ORTHO, [p], [torch.ones(4096)], [init_state(p)], 1) == [True]
-    assert p.abs().max() > 0
 
 
 def test_meta_gradient_flows_through_the_orthogonalisation_under_vmap():

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from learned_opt.config import NetConfig
-from learned_opt.flat import flat_step, init_flat_state, tensor_step
 from learned_opt.meta_train.data import step_seeds
 from learned_opt.meta_train.evaluation import speedup
 from learned_opt.meta_train.module import MetaTrainModule
 from learned_opt.network import LearnedOptimizerNet
 from learned_opt.segments import FlatLayout
+from learned_opt.step import flat_step, init_flat_state, tensor_step
 
 SMALL = dict(
     tasks_per_step=1, unroll_length=3, min_length=6, max_length=6, worker_counts=[2],

@@ -1,0 +1,248 @@
+"""The compiled path of the learned step: :func:`step_tensors`, compiled in the background.
+
+:func:`step_tensors` steps a list of tensors in place with :func:`learned_opt.step.tensor_step`,
+the differentiable reference. Eagerly it is the reference itself; compiled by the public
+``torch.compile`` (one graph for the list, on CPU and GPU alike) it is the kernel, whose
+elementwise work inductor fuses into a few loops over each tensor.
+
+``step()`` never waits for a compile. A :class:`Kernels` holds one compiled function per
+set of tensors (device, dtypes and shapes); the first steps of a new set run the
+reference, and after :data:`COMPILE_AFTER` of them one process-wide worker thread compiles
+the kernel on copies of the tensors, one set at a time. The steps after that run the kernel.
+If compiling fails, one warning says why and the reference keeps stepping that set.
+
+Processes on one host share one compile: the worker holds a file lock in the compile
+cache's folder while it compiles, so the other ranks of a ``torchrun`` job wait (stepping
+eagerly meanwhile) and then find the compiled code in inductor's cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import sys
+import tempfile
+import threading
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .config import NetConfig
+from .network import Theta
+from .step import Parts, tensor_step
+
+#: A set of tensors is compiled after this many eager steps: a short-lived optimizer (a
+#: quick check, a two-step test) never pays for a compile it would not use.
+COMPILE_AFTER = 3
+#: Environment variable that turns compiling off (``0``): every step runs the reference.
+COMPILE_ENV = "LEARNED_OPT_COMPILE"
+
+
+def step_tensors(
+    theta: Theta,
+    cfg: NetConfig,
+    parts: Parts,
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[dict[str, Tensor]],
+    lr: Tensor,
+) -> Tensor:
+    """Step every tensor of ``params`` in place (parameter and state); returns, per tensor,
+    whether it was stepped (False where its gradient or the parameter held NaN or Inf).
+
+    ``states`` hold ``m``, ``v``, ``log_lr`` and ``step`` (a float tensor: the tensor's own
+    step count, which its bias correction and time features read, and which only a
+    stepped tensor advances). ``lr`` is the group's step multiplier, a 0-d tensor, so that
+    a scheduler changing it never recompiles the kernel."""
+    oks = []
+    for p, g, s in zip(params, grads, states):
+        step = s["step"] + 1
+        log_lr = s["log_lr"] if cfg.adapts_lr else None
+        out = tensor_step(
+            theta, cfg, p, g, s["m"], s["v"], step, lr, log_lr, parts=parts, return_finite=True
+        )
+        p.copy_(out[0])
+        s["m"].copy_(out[1])
+        s["v"].copy_(out[2])
+        if log_lr is not None:
+            s["log_lr"].copy_(out[3])
+        s["step"].add_(out[-1].to(s["step"].dtype))
+        oks.append(out[-1])
+    return torch.stack(oks) if oks else torch.ones(0, dtype=torch.bool)
+
+
+def compiling_enabled() -> bool:
+    """False where :data:`COMPILE_ENV` is ``0`` (or ``false``)."""
+    value = os.environ.get(COMPILE_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"Invalid {COMPILE_ENV}={value!r} (must be 0 or 1, or unset)")
+    return value not in ("0", "false")
+
+
+class Kernels:
+    """The compiled kernels of one optimizer, one per set of tensors (see the module)."""
+
+    def __init__(self, compile: bool = True):
+        self.compile = compile
+        self._entries: dict[tuple, _Entry] = {}
+
+    def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> Tensor:
+        """:func:`step_tensors` with the kernel of this set of tensors if it is ready, else
+        with the reference (and the compile queued once the set has stepped
+        :data:`COMPILE_AFTER` times)."""
+        lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
+        # plain tensors sharing the parameters' memory: the kernel's guards then match the
+        # copies it was compiled on (a Parameter requires grad, a copy does not)
+        params, grads = [p.detach() for p in params], [g.detach() for g in grads]
+        args = (theta, cfg, parts, params, grads, list(states), lr_t)
+        if not (self.compile and compiling_enabled()):
+            return step_tensors(*args)
+        key = _signature(cfg, parts, params, grads)
+        entry = self._entries.setdefault(key, _Entry())
+        if entry.fn is not None:
+            return entry.fn(*args)
+        entry.eager_steps += 1
+        if entry.eager_steps == COMPILE_AFTER and not entry.queued:
+            entry.queued = True
+            _worker().submit(entry, args)
+        return step_tensors(*args)
+
+    def ready(self) -> bool:
+        """Whether every set of tensors stepped so far runs its compiled kernel."""
+        return bool(self._entries) and all(e.fn is not None for e in self._entries.values())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued compile has finished (or failed); returns
+        :meth:`ready`. For benchmarks and tests: ``step()`` itself never waits."""
+        for entry in list(self._entries.values()):
+            if entry.queued and not entry.done.wait(timeout):
+                return False
+        return self.ready()
+
+
+class _Entry:
+    """One set of tensors: its compiled function once ready."""
+
+    def __init__(self):
+        self.fn: Callable | None = None
+        self.eager_steps = 0
+        self.queued = False
+        self.done = threading.Event()
+
+
+def _signature(cfg, parts, params, grads) -> tuple:
+    tensors = tuple(
+        (p.device, p.dtype, tuple(p.shape), g.dtype, p.is_contiguous())
+        for p, g in zip(params, grads)
+    )
+    return cfg, parts, tensors
+
+
+_COUNTER = itertools.count()
+
+
+def _fresh_function(fn: Callable) -> Callable:
+    """A copy of ``fn`` with its own code object: ``torch.compile`` keeps its compiled
+    graphs and its recompile limit per code object, so each set of tensors gets its own
+    instead of sharing one limit across every model in a process."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COUNTER)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+class _Worker:
+    """The process-wide compile thread: compiles queued sets of tensors one at a time."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="learned-opt-compile", daemon=True)
+        self.thread.start()
+
+    def submit(self, entry: _Entry, args: tuple) -> None:
+        # the job holds copies (the live tensors keep changing) and only a weak reference
+        # to the entry, so a dropped optimizer's compile is skipped
+        theta, cfg, parts, params, grads, states, lr = args
+        copies = (
+            theta, cfg, parts, [p.detach().clone() for p in params],
+            [g.detach().clone() for g in grads],
+            [{k: t.clone() for k, t in s.items() if isinstance(t, Tensor)} for s in states],
+            lr.clone(),
+        )  # fmt: skip
+        self.jobs.put((weakref.ref(entry), copies))
+
+    def _run(self) -> None:
+        while True:
+            ref, args = self.jobs.get()
+            entry = ref()
+            if entry is None:
+                continue
+            try:
+                fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
+                with _host_lock(), _short_switch_interval(), torch.no_grad():
+                    fn(*args)
+                entry.fn = fn
+            except Exception as e:  # any failure of the compiler: keep the reference
+                warnings.warn(
+                    f"learned_opt: torch.compile failed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
+                    f"eager reference step (correct, slower)",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
+            finally:
+                entry.done.set()
+                del entry, args
+
+
+_WORKER: _Worker | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> _Worker:
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = _Worker()
+        return _WORKER
+
+
+#: The interpreter's thread switch interval while a compile runs, in seconds. Each torch op
+#: of the training thread releases the GIL; at Python's default (5 ms) the compiling
+#: thread would keep it for that long every time, and an eager step of a few hundred ops
+#: would take seconds instead of tens of milliseconds.
+COMPILE_SWITCH_INTERVAL = 5e-5
+
+
+@contextlib.contextmanager
+def _short_switch_interval():
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, COMPILE_SWITCH_INTERVAL))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
+@contextlib.contextmanager
+def _host_lock():
+    """An exclusive lock shared by the processes of this host and user (``fcntl``; none
+    where that is missing): one of them compiles, the others then hit the cache."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: each process compiles for itself
+        yield
+        return
+    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "learned_opt_compile.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,300 @@
+"""The learned step, written once: reduce per tensor, then the per-tensor context, then the
+per-element update.
+
+The step acts on the layout-neutral view of :mod:`learned_opt.segments`: element tensors
+``[B, P]`` whose last dim concatenates ``T`` parameter tensors (segments) and whose rows
+``B`` are independent (workers). :func:`flat_step` runs the skeleton on that view:
+
+1. **reduce**: the per-tensor sums of a :class:`TensorSums` record (masking, rms of the
+   gradient, mean of ``v``, the step-size adaptation's dot products);
+2. **context**: the per-tensor network (:func:`tensor_context`): feature normalisers, the
+   per-element MLP's first-layer bias and each tensor's step scale;
+3. **update**: the per-element MLP and the output parameterisation (:func:`apply_update`;
+   matrices take the orthogonalised direction of :mod:`learned_opt.orthogonal`).
+
+It is pure and differentiable in theta: meta-training unrolls it over a flat vector of all
+tensors, and :func:`tensor_step` is the same step on a one-segment view of one tensor,
+which :mod:`learned_opt.kernel` runs eagerly and compiled. :class:`Parts` says which
+networks can change the result: a rule whose heads are zero (the shipped single-worker
+rule) evaluates neither network, and gives the same values.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .config import NetConfig
+from .features import (
+    adam_direction,
+    adapt_log_lr,
+    compute_dtype,
+    constant,
+    element_features,
+    feature_scales,
+    safe_sqrt,
+    shape_stats,
+    stepped,
+    tensor_stats,
+    time_features,
+    update_moments,
+)
+from .network import Theta, element_bias, element_layers, element_mlp, tensor_head
+from .orthogonal import shape_direction
+from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
+
+
+class Parts(NamedTuple):
+    """Which parts of the network can change the step (see :func:`active_parts`).
+
+    ``tensor_net``: the per-tensor network's output head is not zero (else every tensor's
+    log step scale is 0 and its context is the MLP's own first bias). ``element_net``: the
+    per-element MLP's output head is not zero (else its direction and magnitude are exactly
+    0, and the features it reads are never built)."""
+
+    tensor_net: bool = True
+    element_net: bool = True
+
+
+#: Every part evaluated: what meta-training differentiates through.
+ALL_PARTS = Parts()
+
+
+def active_parts(theta: Theta) -> Parts:
+    """The :class:`Parts` of ``theta`` whose output heads hold a non-zero value (one look at
+    theta; call again after changing it)."""
+
+    def nonzero(name: str) -> bool:
+        return bool(theta[f"{name}.weight"].any() or theta[f"{name}.bias"].any())
+
+    return Parts(tensor_net=nonzero("tensor_out"), element_net=nonzero("elem_out"))
+
+
+class TensorSums(NamedTuple):
+    """The reduce stage's per-tensor values, each ``[B, T]``."""
+
+    ok: Tensor  # the tensor is stepped: its gradient and parameter are finite
+    g_sum_squares: Tensor  # sum of g^2 (0 where not ok)
+    g_rms: Tensor  # root mean square of g
+    v_mean: Tensor  # mean of the second moment after this step's update
+    g_dot_m: Tensor | None  # sum of g * m1 (m1 before this step), when adapting step sizes
+    m_sum_squares: Tensor | None  # sum of m1^2 (m1 before this step), likewise
+
+
+def init_flat_state(p: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
+    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, 3, P]`` and ``v`` ``[B, P]``,
+    and with ``layout`` the per-tensor log step multipliers ``log_lr`` ``[B, T]``."""
+    b, n = p.shape
+    state = {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
+    if layout is not None:
+        state["log_lr"] = p.new_zeros(b, len(layout.shapes))
+    return state
+
+
+def reduce_sums(
+    cfg: NetConfig,
+    layout: FlatLayout,
+    ok: Tensor,
+    g_sum_squares: Tensor,
+    g_in: Tensor,
+    m: Tensor,
+    v_new: Tensor,
+) -> TensorSums:
+    """The reduce stage after masking: per-tensor sums of the masked gradient ``g_in``, the
+    0.9 momentum before this step (``m[..., 0, :]``) and the new second moment. ``ok`` and
+    ``g_sum_squares`` (of the raw gradient) come from :func:`~learned_opt.features.stepped`'s
+    test, made before the gradient is masked."""
+    zero = torch.zeros((), dtype=g_in.dtype, device=g_in.device)
+    g_sum_squares = torch.where(ok, g_sum_squares, zero)
+    sizes = constant(tuple(max(n, 1) for n in layout.numels), g_in.dtype, g_in.device)
+    g_dot_m = m_sum_squares = None
+    if cfg.adapts_lr:
+        m1 = m[..., 0, :]
+        g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
+    return TensorSums(
+        ok, g_sum_squares, safe_sqrt(g_sum_squares / sizes), segment_mean(v_new, layout),
+        g_dot_m, m_sum_squares,
+    )  # fmt: skip
+
+
+def flat_step(
+    theta: Theta,
+    cfg: NetConfig,
+    layout: FlatLayout,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    step: int | Tensor,
+    lr: float | Tensor = 1.0,
+    *,
+    log_lr: Tensor | None = None,
+    return_finite: bool = False,
+    parts: Parts = ALL_PARTS,
+) -> tuple[Tensor, ...]:
+    """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, 3, P]``); returns
+    ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
+    ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
+    1-based step count after this update.
+
+    ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
+    (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and
+    one that does not passes them through unchanged. ``parts``: the networks to evaluate
+    (:func:`active_parts`; all of them by default).
+
+    A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
+    and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
+    other segments or, through autograd, theta.
+    """
+    if cfg.adapts_lr and log_lr is None:
+        raise ValueError("this config adapts per-tensor step sizes: flat_step needs log_lr")
+    g_sum_squares = segment_sum(g * g, layout)  # [B, T]
+    ok = stepped(g_sum_squares, segment_sum(p * p, layout))
+    keep = segment_expand(ok, layout)
+    zero = torch.zeros((), dtype=p.dtype, device=p.device)
+    g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
+    m_new, v_new = update_moments(g_in, m, v)
+    sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
+    stats = shape_stats(layout.shapes, cfg, p)  # once, for the adaptation and the context
+    new_log_lr = log_lr
+    if cfg.adapts_lr:
+        sizes = constant(tuple(max(n, 1) for n in layout.numels), p.dtype, p.device)
+        adapted = adapt_log_lr(
+            log_lr, sums.g_dot_m, sums.g_sum_squares, sums.m_sum_squares, sums.v_mean,
+            sizes, step, cfg, lr, stats[:, 3],
+        )  # fmt: skip
+        new_log_lr = torch.where(sums.ok, adapted, log_lr)
+    x = ms = None
+    if parts.tensor_net or parts.element_net:
+        x = element_features(p_in, g_in, m_new, v_new, segment_expand(sums.g_rms, layout), cfg)
+        ms = segment_mean(x * x, layout).transpose(-1, -2)  # [B, T, 11]
+    scales, bias, scale = tensor_context(
+        theta, cfg, ms, sums.v_mean, stats, step, lr, new_log_lr, parts
+    )
+    d = log_mag = None
+    if parts.element_net:
+        layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
+        d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
+    new_p = apply_update(
+        cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
+        shapes=layout.shapes,
+    )  # fmt: skip
+    out = (
+        torch.where(keep, new_p, p),
+        torch.where(keep.unsqueeze(-2), m_new, m),
+        torch.where(keep, v_new, v),
+    )
+    if log_lr is not None:
+        out = (*out, new_log_lr)
+    return (*out, sums.ok) if return_finite else out
+
+
+def tensor_step(
+    theta: Theta,
+    cfg: NetConfig,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    step: Tensor | float,
+    lr: Tensor | float = 1.0,
+    log_lr: Tensor | None = None,
+    *,
+    parts: Parts = ALL_PARTS,
+    return_finite: bool = False,
+) -> tuple[Tensor, ...]:
+    """Pure learned step of one tensor: :func:`flat_step` on a one-segment view.
+
+    ``m`` is ``(3, *p.shape)``; computes in :func:`~learned_opt.features.compute_dtype`.
+    Returns ``(new_p, new_m, new_v)``, and the new ``log_lr`` (a scalar) after them if
+    ``log_lr`` is given (a config that adapts step sizes needs it), then whether the
+    tensor was stepped if ``return_finite``; differentiable in theta, p, g, m and v, and
+    works under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN
+    or Inf leaves ``p``, ``m``, ``v`` and ``log_lr`` unchanged.
+    """
+    dtype = compute_dtype(p)
+    out = flat_step(
+        theta, cfg, one_segment(p.shape),
+        p.to(dtype).reshape(1, -1), g.to(dtype).reshape(1, -1),
+        m.reshape(1, 3, -1), v.reshape(1, -1), step, lr,
+        log_lr=None if log_lr is None else log_lr.reshape(1, 1),
+        return_finite=True, parts=parts,
+    )  # fmt: skip
+    new_p, new_m, new_v = out[:3]
+    new = (new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape))
+    if log_lr is not None:
+        new = (*new, out[3].reshape(log_lr.shape))
+    return (*new, out[-1].reshape(())) if return_finite else new
+
+
+def tensor_context(
+    theta: Theta,
+    cfg: NetConfig,
+    ms: Tensor | None,
+    v_mean: Tensor,
+    stats: Tensor,
+    step,
+    lr,
+    log_lr: Tensor | None = None,
+    parts: Parts = ALL_PARTS,
+) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """The per-tensor stage for a batch of tensors.
+
+    ``ms`` (``(..., T, 11)``) are the feature mean squares (None when neither network is
+    evaluated), ``v_mean`` (``(..., T)``) the means of v and ``stats`` the ``T`` tensors'
+    :func:`~learned_opt.features.shape_stats` (``(T, 4)``); leading dims stack rows.
+    Returns ``(feature_scales (..., T, 11), context_bias (..., T, H), scale (..., T))``:
+    the normalisers of the features, the full first-layer bias of the per-element MLP
+    (both None when ``parts`` evaluates no per-element MLP), and the step scale
+    ``-lr * step_mult * exp(log_scale)``, times ``exp(log_lr)`` when the config adapts
+    step sizes and times each tensor's width factor
+    (:func:`~learned_opt.features.width_log_factor`).
+    """
+    stats = stats.expand(*v_mean.shape, 4)
+    time = time_features(step, cfg, v_mean)
+    bias = None
+    if parts.tensor_net:
+        log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v_mean, stats[..., :2]), time)
+    else:
+        log_scale = torch.zeros_like(v_mean)
+        if parts.element_net:
+            bias = element_bias(theta, time).expand(*v_mean.shape, cfg.width)
+    log_scale = log_scale + stats[..., 2].to(log_scale.dtype)
+    if cfg.adapts_lr:
+        log_scale = log_scale + log_lr
+    scales = feature_scales(ms) if parts.element_net else None
+    bias = bias if parts.element_net else None
+    return scales, bias, (-lr * cfg.step_mult) * torch.exp(log_scale)
+
+
+def apply_update(
+    cfg: NetConfig,
+    p: Tensor,
+    d: Tensor | None,
+    log_mag: Tensor | None,
+    m1: Tensor,
+    v: Tensor,
+    step,
+    scale: Tensor,
+    shapes,
+) -> Tensor:
+    """The output parameterisation: the new parameter
+
+        p + scale * clamp(adam_dir + d, +-max_direction) * exp(log_mag)
+
+    where ``adam_dir`` is Adam's bias-corrected direction from ``m1`` (the 0.9 momentum)
+    and ``v``, ``d`` and ``log_mag`` (``exp_mult * a``) are the per-element MLP's outputs
+    (None: zero) and ``scale`` the per-tensor step scale broadcast to the elements. Zero
+    heads give exactly Adam with learning rate ``lr * step_mult``. ``shapes`` are the
+    segments' shapes: matrices take the orthogonalised direction
+    (:func:`~learned_opt.orthogonal.shape_direction`).
+    """
+    direction = adam_direction(m1, v, step, cfg.eps)
+    if d is not None:
+        direction = direction + d
+    direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
+    direction = shape_direction(cfg, shapes, direction, m1, d)
+    magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
+    return torch.addcmul(p, direction, magnitude)

@@ -1,0 +1,102 @@
+"""The compiled kernel: the path users get after their first steps, compiled once here.
+
+The suite turns compiling off (``tests/conftest.py``); this module turns it on for one
+optimizer of the shipped single-worker rule on the golden tensors, so the session pays
+for one compile. It checks that ``step()`` does not wait for the compile, that the kernel
+gives the recorded updates, and that it continues a run exactly where the reference left it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from golden import LR, STEP, golden_inputs
+from test_golden import check_recorded
+
+from learned_opt import LearnedOptimizer
+from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
+from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
+
+#: generous: a cold compile of the golden tensors takes tens of seconds on a loaded machine
+COMPILE_TIMEOUT = 600
+
+
+def _golden_optimizer():
+    inputs = golden_inputs()
+    params = [torch.nn.Parameter(t["p"].clone()) for t in inputs.values()]
+    for p, t in zip(params, inputs.values()):
+        p.grad = t["g"].clone()
+    return inputs, params, LearnedOptimizer(params, lr=LR)
+
+
+def _set_golden_state(opt, params, inputs) -> None:
+    for p, t in zip(params, inputs.values()):
+        p.data.copy_(t["p"])
+        p.grad = t["g"].clone()
+        state = opt.state[p]
+        for key in ("m", "v", "log_lr"):
+            state[key].copy_(t[key])
+        state["step"].fill_(STEP - 1)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """An optimizer of the shipped rule whose kernel is compiled, and how its steps went."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv(COMPILE_ENV, "1")
+    try:
+        inputs, params, opt = _golden_optimizer()
+        for _ in range(COMPILE_AFTER):
+            opt.step()
+        queued_while_stepping = not opt.wait_compiled(timeout=0)
+        ready = opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+        yield inputs, params, opt, queued_while_stepping, ready
+    finally:
+        mp.undo()
+
+
+def test_step_returns_before_the_kernel_is_compiled(compiled):
+    *_, queued_while_stepping, ready = compiled
+    assert queued_while_stepping, "step() waited for the compile"
+    assert ready, "the kernel did not compile"
+
+
+def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
+    inputs, params, opt, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    (entry,) = opt._kernels._entries.values()
+    eager_steps = entry.eager_steps
+    _set_golden_state(opt, params, inputs)
+    opt.step()
+    assert entry.eager_steps == eager_steps, "the step ran the reference, not the kernel"
+    got = {name: {"p": p.detach(), **opt.state[p]} for name, p in zip(inputs, params)}
+    check_recorded(SINGLE_WORKER_CHECKPOINT, got, inputs, opt.config.adapts_lr)
+
+
+def test_kernel_continues_the_reference_run(compiled, monkeypatch):
+    """Steps of the kernel and of the reference from the same state agree to 1e-5."""
+    inputs, params, opt, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    _set_golden_state(opt, params, inputs)
+    ref_params = [torch.nn.Parameter(t["p"].clone()) for t in inputs.values()]
+    reference = LearnedOptimizer(ref_params, lr=LR, compile=False)
+    _set_golden_state_fresh(reference, ref_params, inputs)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for p, q in zip(params, ref_params):
+            g = 1e-2 * torch.randn(p.shape, generator=gen)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        reference.step()
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["v"], reference.state[q]["v"])
+
+
+def _set_golden_state_fresh(opt, params, inputs) -> None:
+    """:func:`_set_golden_state` on an optimizer that has not stepped: one step creates its
+    state, which is then overwritten."""
+    for p, t in zip(params, inputs.values()):
+        p.grad = t["g"].clone()
+    opt.step()
+    _set_golden_state(opt, params, inputs)
