@@ -185,8 +185,8 @@ def render_headline(r: dict) -> str:
 
     single = [x for x in r["single"] if x["side"] == s["single_side"]]
     dec = [x for x in r["decentralized"] if x["side"] == s["decentralized_side"]]
-    header = ["setting", "compared with", "runs", "median speedup in steps",
-              "median speedup in wall-clock time", "lowest run (steps)"]  # fmt: skip
+    header = ["shipped rule", "compared with", "settings", "median speedup in steps",
+              "median speedup in wall-clock time", "lowest setting (steps)"]  # fmt: skip
     rows = [
         [f"one worker (`{s['single_side']}`)", "AdamW, lr and schedule tuned per task",
          len(single), f"**{_x(s['median_speedup_single'])}**",
