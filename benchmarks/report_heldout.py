@@ -1,4 +1,4 @@
-"""Renderer of the README's headline section: the held-out suite (see ``report.py``)."""
+"""Renderers of the held-out suite: the results page, the README headline and the model cards (see ``report.py``)."""
 
 from __future__ import annotations
 

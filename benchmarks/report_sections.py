@@ -1,4 +1,4 @@
-"""Renderers of the README result sections other than step overhead (see ``report.py``)."""
+"""Renderers of the other result sections (see ``report.py``)."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ class GossipOptimizer:
             (the exchanges after local steps k, 2k, ...): a step then sends ``1 + 4 / k``
             times the bytes of the parameters on average. Default 2 (three times the
             bytes): as good as every exchange on the held-out and validation settings,
-            and cheaper (measured in the README, *Shared moments*); 1: every exchange.
+            and cheaper (measured: docs/history.md, *Shared moments*); 1: every exchange.
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
         writer: a ``SummaryWriter`` (or anything with ``add_scalar``) for this rank, or
