@@ -13,6 +13,7 @@ page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU core
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -33,10 +34,18 @@ STEPS = [
 ]  # fmt: skip
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
+    dry_run = parser.parse_args(argv).dry_run
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     total = time.perf_counter()
     for args in STEPS:
+        if dry_run:
+            print(" ".join(["python", *args]))
+            continue
         start = time.perf_counter()
         print(f"== {' '.join(args)}", flush=True)
         proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env)
@@ -44,7 +53,8 @@ def main() -> int:
             print(f"failed: {' '.join(args)} (exit {proc.returncode})", file=sys.stderr)
             return proc.returncode
         print(f"== done in {time.perf_counter() - start:.0f} s", flush=True)
-    print(f"all benchmarks done in {(time.perf_counter() - total) / 60:.1f} min")
+    if not dry_run:
+        print(f"all benchmarks done in {(time.perf_counter() - total) / 60:.1f} min")
     return 0
 
 

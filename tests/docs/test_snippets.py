@@ -24,7 +24,8 @@ def test_page_code_blocks_run(page, tmp_path, monkeypatch, capsys):
     for block in found:
         assert block.lang, f"{block.id}: a code block needs a language (python, bash, text)"
     monkeypatch.chdir(tmp_path)  # files a snippet writes land here
-    (tmp_path / "examples").symlink_to(ROOT / "examples")  # the scripts a page runs
+    for folder in ("examples", "benchmarks"):  # the scripts a page runs
+        (tmp_path / folder).symlink_to(ROOT / folder)
     namespace: dict = {"__name__": "__snippet__"}
     env = dict(
         os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}"
