@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv test demo bench lint docs clean wheel-check
+.PHONY: venv test demo bench lint docs clean wheel-check test-newest-torch
 
 venv: $(STAMP)
 
@@ -43,6 +43,18 @@ docs: $(STAMP)
 # the built wheel, installed with core dependencies only, runs the README quick start (CI)
 wheel-check: $(STAMP)
 	.ci/check_wheel.sh
+
+# The kernel on the newest torch the registry serves here (pip's cap): its own venv, the
+# kernel and golden tests, and the step benchmark's small workloads (the JSON records torch).
+NEWEST_TORCH ?= 2.14.1
+NEWEST  := .venv-newest-torch
+test-newest-torch:
+	test -x $(NEWEST)/bin/python || $(PY) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q torch==$(NEWEST_TORCH) numpy pytest pytest-timeout
+	$(NEWEST)/bin/python -m pip install -q --no-deps -e .
+	$(NEWEST)/bin/python -m pytest -q tests/core/test_kernel.py tests/core/test_golden.py
+	$(NEWEST)/bin/python benchmarks/step_overhead.py --workloads transformer-0.5M shapes-10M \
+		--no-contention --out benchmarks/results/step_overhead_newest_torch.json
 
 demo: $(STAMP)
 	$(VPY) -m learned_opt.demo

@@ -177,9 +177,12 @@ def check_pytest_core(ctx: Context, r: dict) -> None:
 
 
 def check_step_timing(ctx: Context, r: dict) -> None:
-    """``LearnedOptimizer.step()`` (widths 8 and 32) against the faster AdamW (foreach or
-    fused); all optimizers step one shared parameter set per size."""
-    from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
+    """``LearnedOptimizer.step()`` against the faster AdamW (foreach or fused): the shipped
+    single-worker rule on its default path (the compiled kernel, timed once compiled) and
+    as the eager reference, and the shipped gossip rule (networks not zero); all
+    optimizers step one shared parameter set per size."""
+    from learned_opt import LearnedOptimizer
+    from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 
     so = import_from(ROOT / "benchmarks", "step_overhead")
     sizes = GPU_SIZES if ctx.cuda else CPU_SIZES
@@ -197,15 +200,12 @@ def check_step_timing(ctx: Context, r: dict) -> None:
             f"adamw_{kind}": torch.optim.AdamW(params, lr=1e-3, **{kind: True})
             for kind in ("foreach", "fused")
         }
-        for width in (8, 32):
-            net = LearnedOptimizerNet(NetConfig(width=width))
-            opts[f"learned_w{width}"] = LearnedOptimizer(params, net=net)
-        # the per-tensor chunked path instead of stacking same-shaped tensors
-        net = LearnedOptimizerNet(NetConfig(width=8))
-        opts["learned_w8_chunked"] = LearnedOptimizer(params, net=net, stack_same_shape=False)
-        # the fused pass compiled by torch.compile (Triton on GPU); compiles in the warm-up
-        net = LearnedOptimizerNet(NetConfig(width=8))
-        opts["learned_w8_fused"] = LearnedOptimizer(params, net=net, fused=True)
+        opts["learned_default"] = LearnedOptimizer(params)
+        opts["learned_reference"] = LearnedOptimizer(params, compile=False)
+        opts["learned_gossip_rule"] = LearnedOptimizer(params, checkpoint=DEFAULT_CHECKPOINT)
+        t0 = time.perf_counter()
+        so.compile_kernels({k: o.step for k, o in opts.items()}, opts)
+        r.setdefault("compile_seconds", {})[label] = round(time.perf_counter() - t0, 1)
         ms = so.time_interleaved(
             {k: Synced(o.step, ctx.device) for k, o in opts.items()}, warmup, repeats
         )
@@ -225,8 +225,8 @@ def check_flat_timing(ctx: Context, r: dict) -> None:
     """``flat_step`` (the meta-training step) on a batch of workers: forward, and forward
     plus the backward pass to theta."""
     from learned_opt import LearnedOptimizerNet, NetConfig
-    from learned_opt.flat import flat_step, init_flat_state
     from learned_opt.segments import FlatLayout
+    from learned_opt.step import flat_step, init_flat_state
 
     so = import_from(ROOT / "benchmarks", "step_overhead")
     dims, workers = (so.SIZES["1M"], 8) if ctx.cuda else (CPU_SIZES["tiny"], 2)

@@ -9,9 +9,14 @@ with batch norm (optimizer step and full training step: forward, backward, step)
 transformer-shaped sets of parameter tensors of 10M and 100M parameters with random
 gradients (optimizer step only). Per workload, every optimizer steps its own copy and they
 take turns step by step, so a busy machine slows them alike: only ratios measured side
-by side are reported. The learned optimizer runs twice: on its default path (the fused
-pass compiled by ``torch.compile`` on CPU) and with ``fused=False`` (the eager chunked
-path). AdamW runs with ``foreach=True`` (and ``fused=True`` on a GPU). Then the same is
+by side are reported. The learned optimizers: the shipped single-worker rule on its default
+path (``learned_default``: the kernel, ``torch.compile`` of the reference, timed once it is
+compiled), the same rule with ``compile=False`` (``learned_reference``: the eager
+reference that steps while the kernel compiles), and the shipped gossip rule, whose
+networks are not zero (``learned_gossip_rule``, on its default path). AdamW runs with
+``foreach=True`` (and ``fused=True`` on a GPU). The first ``step()`` in a fresh process
+with an empty compile cache, and the time until its kernel is ready, are measured in a
+subprocess (``cold_start``). Then the same is
 measured with two busy background processes (``python -c "while True: pass"``), in
 ``--contention-blocks`` blocks with fresh processes each, and the median reported.
 """
@@ -33,9 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
-from learned_opt.config import NUM_ELEMENT_FEATURES
-from learned_opt.features import init_state
+from learned_opt import LearnedOptimizer
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
+from learned_opt.kernel import COMPILE_AFTER
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 THREADS = 2
@@ -130,24 +135,36 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
     return params
 
 
-#: workloads where the eager chunked path is not timed (a step takes tens of seconds)
+#: workloads where the eager reference is not timed (a step takes seconds)
 NO_EAGER = ["shapes-100M"]
 
 
 def optimizers(params_of, device: str, eager: bool = True) -> dict:
-    """Every optimizer compared, each on its own copy of the parameters: AdamW; the
-    default network config (width 8, the Adam-form output) on the default path and on the
-    eager one; and the shipped single-worker rule, ``LearnedOptimizer(params)`` without a
-    checkpoint (``adapt_init_2x``: orthogonalised matrices, adapted step sizes)."""
-    net = LearnedOptimizerNet(NetConfig(width=8))
+    """Every optimizer compared, each on its own copy of the parameters (see the module)."""
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
         opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
-    opts["learned_default"] = LearnedOptimizer(params_of(), net=net)
+    opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
-        opts["learned_eager"] = LearnedOptimizer(params_of(), net=net, fused=False)
-    opts["learned_shipped"] = LearnedOptimizer(params_of())
+        opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
+    opts["learned_gossip_rule"] = LearnedOptimizer(params_of(), checkpoint=DEFAULT_CHECKPOINT)
     return opts
+
+
+def compile_kernels(steps: dict, opts: dict) -> dict:
+    """Step every optimizer until its kernel is compiled (see :mod:`learned_opt.kernel`);
+    returns the seconds each learned optimizer waited for it."""
+    for fn in steps.values():
+        for _ in range(COMPILE_AFTER):
+            fn()
+    waited = {}
+    for name, opt in opts.items():
+        if isinstance(opt, LearnedOptimizer) and opt.compile:
+            t0 = time.perf_counter()
+            if not opt.wait_compiled(timeout=1800):
+                raise RuntimeError(f"{name}: the kernel did not compile")
+            waited[name] = round(time.perf_counter() - t0, 1)
+    return waited
 
 
 def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
@@ -204,7 +221,7 @@ def workload(name: str, device: str):
             return run
 
         n = sum(torch.Size(s).numel() for s in shapes)
-        return n, len(shapes), {k: opt_step(o) for k, o in opts.items()}
+        return n, len(shapes), opts, {k: opt_step(o) for k, o in opts.items()}
     models = {}
 
     def params_of():
@@ -234,14 +251,16 @@ def workload(name: str, device: str):
     model = models[0]
     n = sum(p.numel() for p in model.parameters())
     tensors = len(list(model.parameters()))
-    return n, tensors, {k: train_step(models[i], o) for i, (k, o) in enumerate(opts.items())}
+    steps = {k: train_step(models[i], o) for i, (k, o) in enumerate(opts.items())}
+    return n, tensors, opts, steps
 
 
 def measure(names, device, warmup, repeats, label="", rows=None, save=None):
     """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
     rows = [] if rows is None else rows
     for name in names:
-        n, tensors, steps = workload(name, device)
+        n, tensors, opts, steps = workload(name, device)
+        waited = compile_kernels(steps, opts)
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
         row = {"workload": name, "params": n, "tensors": tensors, "load": label}
@@ -254,12 +273,12 @@ def measure(names, device, warmup, repeats, label="", rows=None, save=None):
                 row[f"{opt}_step_ratio"] = round(t["step"] / base["step"], 2)
                 if "train" in t:
                     row[f"{opt}_train_ratio"] = round(t["train"] / base["train"], 2)
-        row["learned_default_first_step_ms"] = round(ms["learned_default"]["first"], 1)
+        row["compile_wait_seconds"] = waited
         rows.append(row)
         print_row(row)
         if save is not None:
             save()
-        del steps
+        del steps, opts
     return rows
 
 
@@ -278,70 +297,52 @@ def busy_processes(count: int = 2) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
-def flops_per_element(width: int) -> int:
-    """Multiply-adds of the per-element MLP counted as 2 FLOPs: 2*(F*H + H*H + 2*H)."""
-    return 2 * (NUM_ELEMENT_FEATURES * width + width * width + 2 * width)
-
-
-#: Run in a fresh process by :func:`cold_compile_seconds`: the first step of the learned
-#: optimizer on the 0.5M transformer, which compiles both passes.
-_COLD_STEP = """
+#: Run in a fresh process by :func:`cold_start`: the shipped rule on the 0.5M transformer,
+#: training steps until its kernel is compiled.
+_COLD_START = """
 import time, torch
+t_import = time.perf_counter()
 from benchmarks.step_overhead import MODELS
-from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
+from learned_opt import LearnedOptimizer
 torch.manual_seed(0)
 model = MODELS["transformer-0.5M"]()
-model.loss(model.batch(torch.Generator().manual_seed(0))).backward()
-opt = LearnedOptimizer(model.parameters(), net=LearnedOptimizerNet(NetConfig(width=8)))
-t0 = time.perf_counter()
-opt.step()
-print(time.perf_counter() - t0)
+batch = model.batch(torch.Generator().manual_seed(0))
+opt = LearnedOptimizer(model.parameters())
+times, t0 = [], time.perf_counter()
+while True:
+    t = time.perf_counter()
+    opt.zero_grad()
+    model.loss(batch).backward()
+    opt.step()
+    times.append(time.perf_counter() - t)
+    if opt.wait_compiled(timeout=0):
+        break
+print(times[0], time.perf_counter() - t0, len(times), max(times))
 """
 
 
-def cold_compile_seconds(threads: int) -> float:
-    """Seconds of the first learned step in a new process with an empty inductor cache
-    (``TORCHINDUCTOR_CACHE_DIR`` in a temporary folder): the one-time compile a user pays
-    in a fresh environment. Later processes reuse inductor's on-disk cache."""
+def cold_start(threads: int) -> dict:
+    """The shipped rule's start in a new process with an empty inductor cache
+    (``TORCHINDUCTOR_CACHE_DIR`` in a temporary folder), training the 0.5M transformer:
+    the first step's seconds, the seconds and steps until the kernel was ready, and the
+    slowest step meanwhile. Later processes reuse inductor's on-disk cache."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
+        env = {
+            **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads),
+            "LEARNED_OPT_COMPILE": "1",
+        }  # fmt: skip
         out = subprocess.run(
-            [sys.executable, "-c", _COLD_STEP], env=env, cwd=root, capture_output=True,
+            [sys.executable, "-c", _COLD_START], env=env, cwd=root, capture_output=True,
             text=True, check=True,
         )  # fmt: skip
-    return float(out.stdout.split()[-1])
-
-
-def team_speedup(threads: int, numel: int = 1 << 20, repeats: int = 15) -> dict:
-    """The fused update pass of one ``numel``-element tensor on the calling thread against
-    the same pass on an OpenMP team of ``threads`` (median ms of each, taking turns): a
-    ratio near 1 means the team does not run in parallel. Measured through the dispatcher's
-    ``fused_step_`` (the reduction pass and the per-tensor stage, the same in both, are
-    included), with the load check turned off for the team's turns."""
-    from learned_opt import _fused
-
-    net = LearnedOptimizerNet(NetConfig(width=8))
-    theta, cfg = net.theta(), net.config
-    gen = torch.Generator().manual_seed(0)
-    p = torch.randn(numel, generator=gen)
-    g = torch.randn(numel, generator=gen)
-    state = init_state(p)
-    times: dict = {1: [], threads: []}
-    free = _fused.machine_is_free
-    try:
-        _fused.machine_is_free = lambda n: True
-        for k in range(3 + repeats):
-            for n in times:
-                t0 = time.perf_counter()
-                _fused.fused_step_(theta, cfg, [p], [g], [state], k + 1, threads=n)
-                if k >= 3:
-                    times[n].append(1e3 * (time.perf_counter() - t0))
-    finally:
-        _fused.machine_is_free = free
-    one, team = (statistics.median(times[n]) for n in (1, threads))
-    return {"numel": numel, "threads": threads, "one_thread_ms": round(one, 2),
-            "team_ms": round(team, 2), "speedup": round(one / team, 2)}  # fmt: skip
+    first, ready, steps, slowest = out.stdout.split()[-4:]
+    return {
+        "workload": "transformer-0.5M", "threads": threads,
+        "first_step_seconds": round(float(first), 2),
+        "kernel_ready_seconds": round(float(ready), 1), "steps_until_ready": int(steps),
+        "slowest_step_seconds": round(float(slowest), 2),
+    }  # fmt: skip
 
 
 def machine_info() -> dict:
@@ -362,10 +363,10 @@ def print_row(r: dict) -> None:
 
     print(
         f"{r['workload']:>17} {r['load']:>6} {r['params']:>11,} "
-        f"step {get('learned_default_step_ratio'):>6}x (eager {get('learned_eager_step_ratio')}x) "
-        f"train {get('learned_default_train_ratio'):>6}x (eager {get('learned_eager_train_ratio')}x) "
-        f"shipped step {get('learned_shipped_step_ratio')}x train "
-        f"{get('learned_shipped_train_ratio')}x "
+        f"step {get('learned_default_step_ratio'):>6}x (reference "
+        f"{get('learned_reference_step_ratio')}x) train {get('learned_default_train_ratio'):>6}x "
+        f"gossip rule step {get('learned_gossip_rule_step_ratio')}x train "
+        f"{get('learned_gossip_rule_train_ratio')}x "
         f"AdamW step {get('adamw_foreach_step_ms')} ms",
         flush=True,
     )
@@ -389,22 +390,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument(
-        "--cold-compile-only",
+        "--cold-start-only",
         action="store_true",
-        help="only time the first step with an empty inductor cache and record it in --out",
+        help="only time the start with an empty inductor cache and record it in --out",
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.cold_compile_only:
+    if args.cold_start_only:
         result = json.loads(args.out.read_text())
         load = list(os.getloadavg())
-        result["cold_compile"] = {
-            "seconds": round(cold_compile_seconds(args.threads), 1),
-            "threads": args.threads,
-            "load_average_before": load,
-            "workload": "transformer-0.5M",
-        }
-        print(f"cold compile: {result['cold_compile']}")
+        result["cold_start"] = {**cold_start(args.threads), "load_average_before": load}
+        print(f"cold start: {result['cold_start']}")
         if not args.no_write:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
@@ -428,35 +424,23 @@ def main(argv: list[str] | None = None) -> None:
             "load_average_before": (old or {}).get("load_average_before", load_before),
             "warmup": args.warmup,
             "repeats": args.repeats,
-            "width": 8,
-            "flops_per_element": flops_per_element(8),
-            "compile_route": "inductor C++ on CPU (standalone_compile of make_fx graphs with "
-            "symbolic sizes, called without torch.compile's per-call guard checks): per tensor "
-            "a reduction pass and an update pass, each one loop over the elements (the "
-            "momentum rows handed over as separate tensors, so the update pass writes p, the "
-            "three momenta and v in its one loop), the tensors of at most 1024 elements packed "
-            "into one call of each pass, and the per-tensor stage one call for all tensors; on "
-            "the calling thread (the update pass of tensors of 32K elements or more on an "
-            "OpenMP team when neither the load average nor the threads runnable now fill "
-            "the cores); compiled once per network config and dtype, reused for every "
-            "tensor size, step and lr",
-            "targets": "optimizer step <= 4x AdamW at 10M and on the 0.5M transformer; full "
-            "training step <= 1.3x on the transformers and the conv net; <= 6x with 2 busy "
-            "processes",
+            "compile_route": "torch.compile (public API, fullgraph, static shapes) of "
+            "learned_opt.kernel.step_tensors over all tensors of a device and dtype, compiled "
+            "in a background thread after 3 eager steps of the reference",
+            "targets": "optimizer step <= 3x AdamW on the 0.5M transformer, <= 2x at 10M; "
+            "full training step <= 1.3x on both; <= 6x with 2 busy processes; first step "
+            "<= 2 s with an empty cache",
             "wall_seconds": round((old or {}).get("wall_seconds", 0) + time.perf_counter() - t0, 1),
             "rows": (old or {}).get("rows", []) + rows,
         }
-        if team is not None or (old or {}).get("team"):
-            result["team"] = team or old["team"]
+        if cold is not None or (old or {}).get("cold_start"):
+            result["cold_start"] = cold or old["cold_start"]
         if not args.no_write:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    team = None
-    if args.threads > 1:
-        team = team_speedup(args.threads)
-        print(f"update pass of {team['numel']:,} elements: {team['one_thread_ms']} ms on one "
-              f"thread, {team['team_ms']} ms on {team['threads']} ({team['speedup']}x)")  # fmt: skip
+    cold = cold_start(args.threads)
+    print(f"cold start: {cold}")
     measure(names, device, args.warmup, args.repeats, "as is", rows, save)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]

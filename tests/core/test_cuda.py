@@ -14,8 +14,8 @@ from optim_table import perturbed_net
 
 from learned_opt import LearnedOptimizer
 from learned_opt.features import init_state
-from learned_opt.flat import flat_step, init_flat_state, tensor_step
 from learned_opt.segments import FlatLayout
+from learned_opt.step import flat_step, init_flat_state, tensor_step
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -66,7 +66,7 @@ def learned_run(device, dtype=torch.float32, steps=STEPS, nonfinite=None) -> dic
     gen = torch.Generator().manual_seed(0)
     start = [0.02 * torch.randn(s, generator=gen) for s in SHAPES]
     params = [torch.nn.Parameter(t.to(device=device, dtype=dtype, copy=True)) for t in start]
-    opt = LearnedOptimizer(params, net=perturbed_net(8, seed=3), chunk_size=CHUNK)
+    opt = LearnedOptimizer(params, net=perturbed_net(8, seed=3))
     for k in range(steps):
         grads = [1e-3 * torch.randn(p.shape, generator=gen) for p in params]
         if k == steps - 1:
@@ -155,7 +155,10 @@ def multichunk_check(device, steps: int = 2) -> dict:
     gen = torch.Generator().manual_seed(1)
     start = (0.02 * torch.randn(MULTICHUNK, generator=gen)).to(device)
     p = torch.nn.Parameter(start.clone())
-    opt = LearnedOptimizer([p], net=net, chunk_size=CHUNK, small_tensor_size=0)
+    opt = LearnedOptimizer(
+        [p],
+        net=net,
+    )
     q, state = start.clone(), init_state(start)
     m, v = state["m"], state["v"]
     for k in range(steps):
