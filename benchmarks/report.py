@@ -69,67 +69,74 @@ def _load_cell(r: dict) -> str:
     return f"2 busy processes beside (median of {len(blocks)} blocks: {each})"
 
 
+#: Step-cost columns: (header, key of a row); a column no row has is left out, so results
+#: written before and after a benchmark change both render.
+STEP_COLUMNS = (
+    ("optimizer step / AdamW", "learned_default_step_ratio"),
+    ("training step / AdamW", "learned_default_train_ratio"),
+    ("eager reference: step / AdamW", "learned_reference_step_ratio"),
+    ("eager reference: training step / AdamW", "learned_reference_train_ratio"),
+    ("gossip rule: step / AdamW", "learned_gossip_rule_step_ratio"),
+    ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
+    ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),
+    ("shipped rule: training step / AdamW", "learned_shipped_train_ratio"),
+)
+
+
+def _shipped_prefix(result: dict) -> str:
+    """The row-key prefix of the shipped single-worker rule: ``learned_shipped`` in results
+    that measured it beside another build, else ``learned_default`` (``LearnedOptimizer(params)``)."""
+    shipped = any("learned_shipped_step_ratio" in r for r in result["rows"])
+    return "learned_shipped" if shipped else "learned_default"
+
+
+def _first_steps(result: dict) -> str:
+    """What the result says about the first steps of a new process (the compile)."""
+    cold = result.get("cold_start") or result.get("cold_compile")
+    if not cold:
+        return ""
+    parts = []
+    first = cold.get("first_step_seconds", cold.get("seconds"))
+    if first is not None:
+        parts.append(f"the first step took {first:.1f} s")
+    if cold.get("kernel_ready_seconds") is not None:
+        parts.append(f"the compiled kernel was ready after {cold['kernel_ready_seconds']:.0f} s")
+    where = f"{cold.get('workload', 'the first workload')}, {cold.get('threads', '?')} threads"
+    return f" In a new process with an empty compile cache ({where}), " + " and ".join(parts) + "."
+
+
 @section("step_overhead")
 def render_step_overhead(result: dict) -> str:
-    """Step cost against AdamW: the optimizer step alone and the whole training step, for
-    the default build and for the shipped single-worker rule."""
+    """Step cost against AdamW: the optimizer step alone and the whole training step."""
 
     def ratio(r, key):
         return f"{r[key]:.2f}x" if key in r else "-"
 
-    header = [
-        "workload",
-        "params (tensors)",
-        "threads",
-        "machine",
-        "AdamW step ms",
-        "optimizer step / AdamW",
-        "training step / AdamW",
-        "shipped rule: optimizer step / AdamW",
-        "shipped rule: training step / AdamW",
-    ]
+    columns = [(h, k) for h, k in STEP_COLUMNS if any(k in r for r in result["rows"])]
+    header = ["workload", "params (tensors)", "threads", "machine", "AdamW step ms"]
+    header += [h for h, _ in columns]
     rows = [
         [
             r["workload"],
-            f"{r['params']:,} ({r['tensors']})",
+            f"{r['params']:,} ({r.get('tensors', '?')})",
             r.get("threads", 2),
             _load_cell(r),
             f"{r['adamw_foreach_step_ms']:.1f}",
-            f"**{ratio(r, 'learned_default_step_ratio')}**",
-            ratio(r, "learned_default_train_ratio"),
-            ratio(r, "learned_shipped_step_ratio"),
-            ratio(r, "learned_shipped_train_ratio"),
         ]
+        + [ratio(r, k) for _, k in columns]
         for r in result["rows"]
     ]
     m = result["machine"]
-    firsts = [
-        r["learned_default_first_step_ms"]
-        for r in result["rows"]
-        if "learned_default_first_step_ms" in r
-    ]
-    first = (
-        f" The first step of the run took {max(firsts) / 1e3:.0f} s (the one-time compile)."
-        if firsts
-        else ""
-    )
-    cold = result.get("cold_compile")
-    cold_note = (
-        f" In a new process with an empty compile cache, the first step of the "
-        f"{cold['workload']} took {cold['seconds']:.0f} s ({cold['threads']} threads)."
-        if cold
-        else ""
-    )
     load = result.get("load_average_before")
     load_note = f", load average {load[0]:.1f} before measuring" if load else ""
     return (
         markdown_table(header, rows)
         + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
-        f"{load_note}), torch {m['torch']}, width {result['width']}; median of "
-        f"{result['repeats']} steps after {result['warmup']} warm-up steps, every optimizer on "
-        f"its own copy of the model, taking turns step by step, so that a busy machine slows "
-        f"them alike (compare ratios, not times). AdamW with `foreach=True`.{first}"
-        f"{cold_note} Command: `{result['command']}`. Targets: {result['targets']}."
+        f"{load_note}), torch {m['torch']}; median of {result.get('repeats', '?')} steps after "
+        f"{result.get('warmup', '?')} warm-up steps, every optimizer on its own copy of the "
+        "model, taking turns step by step, so that a busy machine slows them alike (compare "
+        f"ratios, not times). AdamW with `foreach=True`.{_first_steps(result)} Command: "
+        f"`{result['command']}`. Targets: {result.get('targets', '-')}."
     )
 
 
@@ -137,18 +144,17 @@ def render_step_overhead(result: dict) -> str:
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
     measured as is (no competing processes)."""
+    prefix = _shipped_prefix(result)
     rows = [
         [
             r["workload"],
             f"{r['params']:,}",
             r.get("threads", 2),
-            f"{r['learned_shipped_step_ratio']:.1f}x",
-            f"{r['learned_shipped_train_ratio']:.2f}x"
-            if "learned_shipped_train_ratio" in r
-            else "-",
+            f"{r[f'{prefix}_step_ratio']:.1f}x",
+            f"{r[f'{prefix}_train_ratio']:.2f}x" if f"{prefix}_train_ratio" in r else "-",
         ]
         for r in result["rows"]
-        if r.get("load") == "as is" and "learned_shipped_step_ratio" in r
+        if r.get("load") == "as is" and f"{prefix}_step_ratio" in r
     ]
     header = [
         "workload",
@@ -159,8 +165,9 @@ def render_step_overhead_brief(result: dict) -> str:
     ]
     m = result["machine"]
     return (
-        markdown_table(header, rows) + f"\n\nOn {m['processor']}, torch {m['torch']}; the "
-        "training step is forward, backward and optimizer step (`-`: not measured)."
+        markdown_table(header, rows)
+        + f"\n\nOn {m['processor']}, torch {m['torch']}; the training step is forward, "
+        "backward and optimizer step (`-`: not measured)."
     )
 
 

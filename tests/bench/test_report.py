@@ -1,0 +1,55 @@
+"""The generated pages: markers with views and arguments, and step-cost tables that render
+results written before and after the step benchmark changed its columns."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import report  # noqa: E402
+
+OLD_ROW = {
+    "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
+    "adamw_foreach_step_ms": 1.0, "learned_default_step_ratio": 3.0,
+    "learned_default_train_ratio": 1.2, "learned_eager_step_ratio": 9.0,
+    "learned_shipped_step_ratio": 8.0, "learned_shipped_train_ratio": 2.0,
+}  # fmt: skip
+NEW_ROW = {
+    "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
+    "adamw_foreach_step_ms": 1.0, "learned_default_step_ratio": 4.0,
+    "learned_default_train_ratio": 1.5, "learned_reference_step_ratio": 12.0,
+}  # fmt: skip
+MACHINE = {"processor": "x86_64", "cpu_count": 2, "torch": "2.13.0+cpu"}
+
+
+def _result(row: dict, **extra) -> dict:
+    return {"rows": [row], "machine": MACHINE, "date": "2026-12-01", "command": "c", **extra}
+
+
+def test_step_tables_read_both_result_layouts():
+    old = report.render_step_overhead(
+        _result(OLD_ROW, cold_compile={"seconds": 47.5, "threads": 2})
+    )
+    assert "shipped rule: step / AdamW" in old and "eager reference" not in old
+    assert "the first step took 47.5 s" in old and "learned_eager" not in old  # private names
+    new = report.render_step_overhead(_result(NEW_ROW, cold_start={"first_step_seconds": 0.4}))
+    assert "eager reference: step / AdamW" in new and "shipped rule" not in new
+    # the brief table of the shipped rule: learned_shipped where measured, else the default
+    assert "| w | 10 | 1 | 8.0x | 2.00x |" in report.render_step_overhead_brief(_result(OLD_ROW))
+    assert "| w | 10 | 1 | 4.0x | 1.50x |" in report.render_step_overhead_brief(_result(NEW_ROW))
+
+
+def test_markers_take_a_view_and_an_argument(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setitem(report.RENDERERS, "thing:card", lambda r, arg: seen.append(arg) or "T")
+    (tmp_path / "thing.json").write_text(json.dumps({}))
+    page = "a\n<!-- results:thing:card:x -->\nold\n<!-- /results:thing:card:x -->\nb"
+    assert report.render(page, tmp_path) == page.replace("old", "T")
+    assert seen == ["x"]
+    missing = "<!-- results:absent -->\nkept\n<!-- /results:absent -->"
+    assert report.render(missing, tmp_path) == missing
