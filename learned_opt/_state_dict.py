@@ -60,6 +60,13 @@ def _check_entry(index: int, p: Tensor, entry: dict) -> None:
 def check_state_dict(param_groups: list[dict], state_dict: dict) -> None:
     """Raise :class:`StateDictError` (one line) unless ``state_dict`` is a LearnedOptimizer's
     state for parameters of the shapes in ``param_groups``."""
+    try:
+        _check(param_groups, state_dict)
+    except StateDictError as exc:
+        raise StateDictError(f"load_state_dict: {exc}; nothing was loaded") from None
+
+
+def _check(param_groups: list[dict], state_dict: dict) -> None:
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise StateDictError("not an optimizer state dict (no 'state' and 'param_groups')")
     saved_groups = state_dict["param_groups"]
