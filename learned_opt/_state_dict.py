@@ -14,7 +14,7 @@ from torch import Tensor
 
 #: Per-parameter state of a LearnedOptimizer: required keys, then optional ones.
 REQUIRED_STATE = ("m", "v")
-OPTIONAL_STATE = ("log_lr", "step", "nonfinite_skips")
+OPTIONAL_STATE = ("log_lr", "step", "sparse_rows", "nonfinite_skips")
 #: Hyper-parameters of torch's built-in optimizers that a LearnedOptimizer's groups lack.
 FOREIGN_GROUP_KEYS = (
     "betas", "momentum", "eps", "amsgrad", "dampening", "nesterov", "weight_decay", "alpha",

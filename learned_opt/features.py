@@ -152,7 +152,7 @@ def feature_scales(mean_squares: Tensor) -> Tensor:
     return torch.rsqrt(NORM_EPS + mean_squares)
 
 
-def width_log_factor(shape, cfg: NetConfig) -> float:
+def width_log_factor(shape, cfg: NetConfig, matrix: bool | None = None) -> float:
     """The log of a tensor's width factor on its step (:attr:`NetConfig.adam_max_width`):
     ``log(adam_max_width / min(shape))`` for a 2-D matrix that is not orthogonalised and
     whose smaller dimension exceeds ``adam_max_width`` (when that is > 0), else 0.
@@ -166,12 +166,13 @@ def width_log_factor(shape, cfg: NetConfig) -> float:
     """
     shape = tuple(shape)
     width = cfg.adam_max_width
-    if width <= 0 or len(shape) != 2 or is_matrix(shape, cfg) or min(shape) <= width:
+    matrix = is_matrix(shape, cfg) if matrix is None else matrix
+    if width <= 0 or len(shape) != 2 or matrix or min(shape) <= width:
         return 0.0
     return math.log(width / min(shape))
 
 
-def adapt_ceiling(shape, cfg: NetConfig) -> float:
+def adapt_ceiling(shape, cfg: NetConfig, matrix: bool | None = None) -> float:
     """The ceiling of a tensor's adapted log step multiplier (:func:`adapt_log_lr`):
     ``cfg.lr_adapt_max``, lowered to ``cfg.lr_adapt_max_ortho`` (when set) for a matrix
     that takes the orthogonalised step.
@@ -181,23 +182,26 @@ def adapt_ceiling(shape, cfg: NetConfig) -> float:
     cosine cannot see the damage a grown step does in the weakly-driven ones.
     """
     top = float(cfg.lr_adapt_max)
-    if cfg.lr_adapt_max_ortho is not None and is_matrix(tuple(shape), cfg):
+    matrix = is_matrix(tuple(shape), cfg) if matrix is None else matrix
+    if cfg.lr_adapt_max_ortho is not None and matrix:
         return min(top, float(cfg.lr_adapt_max_ortho))
     return top
 
 
-def shape_stats(shapes, cfg: NetConfig, like: Tensor) -> Tensor:
+def shape_stats(shapes, cfg: NetConfig, like: Tensor, matrices=None) -> Tensor:
     """``(len(shapes), 4)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape (the
     per-tensor network's shape inputs), its :func:`width_log_factor` and its
-    :func:`adapt_ceiling`."""
+    :func:`adapt_ceiling`. ``matrices`` (one bool per shape; default :func:`is_matrix`) says
+    which take the orthogonalised step."""
+    matrices = [None] * len(shapes) if matrices is None else matrices
     rows = tuple(
         (
             0.1 * math.log(max(math.prod(s), 1)),
             0.5 * len(s),
-            width_log_factor(s, cfg),
-            adapt_ceiling(s, cfg),
+            width_log_factor(s, cfg, matrix),
+            adapt_ceiling(s, cfg, matrix),
         )
-        for s in shapes
+        for s, matrix in zip(shapes, matrices)
     )
     return constant(rows, like.dtype, like.device)
 

@@ -59,15 +59,17 @@ def step_tensors(
 
     ``states`` hold ``m``, ``v``, ``log_lr`` and ``step`` (a float tensor: the tensor's own
     step count, which its bias correction and time features read, and which only a
-    stepped tensor advances). ``lr`` is the group's step multiplier, a 0-d tensor, so that
+    stepped tensor advances), and may hold ``sparse_rows`` (a bool: a row-sparse matrix,
+    never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor, so that
     a scheduler changing it never recompiles the kernel."""
     oks = []
     for p, g, s in zip(params, grads, states):
         step = s["step"] + 1
         log_lr = s["log_lr"] if cfg.adapts_lr else None
         out = tensor_step(
-            theta, cfg, p, g, s["m"], s["v"], step, lr, log_lr, parts=parts, return_finite=True
-        )
+            theta, cfg, p, g, s["m"], s["v"], step, lr, log_lr, parts=parts, return_finite=True,
+            sparse_rows=s.get("sparse_rows", False),
+        )  # fmt: skip
         p.copy_(out[0])
         s["m"].copy_(out[1])
         s["v"].copy_(out[2])
@@ -104,7 +106,7 @@ class Kernels:
         args = (theta, cfg, parts, params, grads, list(states), lr_t)
         if not (self.compile and compiling_enabled()):
             return step_tensors(*args)
-        key = _signature(cfg, parts, params, grads)
+        key = _signature(cfg, parts, params, grads, states)
         entry = self._entries.setdefault(key, _Entry())
         if entry.fn is not None:
             return entry.fn(*args)
@@ -171,7 +173,7 @@ class _Worker:
         copies = (
             theta, cfg, parts, [p.detach().clone() for p in params],
             [g.detach().clone() for g in grads],
-            [{k: t.clone() for k, t in s.items() if isinstance(t, Tensor)} for s in states],
+            [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
             lr.clone(),
         )  # fmt: skip
         self.jobs.put((weakref.ref(entry), copies))

@@ -49,6 +49,17 @@ KEYWORD_ONLY = (
 )
 
 
+def has_empty_rows(grad: Tensor) -> bool:
+    """Whether a 2-D gradient has a row of zeros beside rows that are not: the mark of an
+    embedding table, whose rows absent from the batch get no gradient. Such a matrix takes
+    the Adam form, whose per-row step does not grow with the number of absent rows (an
+    orthogonalised step has a fixed RMS over the whole matrix, so the few rows present
+    would take it all). Decided on the tensor's first gradient."""
+    if grad.dim() != 2 or grad.shape[0] < 2:
+        return False
+    return bool((grad == 0).all(dim=1).any())
+
+
 class LearnedOptimizer(Optimizer):
     """A meta-trained optimizer, used like any ``torch.optim`` optimizer.
 
@@ -83,7 +94,9 @@ class LearnedOptimizer(Optimizer):
     ``v`` in float32 (float64 for float64 parameters), the adapted log step multiplier
     ``log_lr``, the tensor's own step count ``step`` (its bias correction counts its own
     steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal
-    first step), and ``nonfinite_skips``: how many steps this tensor's update was skipped
+    first step), ``sparse_rows`` (a matrix whose first gradient left whole rows at zero, as
+    an embedding's does: it takes the Adam form, never the orthogonalised step; see
+    :func:`has_empty_rows`), and ``nonfinite_skips``: how many steps this tensor's update was skipped
     because its gradient or the parameter itself held NaN or Inf. Such a gradient never
     reaches the parameter or the state, and a non-finite parameter never spreads to the
     rest of its tensor; a parameter that holds NaN or Inf warns once, naming it.
@@ -305,10 +318,14 @@ class LearnedOptimizer(Optimizer):
                     continue
                 state.update(init_state(p))
                 state["nonfinite_skips"] = 0
+                state["sparse_rows"] = has_empty_rows(p.grad)
+                state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
-                state["step"] = torch.tensor(float(group["step"]), dtype=state["v"].dtype)
+                state["step"] = torch.tensor(
+                    float(group["step"]), dtype=state["v"].dtype, device=p.device
+                )
             items.append((p, p.grad, state))
         return items
 
@@ -334,7 +351,11 @@ class LearnedOptimizer(Optimizer):
             for (device, dtype), kind in by_kind.items():
                 theta = self.theta(device, dtype)
                 params, grads, states = zip(*kind)
-                tensors = [{k: s[k] for k in ("m", "v", "log_lr", "step")} for s in states]
+                tensors = [
+                    {k: s[k] for k in ("m", "v", "log_lr", "step")}
+                    | {"sparse_rows": bool(s.get("sparse_rows", False))}
+                    for s in states
+                ]
                 oks = self._kernels.step(theta, cfg, parts, params, grads, tensors, lr)
                 for p, state, ok in zip(params, states, oks.tolist()):
                     if not ok:

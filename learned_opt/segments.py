@@ -20,14 +20,25 @@ import torch
 from torch import Tensor
 
 from .features import constant
+from .orthogonal import is_matrix
 
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Names, shapes and offsets of the tensors packed into a flat vector."""
+    """Names, shapes and offsets of the tensors packed into a flat vector.
+
+    ``sparse_rows``: per tensor, whether it is a row-sparse matrix (an embedding table:
+    rows absent from a batch get no gradient), which takes the Adam form and is never
+    orthogonalised (empty: none is)."""
 
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    sparse_rows: tuple[bool, ...] = ()
+
+    def matrices(self, cfg) -> tuple[bool, ...]:
+        """Per tensor, whether it takes the orthogonalised step under ``cfg``."""
+        sparse = self.sparse_rows or (False,) * len(self.shapes)
+        return tuple(is_matrix(s, cfg) and not r for s, r in zip(self.shapes, sparse))
 
     @property
     def numels(self) -> list[int]:
@@ -155,6 +166,6 @@ def segment_mean(x: Tensor, layout: FlatLayout) -> Tensor:
     return segment_sum(x, layout) / constant(sizes, x.dtype, x.device)
 
 
-def one_segment(shape) -> FlatLayout:
-    """The layout of a single tensor of ``shape``."""
-    return FlatLayout(("tensor",), (tuple(shape),))
+def one_segment(shape, sparse_rows: bool = False) -> FlatLayout:
+    """The layout of a single tensor of ``shape`` (a row-sparse matrix if ``sparse_rows``)."""
+    return FlatLayout(("tensor",), (tuple(shape),), (sparse_rows,))

@@ -157,7 +157,8 @@ def flat_step(
     g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
-    stats = shape_stats(layout.shapes, cfg, p)  # once, for the adaptation and the context
+    matrices = layout.matrices(cfg)
+    stats = shape_stats(layout.shapes, cfg, p, matrices)  # for the adaptation and the context
     new_log_lr = log_lr
     if cfg.adapts_lr:
         sizes = constant(tuple(max(n, 1) for n in layout.numels), p.dtype, p.device)
@@ -179,7 +180,7 @@ def flat_step(
         d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
     new_p = apply_update(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
-        shapes=layout.shapes,
+        layout.shapes, matrices,
     )  # fmt: skip
     out = (
         torch.where(keep, new_p, p),
@@ -204,8 +205,10 @@ def tensor_step(
     *,
     parts: Parts = ALL_PARTS,
     return_finite: bool = False,
+    sparse_rows: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Pure learned step of one tensor: :func:`flat_step` on a one-segment view.
+    """Pure learned step of one tensor: :func:`flat_step` on a one-segment view
+    (``sparse_rows``: a row-sparse matrix, see :class:`~learned_opt.segments.FlatLayout`).
 
     ``m`` is ``(3, *p.shape)``; computes in :func:`~learned_opt.features.compute_dtype`.
     Returns ``(new_p, new_m, new_v)``, and the new ``log_lr`` (a scalar) after them if
@@ -216,7 +219,7 @@ def tensor_step(
     """
     dtype = compute_dtype(p)
     out = flat_step(
-        theta, cfg, one_segment(p.shape),
+        theta, cfg, one_segment(p.shape, sparse_rows),
         p.to(dtype).reshape(1, -1), g.to(dtype).reshape(1, -1),
         m.reshape(1, 3, -1), v.reshape(1, -1), step, lr,
         log_lr=None if log_lr is None else log_lr.reshape(1, 1),
@@ -279,6 +282,7 @@ def apply_update(
     step,
     scale: Tensor,
     shapes,
+    matrices=None,
 ) -> Tensor:
     """The output parameterisation: the new parameter
 
@@ -288,13 +292,13 @@ def apply_update(
     and ``v``, ``d`` and ``log_mag`` (``exp_mult * a``) are the per-element MLP's outputs
     (None: zero) and ``scale`` the per-tensor step scale broadcast to the elements. Zero
     heads give exactly Adam with learning rate ``lr * step_mult``. ``shapes`` are the
-    segments' shapes: matrices take the orthogonalised direction
+    segments' shapes and ``matrices`` which of them take the orthogonalised direction
     (:func:`~learned_opt.orthogonal.shape_direction`).
     """
     direction = adam_direction(m1, v, step, cfg.eps)
     if d is not None:
         direction = direction + d
     direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
-    direction = shape_direction(cfg, shapes, direction, m1, d)
+    direction = shape_direction(cfg, shapes, direction, m1, d, matrices)
     magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
     return torch.addcmul(p, direction, magnitude)

@@ -91,9 +91,9 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
     check_recorded(checkpoint, got, inputs, net.config.adapts_lr)
 
 
-def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, shapes):
+def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices=None):
     """A changed output stage (twice the update), to be swapped into ``apply_update``."""
-    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, shapes)  # noqa: F821
+    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices)  # noqa: F821
     return new + (new - p)
 
 
