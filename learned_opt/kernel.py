@@ -139,10 +139,10 @@ class _Entry:
         self.done = threading.Event()
 
 
-def _signature(cfg, parts, params, grads) -> tuple:
+def _signature(cfg, parts, params, grads, states) -> tuple:
     tensors = tuple(
-        (p.device, p.dtype, tuple(p.shape), g.dtype, p.is_contiguous())
-        for p, g in zip(params, grads)
+        (p.device, p.dtype, tuple(p.shape), g.dtype, p.is_contiguous(), s.get("sparse_rows"))
+        for p, g, s in zip(params, grads, states)
     )
     return cfg, parts, tensors
 
