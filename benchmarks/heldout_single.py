@@ -171,12 +171,18 @@ def time_side_by_side(task_name: str, factories: dict[str, Factory], steps: int 
                       seed: int = 0, warmup: int = 3) -> dict[str, float]:  # fmt: skip
     """Median wall-clock ms of one full training step (forward, backward, optimizer step)
     per optimizer, the optimizers taking turns step by step on their own copies of the
-    model with the same batches, so machine load falls on all of them alike."""
+    model with the same batches, so machine load falls on all of them alike. A learned
+    optimizer is timed once its kernel is compiled (the warm-up steps queue the compile;
+    ``step_overhead``'s ``cold_start`` measures what the steps before it cost)."""
     jobs = {}
     for name, factory in factories.items():
         model, loss_fn, batches = get_task(task_name).workload(seed)
         jobs[name] = (loss_fn, batches, factory(model.parameters(), 1.0), [])
     for i in range(warmup + steps):
+        if i == warmup:
+            for _, _, opt, _ in jobs.values():
+                if hasattr(opt, "wait_compiled"):
+                    opt.wait_compiled(timeout=1800)
         for loss_fn, batches, opt, times in jobs.values():
             batch = next(batches)
             t0 = time.perf_counter()
