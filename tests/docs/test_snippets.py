@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,11 @@ def test_skipped_blocks_say_why_in_the_text():
 
 def test_shell_commands_are_parsed_whole():
     assert commands("a \\\n  --b 1  # note\n# comment\nc\n") == ["a --b 1", "c"]
+
+
+def test_front_page_is_short_and_carries_no_history():
+    """README.md: at most 250 lines, and no dates or commit hashes (those are history)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "a date on the front page"
+    assert not re.search(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b", text), "a hash"
