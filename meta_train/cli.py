@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,33 @@ from learned_opt.config import NetConfig
 from learned_opt.network import LearnedOptimizerNet
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+#: Packages of the ``[meta]`` extra (with those of ``[tasks]`` it includes).
+META_PACKAGES = (
+    "lightning",
+    "jsonargparse",
+    "matplotlib",
+    "tensorboard",
+    "numpy",
+    "sklearn",
+    "yaml",
+)
+
+
+@contextlib.contextmanager
+def meta_extra(command: str):
+    """Turn a missing package of the ``[meta]`` extra into one line naming what to install
+    (exit code 1), instead of a traceback."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in META_PACKAGES:
+            raise
+        print(
+            f"{command} needs the meta extra ({exc.name} is missing): "
+            "pip install 'learned-opt[meta]'",
+            file=sys.stderr,
+        )
+        raise SystemExit(1) from None
 
 
 def meta_cli_main(args: list[str] | None = None):
@@ -26,9 +54,10 @@ def meta_cli_main(args: list[str] | None = None):
 
     A config mistake or an unreadable or unsafe checkpoint is printed as one line on
     stderr and exits with code 2 (``SystemExit``)."""
-    from .data import TaskSeedDataModule
-    from .meta_cli import TRAINER_DEFAULTS, MetaCLI, UsageError, resolve_config_args
-    from .module import MetaTrainModule
+    with meta_extra("learned-opt-meta"):
+        from .data import TaskSeedDataModule
+        from .meta_cli import TRAINER_DEFAULTS, MetaCLI, UsageError, resolve_config_args
+        from .module import MetaTrainModule
 
     command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
     MetaTrainModule.launch_command = command
@@ -191,7 +220,8 @@ def export_main(argv: list[str]) -> int:
         "--no-validate", action="store_true", help="keep the run's last validation in the card"
     )
     a = parser.parse_args(argv)
-    print(f"wrote {export(a.lightning_ckpt, a.out, validate=not a.no_validate)}")
+    with meta_extra("learned-opt export"):
+        print(f"wrote {export(a.lightning_ckpt, a.out, validate=not a.no_validate)}")
     return 0
 
 
@@ -202,7 +232,8 @@ def inspect_main(argv: list[str]) -> int:
         "--logdir", default="runs/inspect", help="event files already in it are replaced"
     )
     a = parser.parse_args(argv)
-    out = inspect(a.checkpoint, a.logdir)
+    with meta_extra("learned-opt inspect"):
+        out = inspect(a.checkpoint, a.logdir)
     print(f"inspected {resolve_checkpoint(a.checkpoint)}")
     print(f"wrote TensorBoard events to {out}; view with: tensorboard --logdir {out}")
     return 0

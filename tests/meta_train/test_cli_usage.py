@@ -127,3 +127,26 @@ def test_fit_and_validate_always_load_weights_only(tmp_path, monkeypatch):
     cli.fit(cli.model, ckpt_path="x.ckpt", weights_only=False)
     cli.validate(cli.model, ckpt_path="x.ckpt")
     assert [kw["weights_only"] for kw in seen] == [True, True]
+
+
+@pytest.mark.parametrize(
+    "hidden, call, command",
+    [
+        ("lightning", "meta_cli_main(['fit', '--config', 'smoke'])", "learned-opt-meta"),
+        ("tensorboard", "inspect_main(['adapt_init_2x', '--logdir', 'x'])", "learned-opt inspect"),
+    ],
+)
+def test_missing_meta_extra_is_one_line_naming_it(tmp_path, hidden, call, command):
+    """A ``None`` entry in ``sys.modules`` makes that import fail, as if not installed."""
+    code = (
+        f"import sys; sys.modules[{hidden!r}] = None\n"
+        "from learned_opt.meta_train.cli import inspect_main, meta_cli_main\n" + call
+    )
+    run = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == [
+        f"{command} needs the meta extra ({hidden} is missing): pip install 'learned-opt[meta]'"
+    ]
