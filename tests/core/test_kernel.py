@@ -64,11 +64,11 @@ def test_step_returns_before_the_kernel_is_compiled(compiled):
 def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
     inputs, params, opt, *_ = compiled
     monkeypatch.setenv(COMPILE_ENV, "1")
-    (entry,) = opt._kernels._entries.values()
-    eager_steps = entry.eager_steps
+    entries = list(opt._kernels._entries.values())
+    eager_steps = [e.eager_steps for e in entries]
     _set_golden_state(opt, params, inputs)
     opt.step()
-    assert entry.eager_steps == eager_steps, "the step ran the reference, not the kernel"
+    assert [e.eager_steps for e in entries] == eager_steps, "a bucket ran the reference"
     got = {name: {"p": p.detach(), **opt.state[p]} for name, p in zip(inputs, params)}
     check_recorded(SINGLE_WORKER_CHECKPOINT, got, inputs, opt.config.adapts_lr)
 
