@@ -2,15 +2,15 @@
 
 :func:`step_tensors` steps a list of tensors in place with :func:`learned_opt.step.tensor_step`,
 the differentiable reference. Eagerly it is the reference itself; compiled by the public
-``torch.compile`` (one graph for the list, on CPU and GPU alike) it is the kernel, whose
-elementwise work inductor fuses into a few loops over each tensor.
+``torch.compile`` (one graph per bucket of tensors, on CPU and GPU alike) it is the
+kernel, whose elementwise work inductor fuses into a few loops over each tensor.
 
 ``step()`` never waits for a compile. A :class:`Kernels` steps the tensors in buckets of
 one shape and holds one compiled function per kind of bucket (device, dtypes, shapes); the
 first steps of a new kind run the reference, and after :data:`COMPILE_AFTER` of them one
 process-wide worker thread compiles the kernel on copies of the tensors, one kind at a
-time. The steps after that run the kernel.
-If compiling fails, one warning says why and the reference keeps stepping that set.
+time. The steps after that run the kernel. If compiling fails, one warning says why and
+the reference keeps stepping that kind.
 
 Processes on one host share one compile: the worker holds a file lock in the compile
 cache's folder while it compiles, so the other ranks of a ``torchrun`` job wait (stepping
@@ -39,7 +39,7 @@ from .config import NetConfig
 from .network import Theta
 from .step import Parts, tensor_step
 
-#: A set of tensors is compiled after this many eager steps: a short-lived optimizer (a
+#: A kind of bucket is compiled after this many eager steps: a short-lived optimizer (a
 #: quick check, a two-step test) never pays for a compile it would not use.
 COMPILE_AFTER = 3
 #: Environment variable that turns compiling off (``0``): every step runs the reference.
