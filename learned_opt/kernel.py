@@ -112,12 +112,15 @@ class Kernels:
         if not (self.compile and compiling_enabled()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t)
         oks = torch.ones(len(params), dtype=torch.bool, device=params[0].device)
-        for index in _buckets(params, grads, states):
-            args = (
-                theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                [states[i] for i in index], lr_t,
-            )  # fmt: skip
-            oks[index] = self._step_bucket(args)
+        # the kernel was compiled outside autocast: a step() called inside it would fail
+        # the kernel's guards and recompile on this thread
+        with torch.autocast(params[0].device.type, enabled=False):
+            for index in _buckets(params, grads, states):
+                args = (
+                    theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
+                    [states[i] for i in index], lr_t,
+                )  # fmt: skip
+                oks[index] = self._step_bucket(args)
         return oks
 
     def _step_bucket(self, args: tuple) -> Tensor:
@@ -216,7 +219,13 @@ class _Worker:
                 continue
             try:
                 fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
-                with _host_lock(), _short_switch_interval(), torch.no_grad():
+                device = args[3][0].device.type
+                with (
+                    _host_lock(),
+                    _short_switch_interval(),
+                    torch.no_grad(),
+                    torch.autocast(device, enabled=False),
+                ):
                     fn(*args)
                 entry.fn = fn
             except Exception as e:  # any failure of the compiler: keep the reference

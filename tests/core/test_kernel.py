@@ -100,3 +100,16 @@ def _set_golden_state_fresh(opt, params, inputs) -> None:
         p.grad = t["g"].clone()
     opt.step()
     _set_golden_state(opt, params, inputs)
+
+
+def test_kernel_runs_without_recompiling_inside_autocast(compiled, monkeypatch):
+    """A step inside an autocast region (a training loop's ``with autocast():`` that also
+    holds ``opt.step()``) runs the kernel as compiled: a recompile would happen on the
+    training thread, and the stance below makes it an error."""
+    inputs, params, opt, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    _set_golden_state(opt, params, inputs)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        opt.step()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            opt.step()
