@@ -43,8 +43,8 @@ def default_communicator(
 ) -> ProcessGroupCommunicator:
     """A :class:`ProcessGroupCommunicator` on the default process group; a topology given
     by name is built for the group's world size. ``options`` (``on_failure``,
-    ``compression``, ``consensus_step``, ``drift_correction``, ``step_deadline``) go to the
-    communicator."""
+    ``compression``, ``consensus_step``, ``drift_correction``, ``step_deadline``, ``robust``)
+    go to the communicator."""
     import torch.distributed as dist
 
     if isinstance(topology, str):
@@ -63,7 +63,7 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     if on_failure is not None and on_failure not in ON_FAILURE:
         raise ValueError(f"on_failure must be one of {ON_FAILURE}, got {on_failure!r}")
     if communicator is not None:
-        for key in ("on_failure", "compression", "drift_correction", "step_deadline"):
+        for key in ("on_failure", "compression", "drift_correction", "step_deadline", "robust"):
             if options.get(key) is not None and options[key] != getattr(communicator, key, None):
                 raise ValueError(
                     f"{owner}: {key}={options[key]!r} applies to the default communicator; "
@@ -129,6 +129,10 @@ class GossipOptimizer:
             skips that neighbour for the step, on both ends of the edge (the average stays
             exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
             ``compression`` (default communicator only; see :mod:`.deadline`).
+        robust: ``None`` (default, plain mixing) or ``"clip"`` / ``"clip:C"``: clip what
+            each neighbour sends to ``C`` times the closest neighbour's distance, so a
+            neighbour sending bad finite values moves this rank by a bounded step (default
+            communicator only; see :mod:`.mixing`).
         share_state: mix the local optimizer's ``shared_state()`` (a
             :class:`~learned_opt.LearnedOptimizer`'s second moments and three momenta) in
             the same exchange as the parameters, with Metropolis weights, so every worker
@@ -171,6 +175,7 @@ class GossipOptimizer:
         consensus_step: float | None = None,
         drift_correction: float | None = None,
         step_deadline: float | None = None,
+        robust: str | None = None,
         share_state: bool | None = None,
         share_state_every: int = 2,
         metrics_every: int = 10,
@@ -200,6 +205,7 @@ class GossipOptimizer:
             consensus_step=consensus_step,
             drift_correction=drift_correction,
             step_deadline=step_deadline,
+            robust=robust,
         )
         compressed = getattr(communicator, "compression", None) is not None
         if share_state and compressed:

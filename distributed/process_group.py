@@ -30,7 +30,7 @@ from .collectives import GroupCollectives, _PeerFailure
 from .compression import ErrorFeedback
 from .deadline import DeadlineExchange, _Failed
 from .membership import GossipError
-from .mixing import learned_edge_weight, mix
+from .mixing import learned_edge_weight, mix, parse_robust, robust_weight_lists
 from .packing import Layout
 from .simulated import check_rule, tensor_rules
 from .topology import Topology
@@ -96,6 +96,9 @@ class ProcessGroupCommunicator(GroupCollectives):
             ``timeout``). An edge that missed it on either end is skipped for that step by
             both ends (the average stays exact); the neighbour stays in the group. CPU
             tensors over gloo, without compression (see :mod:`.deadline`).
+        robust: ``None`` (plain mixing) or ``"clip"`` / ``"clip:C"``: clip what each
+            neighbour sends to ``C`` times the closest neighbour's distance, so one bad
+            neighbour moves this rank by a bounded step (see :mod:`.mixing`).
 
     Attributes ``rank`` (in ``group``), ``world_size`` (live members), ``members``,
     ``failures`` (one :class:`~learned_opt.distributed.membership.Failure` per rank
@@ -117,8 +120,11 @@ class ProcessGroupCommunicator(GroupCollectives):
         consensus_step: float | None = None,
         drift_correction: float | None = None,
         step_deadline: float | None = None,
+        robust: str | None = None,
     ):
+        clip = parse_robust(robust)
         super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
+        self.robust, self._clip = robust, clip
         self.compression = compression
         self._codec = None
         if compression:
@@ -381,11 +387,11 @@ class ProcessGroupCommunicator(GroupCollectives):
                 self._weights(ys, t, ex, own_loss, keep, step, rules[t], theta, cfg)
                 for t in range(len(ys))
             ]
+            neighbours = [[ex.tensors[k][t] for k in keep] for t in range(len(ys))]
+            if self._clip is not None and keep:  # all clipped before any is mixed in place
+                weights = robust_weight_lists(ys, neighbours, weights, self._clip)
             targets = out if out is not None else [None] * len(ys)
-            mixed = [
-                mix(y, [ex.tensors[k][t] for k in keep], w, out=o)
-                for t, (y, w, o) in enumerate(zip(ys, weights, targets))
-            ]
+            mixed = [mix(y, nb, w, out=o) for y, nb, w, o in zip(ys, neighbours, weights, targets)]
         info = {
             "neighbors": [ex.peers[k] for k in keep],
             "weights": [torch.tensor([float(x) for x in w], dtype=torch.float64) for w in weights],
@@ -414,7 +420,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
             if target is not y:
                 target.copy_(y)
-            codec.mix_(t, target, [c[t] for c in copies], w)
+            codec.mix_(t, target, [c[t] for c in copies], w, robust=self.robust)
         return mixed, weights
 
     def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):

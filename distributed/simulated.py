@@ -19,7 +19,7 @@ from torch import Tensor
 from learned_opt.config import NetConfig
 from learned_opt.network import Theta
 
-from .mixing import learned_edge_weight, mix
+from .mixing import learned_edge_weight, mix, parse_robust, robust_weights
 from .topology import Edge, Topology
 
 #: Rules the communicators accept.
@@ -76,9 +76,16 @@ def tensor_rules(rule: str, count: int, state: int = 0) -> list[str]:
 
 
 class SimulatedCommunicator:
-    """Mixes stacked worker tensors over a :class:`Topology` in a single process."""
+    """Mixes stacked worker tensors over a :class:`Topology` in a single process.
 
-    def __init__(self, topology: Topology):
+    ``robust``: ``None`` (plain mixing) or ``"clip"`` / ``"clip:C"``, every worker clipping
+    what its neighbours send as :func:`~learned_opt.distributed.mixing.mix` does on a real
+    worker (see :mod:`.mixing`).
+    """
+
+    def __init__(self, topology: Topology, robust: str | None = None):
+        self._clip = parse_robust(robust)
+        self.robust = robust
         self.topology = topology
         self.world_size = topology.world_size
         self._plans: dict[int, _Plan] = {}
@@ -164,20 +171,22 @@ class SimulatedCommunicator:
                 )
         mixed, weights = [], []
         for y, rule_y in zip(ys, rules):
-            w = self.edge_weights(y, step, rule_y, theta, cfg, losses)
-            weights.append(w)
-            if not plan.edges:
-                mixed.append(y)
-                continue
-            dev = y.device
-            valid, edge_id = plan.valid.to(dev), plan.edge_id.to(dev)
+            weights.append(self.edge_weights(y, step, rule_y, theta, cfg, losses))
+        if not plan.edges:
+            return list(ys), {"weights": weights, "edges": plan.edges}
+        dev = ys[0].device
+        valid, edge_id = plan.valid.to(dev), plan.edge_id.to(dev)
+        neighbor_t = plan.neighbor.to(dev).T  # [D, N]: slot s of every worker
+        neighbor_ys = [y[neighbor_t] for y in ys]  # [D, N, *shape] each
+        slot_ws = [  # [D, N] each
+            torch.where(valid, w[edge_id], torch.zeros((), dtype=w.dtype, device=dev)).T
+            for w in weights
+        ]
+        if self._clip is not None:
+            slot_ws = robust_weights(ys, neighbor_ys, slot_ws, self._clip, batch_dims=1)
+        for y, nb, slot_w in zip(ys, neighbor_ys, slot_ws):
             view = (self.world_size,) + (1,) * (y.dim() - 1)
-            slot_w = torch.where(valid, w[edge_id], torch.zeros((), dtype=w.dtype, device=dev))
-            neighbor = plan.neighbor.to(dev)
-            slots = range(neighbor.shape[1])
-            mixed.append(
-                mix(y, [y[neighbor[:, s]] for s in slots], [slot_w[:, s].view(view) for s in slots])
-            )
+            mixed.append(mix(y, list(nb), [w_s.view(view) for w_s in slot_w]))
         return mixed, {"weights": weights, "edges": plan.edges}
 
     def consensus_distance(self, ys: list[Tensor]) -> Tensor:

@@ -39,6 +39,7 @@ from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
 from .averaging import all_reduce_mean_
 from .compression import default_consensus_step, get_compressor
 from .gossip import GossipOptimizer
+from .mixing import parse_robust
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
 
@@ -133,6 +134,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--step-deadline must be in (0, --timeout), got {args.step_deadline}")
         if args.compression is not None or args.overlap:
             p.error("--step-deadline goes with neither --compression nor --overlap")
+    try:
+        parse_robust(args.robust)
+    except ValueError as exc:
+        p.error(f"--robust: {exc}")
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
 
@@ -210,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds a step waits for a slow neighbour before skipping it for that step",
     )
     p.add_argument(
+        "--robust", default=None, help="clip or clip:C: clip each neighbour's difference"
+    )
+    p.add_argument(
         "--no-share-state",
         dest="share_state",
         action="store_false",
@@ -281,6 +289,7 @@ def train(args: argparse.Namespace) -> dict:
         consensus_step=args.consensus_step,
         drift_correction=args.drift_correction,
         step_deadline=None if args.mixing == "allreduce" else args.step_deadline,
+        robust=args.robust,
     )
     local = _local_optimizer(args, params)
     writer = None

@@ -122,6 +122,29 @@ def _payload(rank: int, step: int) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- suites
 
 
+def robust_payload(rank: int) -> torch.Tensor:
+    """What ``rank`` sends in :func:`_robust_mix`: rank 1 sends finite bad values."""
+    return torch.full((4,), 1e6 if rank == 1 else float(rank))
+
+
+def _robust_mix(rank: int, n: int) -> dict:
+    """``robust="clip"`` on the ring: step 0 rank 1 sends 1e6, step 1 it sends NaN."""
+    comm = ProcessGroupCommunicator(
+        get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip"
+    )
+    mixed, _ = comm.mix([robust_payload(rank)], 0)
+    nan = robust_payload(rank)
+    if rank == 1:
+        nan[0] = float("nan")
+        try:
+            comm.mix([nan], 1)
+        except GossipError:
+            pass
+        return {"mixed": mixed[0].tolist(), "excluded": [1]}
+    _, info = comm.mix([nan], 1)
+    return {"mixed": mixed[0].tolist(), "excluded": info["excluded"]}
+
+
 def exchange_suite(rank: int, n: int) -> dict:
     """Exact exchange, start-up validation, NaN exclusion, consensus, DSGT."""
     out: dict = {}
@@ -161,6 +184,8 @@ def exchange_suite(rank: int, n: int) -> dict:
     else:
         mixed, info = comm.mix(ys, 0)
         out["nan"] = (info["excluded"], comm.nonfinite_excluded, [m.tolist() for m in mixed])
+
+    out["robust"] = _robust_mix(rank, n)
 
     gen = torch.Generator().manual_seed(rank)
     params = [torch.randn(6, 3, generator=gen), torch.randn(4, generator=gen)]

@@ -11,6 +11,7 @@ from learned_opt.distributed import (
     SimulatedCommunicator,
     get_topology,
     launch_local,
+    mix,
 )
 
 N = 4
@@ -51,6 +52,21 @@ def test_nan_neighbour_is_excluded(exchange_results):
     assert excluded == [] and count == 0
     msg = exchange_results[1]["own_nan_error"]  # the NaN rank itself raises
     assert "rank 1: its own tensors hold NaN or Inf at step 0" in msg
+
+
+def test_robust_mix_clips_a_bad_neighbour_and_excludes_nan(exchange_results):
+    topo = get_topology("ring", N)
+    for rank, res in enumerate(exchange_results):
+        peers = topo.neighbors(rank, 0)
+        expect = mix(
+            w.robust_payload(rank),
+            [w.robust_payload(j) for j in peers],
+            [topo.weight(rank, j, 0, "metropolis") for j in peers],
+            robust="clip",
+        )  # the single-process function, on the same values
+        assert res["robust"]["mixed"] == pytest.approx(expect.tolist(), rel=1e-6)
+        if rank in (0, 2):  # rank 1's 1e6 all but left out, its NaN left out
+            assert max(res["robust"]["mixed"]) < 4 and res["robust"]["excluded"] == [1]
 
 
 def test_consensus_shrinks_with_mixing_alone(exchange_results):
