@@ -32,10 +32,12 @@ def test_embedding_rows_move_like_adams_whatever_the_table_size(rows):
     assert ours == pytest.approx(_touched_row_step(64, LearnedOptimizer), rel=1e-3)
 
 
-def test_empty_rows_mark_embeddings_not_dense_matrices():
+def test_empty_rows_mark_embeddings_not_layers_with_dead_units():
     grad = torch.randn(6, 4)
     assert not has_empty_rows(grad) and not has_empty_rows(torch.randn(6))
-    grad[2] = 0
+    grad[2] = 0  # a dead ReLU unit: the layer stays orthogonalised
+    assert not has_empty_rows(grad)
+    grad[3:5] = 0  # half the rows absent from the batch: an embedding table
     assert has_empty_rows(grad)
     assert not has_empty_rows(torch.zeros(1, 4))
 
