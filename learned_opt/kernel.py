@@ -144,6 +144,7 @@ class Kernels:
         for entry in list(self._entries.values()):
             if entry.queued and not entry.done.wait(timeout):
                 return False
+        _worker().join_if_idle(timeout)
         return self.ready()
 
 
@@ -192,12 +193,20 @@ def _fresh_function(fn: Callable) -> Callable:
 
 
 class _Worker:
-    """The process-wide compile thread: compiles queued sets of tensors one at a time."""
+    """The process-wide compiler: one thread compiles the queued sets of tensors one at a
+    time, and exits once the queue is empty (a later job starts a fresh thread).
+
+    The thread must not outlive its work. Its first call of each kernel runs the kernel's
+    OpenMP loops, which gives the thread an OpenMP team of its own; while the thread lives,
+    the runtime counts more threads than cores and stops spinning between parallel
+    regions, so every torch op of the training thread waits on a futex wake-up (measured:
+    AdamW's step 5x slower, a transformer's training step 2.5x, about 400 context switches
+    per step; ``benchmarks/step_overhead.py``)."""
 
     def __init__(self):
         self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name="learned-opt-compile", daemon=True)
-        self.thread.start()
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
 
     def submit(self, entry: _Entry, args: tuple) -> None:
         # the job holds copies (the live tensors keep changing) and only a weak reference
@@ -209,11 +218,33 @@ class _Worker:
             [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
             lr.clone(),
         )  # fmt: skip
-        self.jobs.put((weakref.ref(entry), copies))
+        with self.lock:
+            self.jobs.put((weakref.ref(entry), copies))
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="learned-opt-compile", daemon=True
+                )
+                self.thread.start()
+
+    def join_if_idle(self, timeout: float | None = None) -> None:
+        """Wait for the thread to exit if no job is left (it is about to)."""
+        with self.lock:
+            thread = self.thread if self.jobs.empty() else None
+        if thread is not None:
+            thread.join(timeout)
+
+    def _next(self):
+        """The next job, or None (and the thread marked gone) when the queue is empty."""
+        with self.lock:
+            try:
+                return self.jobs.get_nowait()
+            except queue.Empty:
+                self.thread = None
+                return None
 
     def _run(self) -> None:
-        while True:
-            ref, args = self.jobs.get()
+        while (job := self._next()) is not None:
+            ref, args = job
             entry = ref()
             if entry is None:
                 continue
@@ -238,7 +269,7 @@ class _Worker:
                 )
             finally:
                 entry.done.set()
-                del entry, args
+                del entry, args, job
 
 
 _WORKER: _Worker | None = None

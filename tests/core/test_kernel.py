@@ -113,3 +113,15 @@ def test_kernel_runs_without_recompiling_inside_autocast(compiled, monkeypatch):
         opt.step()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             opt.step()
+
+
+def test_compile_thread_exits_when_its_queue_is_empty(compiled):
+    """The compiling thread's OpenMP team slows every torch op of the process while the
+    thread lives (see :class:`learned_opt.kernel._Worker`): once the kernels are compiled,
+    no compile thread is left."""
+    import threading
+
+    *_, ready = compiled
+    assert ready
+    alive = [t.name for t in threading.enumerate() if t.name == "learned-opt-compile"]
+    assert alive == []
