@@ -177,6 +177,7 @@ def _load_sections() -> None:
 
     importlib.import_module("benchmarks.report_sections")
     importlib.import_module("benchmarks.report_heldout")
+    importlib.import_module("benchmarks.report_validation")
     importlib.import_module("benchmarks.robust_gossip")
     # run as a script, this module is __main__ and benchmarks.report is a second copy
     RENDERERS.update(importlib.import_module("benchmarks.report").RENDERERS)

@@ -1,0 +1,90 @@
+"""Renderer of the validation family's tables (``benchmarks/validation.py``; see
+``report.py``): one table of the single-worker problems with the zero-tuning anchors beside
+the rule, one of the decentralized settings when the run has them, and the summary
+against the targets."""
+
+from __future__ import annotations
+
+import math
+
+from benchmarks.report import markdown_table, section
+from benchmarks.validation_anchors import ANCHORS
+
+
+def _x(v) -> str:
+    if v is None:
+        return "-"
+    return "diverged" if not math.isfinite(v) else f"{v:.2f}x"
+
+
+def _cell(run: dict | None) -> str:
+    if run is None:
+        return "-"
+    return _x(run["speedup"]) + (" (diverged)" if run.get("diverged") else "")
+
+
+def _single(r: dict) -> str:
+    anchors = [a for a in ANCHORS if any(a in row.get("anchors", {}) for row in r["single"])]
+    rows = [
+        [row["task"], row["horizon"], row["kind"], _cell(row["learned"]),
+         _x(row["learned"].get("wall_speedup"))]
+        + [_cell(row.get("anchors", {}).get(a)) for a in anchors]
+        for row in r["single"]
+    ]  # fmt: skip
+    s = r["summary"]
+    rows.append(
+        ["**median**", "", "", f"**{_x(s['median_speedup'])}**", _x(s["median_wall_speedup"])]
+        + [_x(s["anchors_median_speedup"].get(a)) for a in anchors]
+    )
+    header = ["problem", "steps", "kind", "rule", "rule, wall-clock"] + [f"`{a}`" for a in anchors]
+    return markdown_table(header, rows)
+
+
+def _decentralized(r: dict) -> str:
+    rows = [
+        [row["task"], row["workers"], row["topology"], row["partition"], row["alpha"],
+         row["best_baseline"], _cell(row), _x(row["speedup_vs"].get("D-Adam")),
+         "yes" if row["worse_than_dadam"] else "no"]
+        for row in r["decentralized"]
+    ]  # fmt: skip
+    header = ["problem", "ranks", "graph", "data", "alpha", "best baseline", "rule",
+              "rule vs D-Adam", "final worse than D-Adam"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
+@section("validation")
+@section("validation_final")
+@section("validation_ns_bf16")
+@section("validation_ns_pe3")
+def render_validation(r: dict) -> str:
+    s = r["summary"]
+    side = r["side"]
+    fields = ", ".join(f"{k}={v}" for k, v in (side.get("fields") or {}).items())
+    parts = [_single(r)]
+    if r.get("decentralized"):
+        parts.append(_decentralized(r))
+    summary = (
+        f"Small problems (at most 300 steps): median {_x(s['median_speedup_short'])}; runs of"
+        f" 1000 steps or more: median {_x(s['median_speedup_long'])}; lowest row"
+        f" {_x(s['min_speedup'])}; rows below 0.9x: {', '.join(s['rows_below_0.9']) or 'none'};"
+        f" divergences: {s['divergences']}."
+    )
+    if r.get("decentralized"):
+        summary += (
+            f" Decentralized: median {_x(s['median_speedup_decentralized'])} against the best"
+            f" tuned baseline, {s['divergences_decentralized']} diverged,"
+            f" {s['decentralized_worse_than_dadam']} of {s['decentralized_rows']} ending above"
+            " tuned D-Adam."
+        )
+    parts.append(
+        summary
+        + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
+        f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
+        f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
+        f" Rule: `{side.get('checkpoint', side.get('label'))}`"
+        + (f" with {fields}" if fields else "")
+        + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
+        f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
+        f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
+    )
+    return "\n\n".join(parts)
