@@ -37,9 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -56,7 +54,7 @@ from learned_opt.distributed import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
-from benchmarks.gossip_common import gossip_run_info  # noqa: E402
+from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
 WORLD = 4
@@ -177,21 +175,16 @@ def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
     configs = _configs(rank)
     gen = torch.Generator().manual_seed(rank)
     x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, (model, opt) in configs.items():
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                opt.zero_grad()
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step(loss=loss.detach())
-            if r:
-                times[name].append((time.perf_counter() - start) * 1e3 / steps)
+
+    def train_step(model, opt):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step(loss=loss.detach())
+
     out = {}
-    for name, ts in times.items():
-        med = torch.tensor([statistics.median(ts)], dtype=torch.float64)
+    for name, ms in time_in_turns(configs, train_step, rounds, steps).items():
+        med = torch.tensor([ms], dtype=torch.float64)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         out[name] = float(med)
     for _, opt in configs.values():

@@ -66,7 +66,7 @@ class GPT(nn.Module):
     def loss(self, batch) -> torch.Tensor:
         x, y = batch
         h = self.tok(x) + self.pos.weight[: x.shape[1]]
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
         h = self.norm(self.blocks(h, mask=mask, is_causal=True))
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
 
@@ -151,9 +151,10 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     return opts
 
 
-def compile_kernels(steps: dict, opts: dict) -> dict:
+def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:
     """Step every optimizer until its kernel is compiled (see :mod:`learned_opt.kernel`);
-    returns the seconds each learned optimizer waited for it."""
+    returns the seconds each learned optimizer waited for it (``RuntimeError`` when one
+    waited ``timeout`` seconds)."""
     for fn in steps.values():
         for _ in range(COMPILE_AFTER):
             fn()
@@ -161,7 +162,7 @@ def compile_kernels(steps: dict, opts: dict) -> dict:
     for name, opt in opts.items():
         if isinstance(opt, LearnedOptimizer) and opt.compile:
             t0 = time.perf_counter()
-            if not opt.wait_compiled(timeout=1800):
+            if not opt.wait_compiled(timeout=timeout):
                 raise RuntimeError(f"{name}: the kernel did not compile")
             waited[name] = round(time.perf_counter() - t0, 1)
     return waited
