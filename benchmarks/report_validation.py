@@ -56,6 +56,7 @@ def _decentralized(r: dict) -> str:
 @section("validation_final")
 @section("validation_ns_bf16")
 @section("validation_ns_pe3")
+@section("validation_cosine")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
@@ -77,12 +78,16 @@ def render_validation(r: dict) -> str:
             " tuned D-Adam."
         )
     parts.append(
-        summary
-        + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
+        summary + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
         f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
         f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
         f" Rule: `{side.get('checkpoint', side.get('label'))}`"
         + (f" with {fields}" if fields else "")
+        + (
+            ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run"
+            if r.get("schedule") == "cosine"
+            else ""
+        )
         + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
         f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")

@@ -79,11 +79,13 @@ def typed_fields(checkpoint: str, fields: dict) -> dict:
     return out
 
 
-def learned_job(task: str, side: tuple, steps: int, seed: int) -> dict:
-    """The rule's run (multiplier 1) of ``steps`` steps at ``seed``."""
+def learned_job(task: str, side: tuple, steps: int, seed: int, schedule: str = "constant") -> dict:
+    """The rule's run (multiplier 1) of ``steps`` steps at ``seed``, its learning rate
+    held (``"constant"``) or annealed to 0 over the run (``"cosine"``)."""
     torch.set_num_threads(1)
     start = time.perf_counter()
-    curve = single.run(task, side_factory(side[1], side[2]), steps, seed=seed)
+    factory = side_factory(side[1], side[2])
+    curve = single.run(task, factory, steps, seed=seed, schedule=schedule)
     return {"curve": curve, "seconds": round(time.perf_counter() - start, 1)}
 
 
@@ -185,7 +187,17 @@ class Run:
 
     # ------------------------------------------------------------------ scheduling
     def submit_problem(self, pool, task: str, h: int, seed: int) -> None:
-        self.submit(pool, "learned", (task, h, seed), learned_job, task, self.side, h, seed)
+        self.submit(
+            pool,
+            "learned",
+            (task, h, seed),
+            learned_job,
+            task,
+            self.side,
+            h,
+            seed,
+            self.args.schedule,
+        )
         for lr in sorted(self.lrs[task, h, seed]):
             self.submit_adamw(pool, task, h, seed, lr)
         for a in anchors.ANCHORS:
@@ -295,6 +307,7 @@ class Run:
         return {
             "benchmark": "validation", "complete": complete, "quick": self.args.quick,
             "side": {"label": label, "checkpoint": checkpoint, "fields": fields},
+            "schedule": self.args.schedule,
             "summary": summarise(singles, decs), "targets": TARGETS,
             "single": singles, "decentralized": decs, "seeds": self.seeds,
             "adamw_grid": list(self.grid), "anchors": list(anchors.ANCHORS),
@@ -316,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seeds of every row (default {' '.join(map(str, SEEDS))})")  # fmt: skip
     parser.add_argument("--problems", nargs="*", help="only these validation tasks")
     parser.add_argument("--no-decentralized", action="store_true")
+    parser.add_argument("--schedule", choices=single.SCHEDULES, default="constant",
+                        help="the rule's learning-rate schedule over each run (cosine: "
+                        "torch's CosineAnnealingLR to 0 at the horizon)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     args = parser.parse_args(argv)
