@@ -291,3 +291,34 @@ def render_registry_sides(r: dict) -> str:
         f" {sides}. {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`."
     )
+
+
+@section("local_steps")
+def render_local_steps(r: dict) -> str:
+    t = r["targets"]
+    chosen = r["validation"]["chosen"]
+    picks = "; ".join(
+        f"{o}: H={c['H']}, top-k {c['density']:g}, outer lr {c['outer_lr']:g} (validation median "
+        f"loss ratio {c['median_loss_ratio']:.3g}x, at least {c['min_bytes_reduction_x']:.0f}x "
+        "fewer bytes)"
+        for o, c in chosen.items()
+        if c
+    )
+    header = ["task", "workers", "topology", "outer", "H", "top-k", "bytes/rank",
+              "fewer bytes", "final loss", "exact loss", "loss ratio", "pass"]  # fmt: skip
+    rows = [
+        [x["task"], x["workers"], x["topology"], f"{x['outer']} {x['outer_lr']:g}", x["H"],
+         f"{x['density']:g}", f"{x['bytes_per_rank']:,.0f}", _x(x["bytes_reduction_x"]),
+         _f(x["final"]), _f(x["exact_final"]), _x(x["loss_ratio"]),
+         ("yes" if x["passes"] else "no") + ("" if x.get("chosen", True) else " (record)")]
+        for x in r.get("heldout", {}).get("rows", [])
+    ]  # fmt: skip
+    summary = "; ".join(f"{o} {s['passes']} of {s['of']}"
+                        for o, s in r.get("heldout", {}).get("summary", {}).items())  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\nTarget: at least {t['bytes_reduction_x']:g}x fewer bytes than exact per-step "
+        f"gossip (D-Adam) with the final averaged-model loss at most {t['loss_ratio']:g}x the "
+        f"exact run's. Chosen on the validation family: {picks}. Settings passing: {summary} "
+        "(rows marked record are the other H at the chosen density). " + _measured(r)
+    )
