@@ -17,8 +17,9 @@ with ``w_ij = w_ji``, so every stream's network average is kept exactly)::
 The tracker (gradient tracking over rounds, as K-GT does) makes the outer rule see an
 estimate of the network's mean pseudo-gradient, and the correction ``c_i`` pulls each rank's
 local steps towards it: under label skew a rank's own steps drift towards its own shard's
-optimum (in exploratory replays on the validation family, plain local steps with exact mixing of the anchors ended
-1.6-10x above per-step gossip at ``H = 8``; tracking brought the convex one to 0.92x). Since
+optimum (in exploratory replays on the validation family, plain local steps with exact
+mixing of the anchors ended 1.6-10x above per-step gossip at ``H = 8``; tracking brought
+the convex one to 0.92x). Since
 ``sum_i y_i = sum_i D_i`` at every round, the averaged anchor follows the outer rule on the
 averaged pseudo-gradient (for a linear rule), whatever ``C`` drops; compression only slows
 the ranks' consensus.
