@@ -293,6 +293,38 @@ def render_registry_sides(r: dict) -> str:
     )
 
 
+@section("stragglers")
+def render_stragglers(r: dict) -> str:
+    """One slow rank of 8: throughput, skipped exchanges and the averaged model, per run."""
+    slow = r["slow_rank"]
+    rows = []
+    for topo, runs in r["results"].items():
+        for name, m in runs.items():
+            fast = [v for k, v in enumerate(m["steps_per_s"]) if k != slow]
+            rows.append([
+                topo, name, f"{sum(fast) / len(fast):.1f}", f"{m['steps_per_s'][slow]:.1f}",
+                f"{100 * m['fast_ranks_drop_mean']:.0f}% ({100 * m['fast_ranks_drop_max']:.0f}%)",
+                f"{m['slow_rank_exchanges_mixed']} / {m['slow_rank_exchanges_skipped']}",
+                f"{100 * m['fast_edges_skipped_fraction']:.0f}%",
+                f"{m['averaged_model_train_loss']:.4g} ({_x(m['loss_vs_clean'])})",
+                f"{m['distance_to_average'][slow]:.3g}",
+                "-" if "met" not in m else
+                f"{'yes' if m['throughput_met'] else 'no'} / {'yes' if m['slow_rank_counted'] else 'no'}",
+            ])  # fmt: skip
+    header = ["topology", "run", "fast ranks steps/s", f"rank {slow} steps/s",
+              "fast ranks' drop, mean (worst)", f"rank {slow}'s exchanges mixed / skipped",
+              "fast-fast exchanges skipped", "averaged-model train loss (vs clean)",
+              f"rank {slow}'s distance to the average", "goal: throughput / counted"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\n{r['setup']}. `slow`: rank {slow} {r['slow_factor']:g}x slower; "
+        "`deadline_<ms>`: with `step_deadline`. Exchanges are counted on the slow rank's "
+        "neighbours, fast-fast ones on both ends; the distance to the average is relative "
+        f"to the average's norm. Goal: {r['goal']}. Measured {r['date'][:10]}, "
+        f"{r['machine']}, torch {r['torch']}. Command: `{r['command']}`."
+    )
+
+
 @section("local_steps")
 def render_local_steps(r: dict) -> str:
     t = r["targets"]

@@ -10,7 +10,11 @@ handled by :mod:`.membership`).
 Why it takes more than a shorter wait: a gloo wait that times out closes every connection
 of the rank, and a gloo send or receive never reports itself complete to ``is_completed``.
 So every send and receive is posted at once and waited for (with the full ``timeout``) by
-a helper thread; the step waits on those threads until the deadline. A receive that missed
+a helper thread, one per neighbour: the waits on one neighbour end in posting order anyway,
+and a late neighbour's pile of waits then never holds up another neighbour's (with one pool
+shared by all neighbours, the waits on a rank that stays slow took every thread, and the
+data of neighbours on time was counted late). The step waits on those threads until the
+deadline. A receive that missed
 it stays posted, into a buffer of its own, and completes when the late neighbour sends:
 gloo pairs the sends and receives of two ranks in posting order, so the steps of a late
 rank still meet the right steps of its neighbours.
@@ -19,7 +23,8 @@ The two ends of an edge can see different things (one got the data in time, the 
 not), so they agree through the rendezvous store: each writes its verdict for the edge and
 step with ``compare_set``, the first verdict wins, and both read it. An end that must mix
 data still in flight waits for it (the other end sent it before it voted). Costs per step:
-one ``compare_set`` and one ``add`` on the store per edge, and a thread hand-off per wait.
+one ``compare_set`` and one ``add`` on the store per edge, and a thread hand-off per wait;
+one helper thread per neighbour.
 
 Limits: CPU tensors on gloo only; not with ``compression`` (a skipped step would leave the
 public copies different on the two ends) nor with ``overlap``.
@@ -34,7 +39,7 @@ from datetime import timedelta
 import torch
 from torch import Tensor
 
-_MAX_THREADS = 16
+_MAX_FREE = 16  # free buffers kept per size
 
 
 class DeadlineExchange:
@@ -50,7 +55,7 @@ class DeadlineExchange:
             )
         self.deadline = float(deadline)
         self.timeout = timeout
-        self._pool = cf.ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="gossip-wait")
+        self._waiters: dict[int, cf.ThreadPoolExecutor] = {}  # one thread per neighbour
         self._busy: list[tuple[Tensor, list[cf.Future]]] = []  # buffers gloo may still use
         self._free: dict[int, list[Tensor]] = {}  # by size in bytes
         self.skipped_total = 0  # edges skipped so far (counted on each end)
@@ -62,7 +67,7 @@ class DeadlineExchange:
         for buf, futures in self._busy:
             if all(f.done() for f in futures):
                 free = self._free.setdefault(buf.numel(), [])
-                if len(free) < _MAX_THREADS:
+                if len(free) < _MAX_FREE:
                     free.append(buf)
             else:
                 busy.append((buf, futures))
@@ -70,9 +75,10 @@ class DeadlineExchange:
         free = self._free.get(nbytes)
         return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
 
-    def watch(self, buf: Tensor, works: list) -> list[cf.Future]:
-        """Wait for ``works`` (on ``buf``) in helper threads; ``buf`` is reused after them."""
-        futures = [self._pool.submit(w.wait, self.timeout) for w in works]
+    def watch(self, buf: Tensor, works: list, peers: list[int]) -> list[cf.Future]:
+        """Wait for ``works`` (on ``buf``; ``works[k]`` with neighbour ``peers[k]``) in that
+        neighbour's helper thread; ``buf`` is reused after them."""
+        futures = [self._waiter(p).submit(w.wait, self.timeout) for w, p in zip(works, peers)]
         self._busy.append((buf, futures))
         return futures
 
@@ -80,16 +86,17 @@ class DeadlineExchange:
         """Post the sends of ``send`` and the receives into ``job.recvs`` to ``job.peers``,
         slot by slot in ``order``; their waits go to helper threads. Returns ``None``, or
         ``(slot, error)`` when posting to a neighbour failed."""
-        sends, futures, failed = [], {}, None
+        sends, to, futures, failed = [], [], {}, None
         try:
             for slot in order:
                 peer = membership.local(job.peers[slot])
                 sends.append(membership.group.send([send], peer, tag))
+                to.append(job.peers[slot])
                 recv = membership.group.recv([job.recvs[slot]], peer, tag)
-                futures[slot] = self.watch(job.recvs[slot], [recv])[0]
+                futures[slot] = self.watch(job.recvs[slot], [recv], [job.peers[slot]])[0]
         except Exception as exc:  # the pair is closed: a failed neighbour
             failed = (slot, exc)
-        self.watch(send, sends)
+        self.watch(send, sends, to)
         job.pending = [(slot, futures[slot]) for slot in sorted(futures)]
         job.posted = time.monotonic()
         return failed
@@ -132,8 +139,14 @@ class DeadlineExchange:
         self._busy.clear()
         self._free.clear()
 
+    def _waiter(self, peer: int) -> cf.ThreadPoolExecutor:
+        if peer not in self._waiters:
+            self._waiters[peer] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"gossip-wait{peer}")
+        return self._waiters[peer]
+
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for waiter in self._waiters.values():
+            waiter.shutdown(wait=False, cancel_futures=True)
 
 
 class _Failed(Exception):

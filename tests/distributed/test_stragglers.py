@@ -1,6 +1,7 @@
 """A slow rank (straggler) under a per-step deadline: skipped for the step, not dropped."""
 
 import concurrent.futures as cf
+import threading
 import time
 from datetime import timedelta
 from types import SimpleNamespace
@@ -125,6 +126,36 @@ def test_a_failed_wait_names_the_neighbour_slot():
     with pytest.raises(_Failed) as info:
         _settle(ex, _Store(), 0, [1, 3], [_done(), _done(error=RuntimeError("closed"))])
     assert info.value.slot == 1 and "closed" in str(info.value)
+
+
+class _Work:
+    """A gloo send or receive that completes once ``event`` is set."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def wait(self, timeout: timedelta) -> bool:
+        if not self.event.wait(timeout.total_seconds()):
+            raise RuntimeError("timed out")
+        return True
+
+
+def test_a_slow_neighbours_waits_never_hold_up_another_neighbours():
+    ex, late, on_time = (
+        DeadlineExchange(0.05, timedelta(seconds=10)),
+        threading.Event(),
+        threading.Event(),
+    )
+    try:
+        for _ in range(40):  # a neighbour that stays slow: its waits pile up step after step
+            ex.watch(torch.empty(1), [_Work(late), _Work(late)], [3, 3])
+        on_time.set()
+        fut = ex.watch(torch.empty(1), [_Work(on_time)], [1])[0]
+        cf.wait([fut], timeout=2.0)
+        assert fut.done()  # with one pool for all neighbours it queued behind the 80 waits
+    finally:
+        late.set()
+        ex.close()
 
 
 def test_bad_deadlines_are_refused():
