@@ -22,13 +22,16 @@ from pathlib import Path
 
 import torch
 
-from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt import LearnedOptimizer, load_checkpoint, wsd_schedule
 from learned_opt.checkpoint import resolve_checkpoint
 from learned_opt.meta_train.evaluation import final_loss
 from learned_opt.tasks import get_task
 
 Factory = Callable[..., torch.optim.Optimizer]  # (params, lr_mult) -> optimizer
 SCHEDULES = ("constant", "cosine")
+#: The schedules a rule may run under (``--schedule``): the baselines' and ``"wsd"``
+#: (:func:`learned_opt.wsd_schedule`: held, then decayed linearly to 0 at the end).
+RULE_SCHEDULES = (*SCHEDULES, "wsd")
 #: AdamW's learning-rate grid (6 points, half-decades); extended at an edge when the best
 #: rate sits there. ``QUICK_GRID`` is the --quick subset.
 ADAMW_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
@@ -116,17 +119,20 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
     """Train the task's workload for ``steps`` steps; the per-step training loss curve.
 
     The loss of step ``t`` is the batch loss before the ``t``-th update. ``schedule``
-    "cosine" anneals the learning rate to 0 over ``steps``. A non-finite loss ends the
-    run, and the rest of the curve is ``inf``.
+    "cosine" anneals the learning rate to 0 over ``steps``; "wsd" holds it, then decays it
+    linearly to 0 over the last fifth of ``steps`` (:func:`learned_opt.wsd_schedule`). A non-finite loss
+    ends the run, and the rest of the curve is ``inf``.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; valid choices: {SCHEDULES}")
+    if schedule not in RULE_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid choices: {RULE_SCHEDULES}")
     torch.manual_seed(seed)
     model, loss_fn, batches = get_task(task_name).workload(seed)
     opt = factory(model.parameters(), lr_mult)
     sched = None
     if schedule == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    elif schedule == "wsd":
+        sched = wsd_schedule(opt, steps)
     curve: list[float] = []
     for _, batch in zip(range(steps), batches):
         loss = loss_fn(batch)

@@ -97,10 +97,18 @@ class Suite:
         self.extensions = {ts: 0 for ts in self.lrs}
         # factories run single-worker only: without a checkpoint no decentralized row is
         # scored, so no decentralized baseline is tuned either
+        # (and a rule under a schedule runs single-worker only: the schedule is the
+        # single-worker pairing measured here)
+        scored = self.checkpoints and args.schedule == "constant"
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
-                         for seed in self.seeds] if self.checkpoints else []  # fmt: skip
+                         for seed in self.seeds] if scored else []  # fmt: skip
         self.learned_cache = BaselineCache(LEARNED_CACHE)
-        self.side_ids = {side: single.side_id(side) for side in self.sides}
+        # a schedule makes other runs than the constant multiplier's: cached apart
+        suffix = "" if args.schedule == "constant" else f"@{args.schedule}"
+        self.side_ids = {
+            side: None if (sid := single.side_id(side)) is None else sid + suffix
+            for side in self.sides
+        }
         self.learned: dict = {}  # (side, task, mult, steps, seed) -> curve
         self.timing: dict = {}  # (side, task) -> ms per step
         self.dec_learned: dict = {}  # (side, setting key) -> result
@@ -243,7 +251,8 @@ class Suite:
             for mult in mults:
                 key = (side, task, mult, steps, seed)
                 self.submit_learned(pool, "learned", key, task, single.run_job, task, side,
-                                    steps, lr=mult, seed=seed)  # fmt: skip
+                                    steps, lr=mult, seed=seed,
+                                    schedule=self.args.schedule)  # fmt: skip
         if grid:
             for lr in sorted(self.lrs[task, seed]):
                 self.submit_adamw(pool, task, lr, [steps], seed)
@@ -251,8 +260,10 @@ class Suite:
     def learned_curve(self, side: str, task: str, mult: float, h: int,
                       seed: int) -> list[float] | None:  # fmt: skip
         """The learned side's curve at horizon ``h`` and ``seed``: its run of ``h`` steps,
-        else the first ``h`` steps of its longest run."""
-        for steps in (h, max(self.horizons(task))):
+        else (constant multiplier only: a schedule depends on the horizon) the first ``h``
+        steps of its longest run."""
+        longest = [max(self.horizons(task))] if self.args.schedule == "constant" else []
+        for steps in (h, *longest):
             curve = self.learned.get((side, task, mult, steps, seed))
             if curve is not None and len(curve) >= h:
                 return curve[:h]
@@ -308,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seeds of every row, single-worker and decentralized, each row "
                         "the median over them, its baselines tuned per seed (default "
                         f"{' '.join(map(str, DEC_SEEDS))}; --quick: the first)")  # fmt: skip
+    parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
+                        help="the learned sides' schedule over each run (not constant: "
+                        "single-worker rows only; see benchmarks.heldout_single.run)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     parser.add_argument("--cached-only", action="store_true",
@@ -343,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     def snapshot(quiet: bool):
         loads.append(os.getloadavg()[0])
         payload, panels = assemble(suite, time.perf_counter() - start)
-        payload.update(load_average=round(sum(loads) / len(loads), 1), command=command.strip())
+        payload.update(load_average=round(sum(loads) / len(loads), 1), command=command.strip(),
+                       schedule=args.schedule)  # fmt: skip
         payload = {**payload, **machine(), **measured}
         write_json(name, payload, quiet=quiet)
         return payload, panels

@@ -52,11 +52,19 @@ def _decentralized(r: dict) -> str:
     return markdown_table(header, rows)
 
 
+#: How a rule's table says which schedule its multiplier ran under (constant: nothing).
+SCHEDULE_PHRASES = {
+    "cosine": ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run",
+    "wsd": ", its learning rate held, then decayed linearly to 0 over the last fifth of each run",
+}
+
+
 @section("validation")
 @section("validation_final")
 @section("validation_ns_bf16")
 @section("validation_ns_pe3")
 @section("validation_cosine")
+@section("validation_wsd")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
@@ -83,11 +91,7 @@ def render_validation(r: dict) -> str:
         f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
         f" Rule: `{side.get('checkpoint', side.get('label'))}`"
         + (f" with {fields}" if fields else "")
-        + (
-            ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run"
-            if r.get("schedule") == "cosine"
-            else ""
-        )
+        + SCHEDULE_PHRASES.get(r.get("schedule", "constant"), "")
         + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
         f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
         f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")

@@ -81,7 +81,8 @@ def typed_fields(checkpoint: str, fields: dict) -> dict:
 
 def learned_job(task: str, side: tuple, steps: int, seed: int, schedule: str = "constant") -> dict:
     """The rule's run (multiplier 1) of ``steps`` steps at ``seed``, its learning rate
-    held (``"constant"``) or annealed to 0 over the run (``"cosine"``)."""
+    held (``"constant"``) or annealed to 0 over the run (``"cosine"``, ``"wsd"``: see
+    :func:`benchmarks.heldout_single.run`)."""
     torch.set_num_threads(1)
     start = time.perf_counter()
     factory = side_factory(side[1], side[2])
@@ -329,9 +330,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seeds of every row (default {' '.join(map(str, SEEDS))})")  # fmt: skip
     parser.add_argument("--problems", nargs="*", help="only these validation tasks")
     parser.add_argument("--no-decentralized", action="store_true")
-    parser.add_argument("--schedule", choices=single.SCHEDULES, default="constant",
+    parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
                         help="the rule's learning-rate schedule over each run (cosine: "
-                        "torch's CosineAnnealingLR to 0 at the horizon)")  # fmt: skip
+                        "torch's CosineAnnealingLR to 0 at the horizon; wsd: held, then "
+                        "linear to 0 over the last fifth)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     args = parser.parse_args(argv)

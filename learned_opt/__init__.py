@@ -19,6 +19,7 @@ from .checkpoint import (
 from .config import NetConfig
 from .network import LearnedOptimizerNet
 from .optimizer import LearnedOptimizer
+from .schedules import wsd_schedule
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "list_pretrained",
     "load_checkpoint",
     "save_checkpoint",
+    "wsd_schedule",
 ]

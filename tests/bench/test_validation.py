@@ -99,10 +99,12 @@ def test_a_whole_tiny_run_then_a_rerun_from_the_cache(tmp_path, monkeypatch, cap
     assert "3 jobs on 1 processes" in capsys.readouterr().out and "3 jobs" not in first
 
 
-def test_the_rule_under_a_cosine_schedule_takes_smaller_late_steps():
+def test_the_rule_under_an_annealing_schedule_takes_smaller_late_steps():
     side = ("adapt_init_2x", "adapt_init_2x", {})
     const = val.learned_job("val_blobs_softmax", side, 40, 0)["curve"]
     cosine = val.learned_job("val_blobs_softmax", side, 40, 0, "cosine")["curve"]
+    wsd = val.learned_job("val_blobs_softmax", side, 40, 0, "wsd")["curve"]
     assert const[:2] == cosine[:2]  # the same start: the schedule is at its peak
+    assert const[:33] == wsd[:33] and wsd[33:] != const[33:]  # held for 32 steps, then decayed
     late = lambda c: sum(abs(a - b) for a, b in zip(c[-10:], c[-9:]))  # noqa: E731
-    assert cosine != const and late(cosine) < late(const)
+    assert cosine != const and late(cosine) < late(const) and late(wsd) < late(const)
