@@ -102,6 +102,11 @@ def render_quality_heldout_seeds34(r: dict) -> str:
     return _render(r, "quality_heldout_seeds34")
 
 
+@section("quality_heldout_wsd")
+def render_quality_heldout_wsd(r: dict) -> str:
+    return _render(r, "quality_heldout_wsd")
+
+
 def _seeds(r: dict) -> str:
     """How the rows were taken over seeds: every row over ``seeds`` (a result of before
     single-worker rows had seeds: those at ``seed``, decentralized ones at
@@ -122,6 +127,16 @@ def _seeds(r: dict) -> str:
     return (
         f"Single-worker rows: {seeds_phrase(alone)}. Decentralized rows: {seeds_phrase(dec)}, "
         f"each seed's step speedup in brackets{first}"
+    )
+
+
+def _schedule(r: dict) -> str:
+    """How the learned side's multiplier ran over each run, when not held constant."""
+    if r.get("schedule", "constant") == "constant":
+        return ""
+    return (
+        f", under the `{r['schedule']}` schedule over each run (`wsd`: "
+        "`learned_opt.wsd_schedule`, held, then linear to zero over the last fifth)"
     )
 
 
@@ -167,7 +182,7 @@ def _render(r: dict, name: str) -> str:
         "all workers in one process, learned mixing included), measured side by side. AdamW "
         f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
         "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
-        "step speedups at those multipliers). A run diverged if its loss went non-finite or "
+        f"step speedups at those multipliers){_schedule(r)}. A run diverged if its loss went non-finite or "
         f"ended above its start. {_seeds(r)} {_measured(r)}{load} Wall time "
         f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
         f"`{r['command']}`. Plot: "
@@ -206,6 +221,18 @@ def render_headline(r: dict) -> str:
         "out; on these small CPU models the learned step costs more than it saves. "
         "Measured on "
         f"{r['machine']}, torch {r['torch']}."
+    )
+
+
+@section("quality_heldout_wsd:headline")
+def render_wsd_headline(r: dict) -> str:
+    """One line under the headline: the single-worker rule paired with its schedule."""
+    s = r["summary"]
+    return (
+        f"With `wsd_schedule` (as in the quick start), the single-worker rows: median "
+        f"**{_x(s['median_speedup_single'])}** in steps, {_x(s['median_wall_speedup_single'])} "
+        f"in wall-clock time, lowest setting {_x(s['min_speedup'])}, divergences "
+        f"{s['divergences']} ([table](docs/results.md#the-single-worker-rule-with-wsd_schedule))."
     )
 
 
