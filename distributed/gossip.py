@@ -10,11 +10,11 @@ Adapt-then-combine, once per step on every rank:
 is D-Adam (see :func:`dsgd`, :func:`dadam`). With a
 :class:`~learned_opt.LearnedOptimizer` and ``mixing="learned"`` the weights come from the
 same network's edge head, so one checkpoint drives both the local update and the mixing.
+The wrapper reaches its local optimizer only through :class:`~.local.GossipLocal`.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from learned_opt.network import LearnedOptimizerNet
 
+from .local import GossipLocal, gossip_local
 from .membership import ON_FAILURE
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES, check_share_state_every, shares_state
@@ -77,29 +78,17 @@ def resolve_communicator(communicator, topology, timeout, owner: str, **options)
     return default_communicator(topology, timeout, **options)
 
 
-def _gossip_net(local_optimizer):
-    """The network a local optimizer steps with under gossip (None without one): see
-    :meth:`learned_opt.LearnedOptimizer.gossip_net`. Changes nothing."""
-    if hasattr(local_optimizer, "gossip_net"):
-        return local_optimizer.gossip_net()[0]
-    return getattr(local_optimizer, "net", None)
-
-
-def _mark_gossip(local_optimizer) -> None:
-    """Tell a learned local optimizer that it steps under gossip
-    (:meth:`learned_opt.LearnedOptimizer.use_gossip`): its adapted step sizes then keep
-    within the gossip bounds of :meth:`NetConfig.under_gossip
-    <learned_opt.config.NetConfig.under_gossip>`, and one built without a checkpoint
-    takes the shipped decentralized rule."""
-    if hasattr(local_optimizer, "use_gossip"):
-        local_optimizer.use_gossip()
-
-
 class GossipOptimizer:
     """Wraps ``local_optimizer`` with neighbour exchange and mixing after every step.
 
     Args:
-        local_optimizer: any ``torch.optim.Optimizer`` (its param groups are the model).
+        local_optimizer: any ``torch.optim.Optimizer`` (its param groups are the model), or
+            a :class:`~learned_opt.distributed.local.GossipLocal`; the wrapper reaches it
+            through :func:`~learned_opt.distributed.local.gossip_local` (``local``). A
+            :class:`~learned_opt.LearnedOptimizer` steps under gossip's bounds on adapted
+            step sizes from then on; one built without a checkpoint and not stepped yet
+            takes the shipped decentralized rule,
+            :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`, and a warning says so.
         topology: a :class:`Topology` or a registry name; ignored when ``communicator`` is
             given.
         mixing: ``"metropolis"``, ``"uniform"`` or ``"learned"``; default: ``"learned"`` when
@@ -136,12 +125,12 @@ class GossipOptimizer:
         share_state: mix the local optimizer's ``shared_state()`` (a
             :class:`~learned_opt.LearnedOptimizer`'s second moments and three momenta) in
             the same exchange as the parameters, with Metropolis weights, so every worker
-            normalises and steps alike (see :meth:`LearnedOptimizer.shared_state
-            <learned_opt.LearnedOptimizer.shared_state>`); an exchange that carries it
-            sends five times the bytes of the parameters alone for float32 parameters,
-            and by default one exchange in two does (``share_state_every``). ``None``
-            (default): on when the local optimizer has ``shared_state`` and the exchange
-            is not compressed (with ``compression`` it is not supported).
+            normalises and steps alike (see :meth:`LearnedLocal.shared_state
+            <learned_opt.distributed.local.LearnedLocal.shared_state>`); an exchange that
+            carries it sends five times the bytes of the parameters alone for float32
+            parameters, and by default one exchange in two does (``share_state_every``).
+            ``None`` (default): on when the local optimizer has shared state and the
+            exchange is not compressed (with ``compression`` it is not supported).
         share_state_every: with ``share_state``, one exchange in ``k`` carries the state
             (the exchanges after local steps k, 2k, ...): a step then sends ``1 + 4 / k``
             times the bytes of the parameters on average. Default 2 (three times the
@@ -182,14 +171,15 @@ class GossipOptimizer:
         writer=None,
         logdir: str | os.PathLike | None = None,
     ):
-        mixing_net = net if net is not None else _gossip_net(local_optimizer)
+        local: GossipLocal = gossip_local(local_optimizer)
+        mixing_net = net if net is not None else local.mixing_net()
         if mixing is None:
             mixing = "learned" if mixing_net is not None else "metropolis"
         if mixing not in RULES:
             raise ValueError(f"unknown mixing {mixing!r}; choose from {RULES}")
         if metrics_every < 0:
             raise ValueError(f"metrics_every must be >= 0, got {metrics_every}")
-        has_state = callable(getattr(local_optimizer, "shared_state", None))
+        has_state = local.has_shared_state
         if share_state and not has_state:
             raise ValueError(
                 f"share_state=True needs a local optimizer with shared_state() (a "
@@ -215,7 +205,7 @@ class GossipOptimizer:
             )
         self.share_state = has_state and not compressed if share_state is None else share_state
         self.share_state_every = check_share_state_every(share_state_every)
-        self.local = local_optimizer
+        self.local = local
         self.mixing = mixing
         self.communicator = communicator
         self.topology = communicator.topology
@@ -235,7 +225,6 @@ class GossipOptimizer:
         self.metrics_every = metrics_every
         self.step_count = 0
         self.metrics: dict[str, float] = {}
-        self._takes_loss = "loss" in inspect.signature(local_optimizer.step).parameters
         self._writer = writer
         if writer is None and logdir is not None:
             from torch.utils.tensorboard import SummaryWriter  # only when asked for
@@ -243,9 +232,9 @@ class GossipOptimizer:
             self._writer = SummaryWriter(os.path.join(os.fspath(logdir), f"rank{self.rank}"))
         if hasattr(communicator, "check_layout"):
             communicator.check_layout([p.detach() for p in self.params])
-        _mark_gossip(local_optimizer)
+        local.join_gossip()
         if net is None:  # the network the local optimizer now steps with (theta shared)
-            self.net = getattr(local_optimizer, "net", None)
+            self.net = local.mixing_net()
 
     @property
     def rank(self) -> int:
@@ -271,9 +260,8 @@ class GossipOptimizer:
     def _theta(self, like: Tensor):
         if self.mixing != "learned":
             return None
-        theta_fn = getattr(self.local, "theta", None)
-        if theta_fn is not None and getattr(self.local, "net", None) is self.net:
-            return theta_fn(like.device, torch.float32)
+        if self.local.mixing_net() is self.net:  # the local optimizer's cached copy
+            return self.local.mixing_theta(like.device)
         return {k: v.detach().to(like.device) for k, v in self.net.named_parameters()}
 
     def step(self, closure: Callable[[], Tensor] | None = None, *, loss=None):
@@ -282,7 +270,7 @@ class GossipOptimizer:
         Returns what the local optimizer's ``step`` returned."""
         if self.overlap:
             return self._overlapped_step(closure, loss)
-        ret = self._local_step(closure, loss)
+        ret = self.local.step(closure)
         batch_loss = loss if loss is not None else ret
         with torch.no_grad():
             ys = [p.detach() for p in self.params]
@@ -304,11 +292,6 @@ class GossipOptimizer:
             return ys, {}
         state = [v.detach() for v in self.local.shared_state()]
         return ys + state, {"state": len(state)}
-
-    def _local_step(self, closure, loss):
-        if self._takes_loss:
-            return self.local.step(closure, loss=loss)
-        return self.local.step(closure)
 
     def _finish(self, ys: list[Tensor]) -> dict:
         """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
@@ -334,7 +317,7 @@ class GossipOptimizer:
         with torch.no_grad():
             ys = [p.detach() for p in self.params]
             info = self._finish(ys)
-        self._local_step(None, batch_loss)
+        self.local.step(None)
         self._record(info, ys)
         with torch.no_grad():
             sent, _ = self._with_state(ys, self.step_count + 1)

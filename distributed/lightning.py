@@ -41,7 +41,8 @@ from torch import Tensor
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 
 from .averaging import all_reduce_mean_
-from .gossip import GossipOptimizer, _mark_gossip
+from .gossip import GossipOptimizer
+from .local import GossipLocal, gossip_local
 from .process_group import ProcessGroupCommunicator
 from .simulated import RULES
 from .topology import Topology, get_topology, list_topologies
@@ -53,28 +54,42 @@ _RESERVED |= {"metrics_every", "writer", "logdir"}
 
 
 class _LocalStep:
-    """The wrapped optimizer, as :class:`GossipOptimizer` sees it: ``step(closure)`` runs the
-    step Lightning would run (``pending``, set by the strategy before each step), so hooks,
-    gradient clipping and a grad scaler see the user's own optimizer."""
+    """The user's optimizer as :class:`GossipOptimizer` sees it (a
+    :class:`~learned_opt.distributed.local.GossipLocal`): ``step(closure)`` runs the step
+    Lightning would run (``pending``, set by the strategy before each step), so hooks,
+    gradient clipping and a grad scaler see the user's own optimizer; the rest is the
+    optimizer's own adapter (:func:`~learned_opt.distributed.local.gossip_local`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
+        self.inner: GossipLocal = gossip_local(optimizer)
+        self.has_shared_state = self.inner.has_shared_state
         self.pending: Callable[[Callable | None], Any] | None = None
-        if callable(getattr(optimizer, "shared_state", None)):  # mixed as GossipOptimizer's
-            self.shared_state = optimizer.shared_state
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
+        return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self.inner.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        return self.inner.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        self.inner.load_state_dict(state_dict)
+
+    def shared_state(self) -> list[Tensor]:
+        return self.inner.shared_state()
+
+    def mixing_net(self):
+        return self.inner.mixing_net()
+
+    def mixing_theta(self, device: torch.device):
+        return self.inner.mixing_theta(device)
+
+    def join_gossip(self) -> None:
+        self.inner.join_gossip()
 
     def step(self, closure: Callable | None = None):
         run, self.pending = self.pending, None
@@ -231,13 +246,13 @@ class GossipStrategy(DDPStrategy):
         if self.mixing == "allreduce":
             return
         for opt in self.optimizers:
-            _mark_gossip(opt)  # told here: GossipOptimizer sees it behind _LocalStep
-            net = getattr(opt, "net", None)
+            local = _LocalStep(opt)
+            net = local.mixing_net()
             mixing = self.mixing or ("learned" if net is not None else "metropolis")
             if mixing == "learned" and net is None:
                 net = load_checkpoint(self.checkpoint)[0]  # its edge head mixes
             self.gossips[id(opt)] = GossipOptimizer(
-                _LocalStep(opt),
+                local,
                 mixing=mixing,
                 communicator=comm,
                 net=net if mixing == "learned" else None,

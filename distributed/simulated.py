@@ -66,7 +66,7 @@ def check_rule(rule: str, theta: Theta | None, cfg: NetConfig | None) -> None:
 def tensor_rules(rule: str, count: int, state: int = 0) -> list[str]:
     """The rule of each of ``count`` mixed tensors whose last ``state`` are optimizer state
     shared with the neighbours (the learned optimizer's moments, see
-    :meth:`LearnedOptimizer.shared_state <learned_opt.LearnedOptimizer.shared_state>`):
+    :meth:`LearnedLocal.shared_state <learned_opt.distributed.local.LearnedLocal.shared_state>`):
     those take Metropolis weights under the learned rule, whose edge head reads parameters,
     and ``rule`` otherwise."""
     if not 0 <= state <= count:

@@ -325,12 +325,11 @@ def train(args: argparse.Namespace) -> dict:
         if args.mixing == "allreduce":
             grads = [p.grad for p in params if p.grad is not None]
             sent += all_reduce_mean_(grads, comm, step, "gradient all_reduce")
-        if isinstance(opt, (GossipOptimizer, LearnedOptimizer)):
-            opt.step(loss=loss.detach())
+        if isinstance(opt, GossipOptimizer):
+            opt.step(loss=loss.detach())  # the batch loss feeds the learned mixing
+            sent += comm.bytes_sent
         else:
             opt.step()
-        if isinstance(opt, GossipOptimizer):
-            sent += comm.bytes_sent
         losses.append(float(loss.detach()))
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)

@@ -122,7 +122,7 @@ def consensus_study(steps: int = 200, workers: int = 8, seed: int = 0) -> dict:
                 opts[i].zero_grad()
                 loss = task.loss(params[i], (inputs[i], targets[i]))
                 loss.backward()
-                opts[i].step(loss=loss.detach())
+                opts[i].step()
                 batch_losses.append(loss.detach())
             with torch.no_grad():
                 names = list(init)

@@ -13,12 +13,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .checkpoint import (
-    DEFAULT_CHECKPOINT,
     SINGLE_WORKER_CHECKPOINT,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
 )
+from .config import NetConfig
 from .features import compute_dtype, init_state
 from .kernel import Kernels
 from .network import LearnedOptimizerNet, Theta
@@ -74,11 +74,11 @@ class LearnedOptimizer(Optimizer):
         checkpoint: a shipped name (see :func:`learned_opt.list_pretrained`) or a file path.
             A shipped name wins over a file of that name in the working directory (write
             ``./default`` for the file); ``checkpoint_path`` says which file was loaded.
-            Ignored when ``net`` is given. Default (None): the shipped rule for where it
-            steps, each the best of the held-out suite there:
-            :data:`~learned_opt.checkpoint.SINGLE_WORKER_CHECKPOINT` alone, and
-            :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT` once a gossip wrapper takes
-            it before its first step (:meth:`use_gossip`).
+            Ignored when ``net`` is given. Default (None): the shipped single-worker rule,
+            :data:`~learned_opt.checkpoint.SINGLE_WORKER_CHECKPOINT` (the best of the
+            held-out suite on one worker); ``checkpoint_by_default`` then records that no
+            rule was chosen, so a wrapper with a better default of its own may replace it
+            before the first step, and says so when it does.
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
             one-element Tensor (read with ``.item()`` once per group and step); it is
@@ -111,10 +111,10 @@ class LearnedOptimizer(Optimizer):
     gradient is all zeros on the first step would otherwise move. Elements with a zero
     gradient inside a tensor that has a gradient do move, like with any learned update.
 
-    ``gossip``: set to True by :class:`~learned_opt.distributed.GossipOptimizer` when it
-    wraps this optimizer; the step then uses :meth:`NetConfig.under_gossip
-    <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling and a higher floor on
-    adapted step sizes).
+    ``config_transform``: ``None`` (the default), or a function of the network's
+    :class:`~learned_opt.config.NetConfig` that gives the config the step runs with; a
+    wrapper that changes how the steps behave sets it (a picklable function, such as a
+    ``NetConfig`` method, keeps the optimizer picklable).
 
     ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
     torch's defaults, state and param groups, so a copy steps exactly like the original.
@@ -134,8 +134,8 @@ class LearnedOptimizer(Optimizer):
         checked_lr(lr, "learning-rate multiplier lr")
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (must be True or False)")
-        #: built without a checkpoint or net: the shipped rule follows where it steps
-        self.shipped_default = net is None and checkpoint is None
+        #: built with neither checkpoint nor net: the rule is the default, not a choice
+        self.checkpoint_by_default = net is None and checkpoint is None
         if net is None:
             name = SINGLE_WORKER_CHECKPOINT if checkpoint is None else checkpoint
             self.checkpoint_path = resolve_checkpoint(name)
@@ -145,19 +145,23 @@ class LearnedOptimizer(Optimizer):
         self.net = net
         self.card = card
         self.compile = compile
-        self.last_loss: Tensor | float | None = None
+        self.config_transform: Callable[[NetConfig], NetConfig] | None = None
         self._theta_cache: dict[tuple, Theta] = {}
         self._parts: Parts | None = None
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
-        self.gossip = False
         super().__init__(params, dict(lr=lr, step=0))
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
     #: state, param groups). Theta (``net``) is small; caches and kernels are rebuilt.
     _PICKLED = (
-        "net", "card", "checkpoint_path", "compile", "last_loss", "gossip", "shipped_default",
-    )  # fmt: skip
+        "net",
+        "card",
+        "checkpoint_path",
+        "compile",
+        "checkpoint_by_default",
+        "config_transform",
+    )
 
     def add_param_group(self, param_group: dict) -> None:
         params = param_group["params"]
@@ -173,8 +177,6 @@ class LearnedOptimizer(Optimizer):
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state.update({name: getattr(self, name) for name in self._PICKLED})
-        if isinstance(self.last_loss, Tensor):  # the closure's loss holds its autograd graph
-            state["last_loss"] = self.last_loss.detach()
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -183,6 +185,11 @@ class LearnedOptimizer(Optimizer):
         state = dict(state)
         for stale in ("workers", "chunk_size", "small_tensor_size", "stack_same_shape", "fused"):
             state.pop(stale, None)  # settings of earlier versions
+        state.pop("last_loss", None)  # kept by earlier versions, read by nothing
+        if "shipped_default" in state:  # its earlier name
+            state["checkpoint_by_default"] = state.pop("shipped_default")
+        if state.pop("gossip", False):  # earlier versions' flag for the gossip bounds
+            state["config_transform"] = NetConfig.under_gossip
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("step", 0)
@@ -197,9 +204,8 @@ class LearnedOptimizer(Optimizer):
             "card": {},
             "checkpoint_path": None,
             "compile": True,
-            "last_loss": None,
-            "gossip": False,
-            "shipped_default": False,
+            "checkpoint_by_default": False,
+            "config_transform": None,
             "_theta_cache": {},
             "_parts": None,
             "_warned": set(),
@@ -213,56 +219,6 @@ class LearnedOptimizer(Optimizer):
     def config(self):
         """The network's config (:class:`~learned_opt.config.NetConfig`)."""
         return self.net.config
-
-    def gossip_net(self) -> tuple[LearnedOptimizerNet, os.PathLike | None, dict]:
-        """The network, checkpoint file and card this optimizer steps with under gossip:
-        its own, or, built without a checkpoint and neither stepped nor under gossip yet,
-        the shipped decentralized rule (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`)."""
-        if self.shipped_default and not self.gossip and not self.state:
-            path = resolve_checkpoint(DEFAULT_CHECKPOINT)
-            net, card = load_checkpoint(path)
-            return net, path, card
-        return self.net, self.checkpoint_path, self.card
-
-    def use_gossip(self) -> None:
-        """Step under gossip from now on (the gossip wrappers call this): adapted step
-        sizes keep below :attr:`~learned_opt.config.NetConfig.lr_adapt_max_gossip` and
-        above :attr:`~learned_opt.config.NetConfig.lr_adapt_min_gossip`
-        (:attr:`step_config`), and an optimizer built without a checkpoint takes
-        :meth:`gossip_net`."""
-        net, path, card = self.gossip_net()
-        if net is not self.net:
-            self.net, self.checkpoint_path, self.card = net, path, card
-            self.refresh_theta()
-        self.gossip = True
-
-    @property
-    def step_config(self):
-        """The config the step runs with: :attr:`config`, or its
-        :meth:`~learned_opt.config.NetConfig.under_gossip` form when ``gossip`` is set."""
-        return self.net.config.under_gossip() if self.gossip else self.net.config
-
-    def shared_state(self) -> list[Tensor]:
-        """The state a gossip wrapper mixes with the parameters: each parameter's second
-        moment ``v``, then each parameter's momenta ``m`` (``[3, *shape]``), in param-group
-        order (the tensors themselves, mixed in place).
-
-        Under label-skewed data each worker's state differs. With its own ``v``, the
-        average of the workers' normalised updates ``m_i / sqrt(v_i)`` is not the
-        normalised average gradient: a decentralized run settles where the workers'
-        *normalised* gradients cancel, away from the optimum (an Adam-style rule's fixed
-        point; D-SGD's is unbiased). Mixing ``v`` makes the normaliser common to the
-        workers; mixing ``m`` makes each worker's direction and the features its network
-        reads an average over its neighbourhood rather than its own shard's pull. Measured
-        on the decentralized validation and held-out suites (3 seeds): see the README. A
-        parameter with no state yet sends zeros, which are discarded."""
-        vs, ms = [], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p] if "v" in self.state.get(p, {}) else init_state(p)
-                vs.append(state["v"])
-                ms.append(state["m"])
-        return vs + ms
 
     @property
     def nonfinite_skips(self) -> int:
@@ -333,15 +289,15 @@ class LearnedOptimizer(Optimizer):
         return items
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None, *, loss=None):
-        """One optimisation step. ``loss`` (the batch loss) is kept as ``self.last_loss`` for
-        learned mixing in :class:`~learned_opt.distributed.GossipOptimizer`."""
+    def step(self, closure: Callable[[], Tensor] | None = None):
+        """One optimisation step; returns the closure's loss (None without a closure)."""
         closure_loss = None
         if closure is not None:
             with torch.enable_grad():
                 closure_loss = closure()
-        self.last_loss = loss if loss is not None else closure_loss
-        cfg, parts = self.step_config, self.parts
+        cfg, parts = self.net.config, self.parts
+        if self.config_transform is not None:
+            cfg = self.config_transform(cfg)
         for index, group in enumerate(self.param_groups):
             lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
             items = self._group_items(group)

@@ -35,7 +35,8 @@ INNER_OPTIMIZERS = ("learned", "adam", "adamw", "sgd", "dsgt")
 #: (the model a decentralized run delivers, on the global objective).
 SCORES = ("next_worker", "average")
 #: The state an inner optimizer mixes with its parameters when ``share_state`` (the
-#: second moment it normalises with and its momenta; see ``LearnedOptimizer.shared_state``).
+#: second moment it normalises with and its momenta; see
+#: :meth:`learned_opt.distributed.local.LearnedLocal.shared_state`).
 SHARED_STATE = {"learned": ("v", "m")}
 
 

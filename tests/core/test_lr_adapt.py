@@ -140,7 +140,7 @@ def test_adapt_ceiling_lowers_only_orthogonalised_matrices():
 def _train(cfg: NetConfig, grads_fn, steps: int, gossip=False) -> tuple[float, torch.Tensor]:
     p = torch.nn.Parameter(torch.zeros(50))
     opt = LearnedOptimizer([p], net=LearnedOptimizerNet(cfg))
-    opt.gossip = gossip
+    opt.config_transform = NetConfig.under_gossip if gossip else None  # as under gossip
     for t in range(steps):
         p.grad = grads_fn(t, p.detach())
         opt.step()

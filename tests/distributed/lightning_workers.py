@@ -15,7 +15,7 @@ import lightning
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from learned_opt import LearnedOptimizer
+from learned_opt import LearnedOptimizer, NetConfig
 from learned_opt.distributed.lightning import CHECKPOINT_KEY, GossipStrategy
 from learned_opt.distributed.train import launched
 from learned_opt.tasks import get_task
@@ -174,7 +174,7 @@ def parity_and_resume(rank, world, root, epochs):
     trainer(f"{root}/full", world, epochs).fit(full, loader(rank, world), val_loader())
     out["full"] = _averaged_train_loss(full)
     opt = full.trainer.optimizers[0]  # built without a checkpoint: the shipped gossip rule
-    out["full_rule"] = (opt.card.get("name"), opt.gossip)
+    out["full_rule"] = (opt.card.get("name"), opt.config_transform == NetConfig.under_gossip)
     out["full_params"] = [p.detach().clone() for p in full.parameters()]
     out["val_params"] = full.val_params
 

@@ -13,6 +13,7 @@ from learned_opt.distributed import (
     launch_local,
     mix,
 )
+from learned_opt.distributed.local import gossip_local
 
 N = 4
 
@@ -115,8 +116,9 @@ def _simulate(kind, seed, overlap):
     params = [w.init_params(i, seed) for i in range(N)]
     opts = [w.make_local(kind, params[i], seed) for i in range(N)]
     learned = kind in w.LEARNED_KINDS
-    for opt in opts if learned else ():
-        opt.gossip = True  # as GossipOptimizer sets it
+    locals_ = [gossip_local(opt) for opt in opts]
+    for local in locals_ if learned else ():
+        local.join_gossip()  # as GossipOptimizer does
     rule = "learned" if learned else "metropolis"
     net = opts[0].net if learned else None
     theta = {k: v.detach() for k, v in net.named_parameters()} if net else None
@@ -128,7 +130,7 @@ def _simulate(kind, seed, overlap):
         # a learned optimizer's moments travel with the parameters (share_state), in the
         # exchanges after local steps every, 2 * every, ...
         sharing = learned and (step + 1) % every == 0
-        own = [params[i] + (opts[i].shared_state() if sharing else []) for i in range(N)]
+        own = [params[i] + (locals_[i].shared_state() if sharing else []) for i in range(N)]
         state = len(own[0]) - len(params[0])
         with torch.no_grad():
             ys = [torch.stack([own[i][t] for i in range(N)]) for t in range(len(own[0]))]
@@ -148,10 +150,7 @@ def _simulate(kind, seed, overlap):
         if overlap:
             mix_all(step, previous)
         for i in range(N):
-            if learned:
-                opts[i].step(loss=losses[i])
-            else:
-                opts[i].step()
+            opts[i].step()
         previous = torch.stack(losses)
         if not overlap:
             mix_all(step, previous)

@@ -11,6 +11,7 @@ import torch
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
 from learned_opt.distributed import GossipOptimizer
+from learned_opt.distributed.local import gossip_local
 from learned_opt.distributed.simulated import SimulatedCommunicator, shares_state, tensor_rules
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.inner import (
@@ -94,7 +95,7 @@ def test_state_without_a_step_yet_is_sent_as_discarded_zeros():
     model = _model()
     params = list(model.parameters())
     local = LearnedOptimizer(params)
-    sent = local.shared_state()  # before any step: no state
+    sent = gossip_local(local).shared_state()  # before any step: no state
     assert [s.shape for s in sent] == [p.shape for p in params] + [(3, *p.shape) for p in params]
     assert all(not s.any() for s in sent) and not local.state
 

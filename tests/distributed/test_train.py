@@ -3,13 +3,14 @@
 import pickle
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import dist_workers as w
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt import LearnedOptimizer, NetConfig, load_checkpoint
 from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.distributed.train import format_summary, launched, parse_args
 
@@ -89,17 +90,21 @@ def test_gossip_optimizer_validates_arguments():
         GossipOptimizer(sgd, communicator=given, mixing="metropolis", on_failure="raise")
 
 
+def _under_gossip(opt: LearnedOptimizer) -> bool:
+    return opt.config_transform == NetConfig.under_gossip
+
+
 def test_gossip_takes_a_checkpoint_that_adapts_step_sizes():
     p = torch.zeros(4, requires_grad=True)
     local = LearnedOptimizer([p], checkpoint="adapt_init")
     with pytest.raises(RuntimeError, match="init_process_group"):  # past every other check
         GossipOptimizer(local, "ring")
-    assert not local.gossip  # a failed construction leaves the optimizer as it was
+    assert not _under_gossip(local)  # a failed construction leaves the optimizer as it was
     args = parse_args(["--checkpoint", "adapt_init"])
     assert args.checkpoint == "adapt_init"
 
 
-def test_the_shipped_rule_follows_where_the_optimizer_steps():
+def test_the_shipped_rule_follows_where_the_optimizer_steps_and_says_so():
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -112,34 +117,43 @@ def test_the_shipped_rule_follows_where_the_optimizer_steps():
     p = torch.zeros(4, requires_grad=True)
     fresh, named = LearnedOptimizer([p]), LearnedOptimizer([p], checkpoint=SINGLE_WORKER_CHECKPOINT)
     assert fresh.card == single and fresh.net.config.adapts_lr  # alone: the single-worker rule
+    assert fresh.checkpoint_by_default and not named.checkpoint_by_default
     stepped = LearnedOptimizer([p])
     p.grad = torch.ones(4)
     stepped.step()
     with pytest.raises(RuntimeError, match="init_process_group"):
         GossipOptimizer(fresh, "ring")
-    assert fresh.card == single and not fresh.gossip  # a failed construction changes nothing
+    # a failed construction changes nothing, and says nothing
+    assert fresh.card == single and not _under_gossip(fresh)
     store, timeout = dist.HashStore(), timedelta(seconds=w.COLLECTIVE_TIMEOUT)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     try:
         comm = ProcessGroupCommunicator(get_topology("ring", 1))
-        wrapped = {
-            name: GossipOptimizer(opt, communicator=comm)
-            for name, opt in (("fresh", fresh), ("named", named), ("stepped", stepped))
-        }
+        wrapped, said = {}, {}
+        for name, opt in (("fresh", fresh), ("named", named), ("stepped", stepped)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped[name] = GossipOptimizer(opt, communicator=comm)
+            said[name] = [
+                str(c.message) for c in caught if "without a checkpoint" in str(c.message)
+            ]
     finally:
         dist.destroy_process_group()
     # built without a checkpoint and not stepped yet: the shipped decentralized rule, whose
-    # edge head the learned mixing shares
-    assert (
-        fresh.card == gossip and fresh.gossip and fresh.checkpoint_path.stem == DEFAULT_CHECKPOINT
-    )
+    # edge head the learned mixing shares; one warning names it and how to choose another
+    assert fresh.card == gossip and fresh.checkpoint_path.stem == DEFAULT_CHECKPOINT
+    assert _under_gossip(fresh)
     assert wrapped["fresh"].mixing == "learned" and wrapped["fresh"].net is fresh.net
+    assert len(said["fresh"]) == 1
+    assert repr(DEFAULT_CHECKPOINT) in said["fresh"][0] and "checkpoint=" in said["fresh"][0]
+    assert repr(SINGLE_WORKER_CHECKPOINT) in said["fresh"][0]
     # a named checkpoint, or an optimizer that has stepped (its state belongs to its rule),
-    # keeps its network
-    assert named.card == single and named.gossip and wrapped["named"].net is named.net
-    assert stepped.card == single and stepped.gossip
+    # keeps its network, silently
+    assert named.card == single and _under_gossip(named) and wrapped["named"].net is named.net
+    assert stepped.card == single and _under_gossip(stepped)
+    assert said["named"] == said["stepped"] == []
     clone = pickle.loads(pickle.dumps(LearnedOptimizer([torch.zeros(2)])))
-    assert clone.shipped_default and clone.card == single
+    assert clone.checkpoint_by_default and clone.card == single
 
 
 @pytest.mark.parametrize(
