@@ -8,9 +8,9 @@ one mixing function shared by the single-process simulator and real
 from .gossip import GossipOptimizer, dadam, dsgd
 from .launch import LaunchError, RankFailure, launch_local
 from .membership import Failure
-from .mixing import learned_edge_weight, metropolis_weight, mix
+from .mixing import RULES, learned_edge_weight, metropolis_weight, mix
 from .process_group import GossipError, ProcessGroupCommunicator
-from .simulated import RULES, SimulatedCommunicator
+from .simulated import SimulatedCommunicator
 from .topology import Topology, get_topology, list_topologies
 from .tracking import GradientTracking
 

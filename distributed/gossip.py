@@ -28,8 +28,8 @@ from learned_opt.network import LearnedOptimizerNet
 
 from .local import GossipLocal, gossip_local
 from .membership import ON_FAILURE
+from .mixing import RULES, check_share_state_every, shares_state
 from .process_group import ProcessGroupCommunicator
-from .simulated import RULES, check_share_state_every, shares_state
 from .topology import Topology, get_topology
 
 #: The warning of a gossip run with one worker (a torchrun of one process, devices=1).

@@ -43,8 +43,8 @@ from learned_opt.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from .averaging import all_reduce_mean_
 from .gossip import GossipOptimizer
 from .local import GossipLocal, gossip_local
+from .mixing import RULES
 from .process_group import ProcessGroupCommunicator
-from .simulated import RULES
 from .topology import Topology, get_topology, list_topologies
 
 MIXINGS = (*RULES, "allreduce")

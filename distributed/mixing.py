@@ -24,6 +24,9 @@ Since ``clip(z, tau) = s * z`` with a scalar ``s`` in ``(0, 1]``, clipping is pl
 weights are not symmetric, so the network average is no longer kept exactly. A neighbour
 that stays the closest one sets ``tau`` itself: a bad one that drifts away slowly enough
 is not clipped (``benchmarks/robust_gossip.py`` measures when that matters).
+
+The rules (:data:`RULES`) and which tensors of an exchange take which (:func:`tensor_rules`,
+:func:`shares_state`) are decided here too, once for the simulator and the real workers.
 """
 
 from __future__ import annotations
@@ -45,6 +48,46 @@ CLIP_MULTIPLE = 2.0
 #: Past this many ``tau`` a neighbour's pull falls off as ``1 / distance`` (see
 #: :func:`clip_scales`); chosen by ``benchmarks/robust_gossip.py``.
 REDESCEND = 4.0
+
+
+#: Rules the communicators accept.
+RULES = ("metropolis", "uniform", "learned")
+
+
+def shares_state(exchange: int, every: int) -> bool:
+    """Whether the 0-based ``exchange`` of a run carries the optimizer's shared state when
+    it is shared once every ``every`` exchanges: the exchanges after local steps
+    ``every``, ``2 * every``, ... (every one for ``every=1``). The real workers
+    (``GossipOptimizer(share_state_every=...)``) and the simulator
+    (``InnerOptimizer.share_state_every``) both decide by this rule."""
+    return (exchange + 1) % every == 0
+
+
+def check_share_state_every(every) -> int:
+    """``every`` as an int >= 1, or a ``ValueError`` that says what was wrong."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"share_state_every must be an int >= 1, got {every!r}")
+    return every
+
+
+def check_rule(rule: str, theta: Theta | None, cfg: NetConfig | None) -> None:
+    """Raise ``ValueError`` for an unknown rule, or ``learned`` without theta and config."""
+    if rule not in RULES:
+        raise ValueError(f"unknown mixing rule {rule!r}; choose from {RULES}")
+    if rule == "learned" and (theta is None or cfg is None):
+        raise ValueError("mixing rule 'learned' needs theta and cfg (the network's config)")
+
+
+def tensor_rules(rule: str, count: int, state: int = 0) -> list[str]:
+    """The rule of each of ``count`` mixed tensors whose last ``state`` are optimizer state
+    shared with the neighbours (the learned optimizer's moments, see
+    :meth:`LearnedLocal.shared_state <learned_opt.distributed.local.LearnedLocal.shared_state>`):
+    those take Metropolis weights under the learned rule, whose edge head reads parameters,
+    and ``rule`` otherwise."""
+    if not 0 <= state <= count:
+        raise ValueError(f"state must be between 0 and the {count} tensors, got {state}")
+    static = "metropolis" if rule == "learned" else rule
+    return [rule] * (count - state) + [static] * state
 
 
 def parse_robust(robust: str | None) -> float | None:

@@ -30,9 +30,15 @@ from .collectives import GroupCollectives, _PeerFailure
 from .compression import ErrorFeedback
 from .deadline import DeadlineExchange, _Failed
 from .membership import GossipError
-from .mixing import learned_edge_weight, mix, parse_robust, robust_weight_lists
+from .mixing import (
+    check_rule,
+    learned_edge_weight,
+    mix,
+    parse_robust,
+    robust_weight_lists,
+    tensor_rules,
+)
 from .packing import Layout
-from .simulated import check_rule, tensor_rules
 from .topology import Topology
 
 _DATA_TAG = 0

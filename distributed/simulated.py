@@ -19,27 +19,15 @@ from torch import Tensor
 from learned_opt.config import NetConfig
 from learned_opt.network import Theta
 
-from .mixing import learned_edge_weight, mix, parse_robust, robust_weights
+from .mixing import (
+    check_rule,
+    learned_edge_weight,
+    mix,
+    parse_robust,
+    robust_weights,
+    tensor_rules,
+)
 from .topology import Edge, Topology
-
-#: Rules the communicators accept.
-RULES = ("metropolis", "uniform", "learned")
-
-
-def shares_state(exchange: int, every: int) -> bool:
-    """Whether the 0-based ``exchange`` of a run carries the optimizer's shared state when
-    it is shared once every ``every`` exchanges: the exchanges after local steps
-    ``every``, ``2 * every``, ... (every one for ``every=1``). The real workers
-    (``GossipOptimizer(share_state_every=...)``) and the simulator
-    (``InnerOptimizer.share_state_every``) both decide by this rule."""
-    return (exchange + 1) % every == 0
-
-
-def check_share_state_every(every) -> int:
-    """``every`` as an int >= 1, or a ``ValueError`` that says what was wrong."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"share_state_every must be an int >= 1, got {every!r}")
-    return every
 
 
 @dataclass(frozen=True)
@@ -53,26 +41,6 @@ class _Plan:
     neighbor: Tensor  # [N, D] neighbour rank per slot (self where the slot is empty)
     edge_id: Tensor  # [N, D] edge index per slot (0 where empty)
     valid: Tensor  # [N, D] bool
-
-
-def check_rule(rule: str, theta: Theta | None, cfg: NetConfig | None) -> None:
-    """Raise ``ValueError`` for an unknown rule, or ``learned`` without theta and config."""
-    if rule not in RULES:
-        raise ValueError(f"unknown mixing rule {rule!r}; choose from {RULES}")
-    if rule == "learned" and (theta is None or cfg is None):
-        raise ValueError("mixing rule 'learned' needs theta and cfg (the network's config)")
-
-
-def tensor_rules(rule: str, count: int, state: int = 0) -> list[str]:
-    """The rule of each of ``count`` mixed tensors whose last ``state`` are optimizer state
-    shared with the neighbours (the learned optimizer's moments, see
-    :meth:`LearnedLocal.shared_state <learned_opt.distributed.local.LearnedLocal.shared_state>`):
-    those take Metropolis weights under the learned rule, whose edge head reads parameters,
-    and ``rule`` otherwise."""
-    if not 0 <= state <= count:
-        raise ValueError(f"state must be between 0 and the {count} tensors, got {state}")
-    static = "metropolis" if rule == "learned" else rule
-    return [rule] * (count - state) + [static] * state
 
 
 class SimulatedCommunicator:

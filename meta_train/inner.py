@@ -17,11 +17,8 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
-from learned_opt.distributed.simulated import (
-    SimulatedCommunicator,
-    check_share_state_every,
-    shares_state,
-)
+from learned_opt.distributed.mixing import check_share_state_every, shares_state
+from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.features import adam_direction
 from learned_opt.segments import FlatLayout, segment_mean

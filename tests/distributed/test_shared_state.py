@@ -12,7 +12,8 @@ import torch
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
 from learned_opt.distributed import GossipOptimizer
 from learned_opt.distributed.local import gossip_local
-from learned_opt.distributed.simulated import SimulatedCommunicator, shares_state, tensor_rules
+from learned_opt.distributed.mixing import shares_state, tensor_rules
+from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.inner import (
     InnerOptimizer,
