@@ -19,6 +19,7 @@ eagerly meanwhile) and then find the compiled code in inductor's cache.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import os
@@ -207,6 +208,7 @@ class _Worker:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.closed = False
 
     def submit(self, entry: _Entry, args: tuple) -> None:
         # the job holds copies (the live tensors keep changing) and only a weak reference
@@ -219,6 +221,9 @@ class _Worker:
             lr.clone(),
         )  # fmt: skip
         with self.lock:
+            if self.closed:  # the interpreter is exiting: the reference keeps stepping
+                entry.done.set()
+                return
             self.jobs.put((weakref.ref(entry), copies))
             if self.thread is None:
                 self.thread = threading.Thread(
@@ -232,6 +237,21 @@ class _Worker:
             thread = self.thread if self.jobs.empty() else None
         if thread is not None:
             thread.join(timeout)
+
+    def close(self) -> None:
+        """At interpreter exit: drop the queued jobs and wait for the one compiling. A
+        compile still running while the interpreter finalises crashes the process
+        (segmentation fault or ``terminate called``). By then the compiler's worker pools
+        refuse new work, so the compile stops at its next step, quietly."""
+        with self.lock:
+            self.closed = True
+            while not self.jobs.empty():
+                entry = self.jobs.get_nowait()[0]()
+                if entry is not None:
+                    entry.done.set()
+            thread = self.thread
+        if thread is not None:
+            thread.join()
 
     def _next(self):
         """The next job, or None (and the thread marked gone) when the queue is empty."""
@@ -260,6 +280,8 @@ class _Worker:
                     fn(*args)
                 entry.fn = fn
             except Exception as e:  # any failure of the compiler: keep the reference
+                if self.closed:  # cut short by the exit (its worker pools are shut)
+                    continue
                 warnings.warn(
                     f"learned_opt: torch.compile failed ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
@@ -281,6 +303,7 @@ def _worker() -> _Worker:
     with _WORKER_LOCK:
         if _WORKER is None:
             _WORKER = _Worker()
+            atexit.register(_WORKER.close)
         return _WORKER
 
 

@@ -8,12 +8,16 @@ gives the recorded updates, and that it continues a run exactly where the refere
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from golden import LR, STEP, golden_inputs
 from test_golden import check_recorded
 
-from learned_opt import LearnedOptimizer
+from learned_opt import LearnedOptimizer, kernel
 from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
 from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
 
@@ -125,3 +129,38 @@ def test_compile_thread_exits_when_its_queue_is_empty(compiled):
     assert ready
     alive = [t.name for t in threading.enumerate() if t.name == "learned-opt-compile"]
     assert alive == []
+
+
+EXIT_MID_COMPILE = """
+import torch
+from learned_opt import LearnedOptimizer
+m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+opt = LearnedOptimizer(m.parameters())
+for _ in range(6):  # the compile starts after the third step
+    m(torch.randn(8, 32)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("done")
+"""
+
+
+def test_a_script_that_ends_while_the_kernel_compiles_exits_cleanly(tmp_path):
+    """A compile still running while the interpreter finalises crashed the process
+    (segmentation fault, or ``terminate called without an active exception`` on a
+    torchrun rank); at exit the worker now stops quietly."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    env.pop(COMPILE_ENV, None)
+    out = subprocess.run(
+        [sys.executable, "-c", EXIT_MID_COMPILE], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+    assert "Warning" not in out.stderr and "terminate" not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
+    worker = kernel._Worker()
+    worker.close()
+    entry = kernel._Entry()
+    worker.submit(entry, (None, None, None, [], [], [], torch.zeros(())))
+    assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
