@@ -65,6 +65,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_pe3")
 @section("validation_cosine")
 @section("validation_wsd")
+@section("validation_adapt2x_stage1")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
