@@ -401,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
             )
         created = True
+    summary = None
     try:
         summary = train(args)
         if dist.get_rank() == summary["survivors"][0]:
@@ -408,6 +409,10 @@ def main(argv: list[str] | None = None) -> dict:
         return summary
     finally:
         if created:
+            if summary is not None and not summary["failures"]:
+                # every rank done with the group before any closes its connections: a
+                # gloo rank whose peer tore down first could abort at exit
+                dist.barrier()
             dist.destroy_process_group()
 
 
