@@ -24,7 +24,7 @@ x = torch.randn(256, 8)
 y = x @ torch.ones(8, 1) + 0.1 * torch.randn(256, 1)
 model = torch.nn.Linear(8, 1)
 
-local = LearnedOptimizer(model.parameters())
+local = LearnedOptimizer(model.parameters(), checkpoint="gossip_adapt")  # the gossip rule
 opt = GossipOptimizer(local, topology=get_topology("ring", world_size), mixing="learned")
 for _ in range(20):
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -32,4 +32,5 @@ for _ in range(20):
     loss.backward()
     opt.step(loss=loss.detach())  # local step, exchange with neighbours, learned mix
 print(f"rank {rank}: loss {loss.item():.4f}")
+dist.barrier()  # every rank done before any closes its connections
 dist.destroy_process_group()
