@@ -258,3 +258,51 @@ def render_card_rows(r: dict, side: str) -> str:
     out.append(_summary_line(side, r["summaries"][side]))
     out.append(f"{_seeds(r)} {_measured(r)}")
     return "\n\n".join(out)
+
+
+ANCHOR_NAMES = {
+    "schedulefree_adamw": "schedule-free AdamW",
+    "prodigy_constant": "Prodigy",
+    "prodigy_cosine": "Prodigy, cosine",
+    "muon_adamw": "Muon + AdamW",
+}
+
+
+@section("heldout_anchors")
+def render_heldout_anchors(r: dict) -> str:
+    """The anchors' step speedups on the held-out single-worker rows, beside the rule's."""
+    names = list(r["summary"]["median_speedup"])
+    side = r["summary"]["learned_side"]
+    header = ["task", "steps", f"`{side}`", *(ANCHOR_NAMES.get(a, a) for a in names)]
+    rows = [
+        [x["task"].removeprefix("heldout_"), x["horizon"],
+         "?" if x["learned"] is None else _x(x["learned"]),
+         *(_x(x["anchors"][a]) for a in names)]
+        for x in r["rows"]
+    ]  # fmt: skip
+    learned = r["summary"]["learned_median_speedup"]
+    rows.append(
+        ["**median**", "", "?" if learned is None else f"**{_x(learned)}**",
+         *(_x(r["summary"]["median_speedup"][a]) for a in names)]
+    )  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + "\n\nStep speedup against AdamW tuned per task, horizon and seed (the held-out "
+        f"suite's grid), {seeds_phrase(r['seeds'])}. Anchors untuned, at their "
+        "documentation's settings (`benchmarks/validation_anchors.py`); the rule's column, the median "
+        f"over that suite's seeds, from `quality_heldout.json`. {_measured(r)} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`."
+    )
+
+
+@section("heldout_anchors:headline")
+def render_anchors_headline(r: dict) -> str:
+    """One line under the headline: the rule against the anchors, in steps."""
+    s = r["summary"]
+    others = ", ".join(f"{ANCHOR_NAMES.get(a, a)} {_x(v)}" for a, v in s["median_speedup"].items())
+    return (
+        f"The optimizers a user would otherwise pick, untuned at their recommended settings, "
+        f"on the same single-worker rows (median step speedup against tuned AdamW): {others}; "
+        f"`{s['learned_side']}` {_x(s['learned_median_speedup'])} "
+        "([table](docs/results.md#zero-tuning-anchors-on-the-held-out-suite))."
+    )

@@ -6,6 +6,9 @@ page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU core
 - ``quality_heldout``: the held-out suite for the two shipped rules, every row over three
   seeds (about 70 min with the committed baseline cache, about 2 hours cold);
 - ``quality_heldout --seeds 3 4``: the single-worker rule at two further seeds;
+- ``quality_heldout --schedule wsd``: the single-worker rule with ``wsd_schedule``
+  (about 25 min);
+- ``heldout_anchors``: the zero-tuning anchors on the single-worker rows (about 15 min);
 - ``step_overhead``: step cost against AdamW (about 15 min);
 - ``gossip_step``: one full decentralized step on local gloo workers (a few minutes);
 - ``gossip_compression``: the compressed exchange, two partitions (about 15 min).
@@ -25,6 +28,9 @@ STEPS = [
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "gossip_adapt"],
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "--factory", "benchmarks.heldout_single:shipped_default",
      "--seeds", "3", "4", "--out", "quality_heldout_seeds34"],
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "--schedule", "wsd",
+     "--out", "quality_heldout_wsd"],
+    ["-m", "benchmarks.heldout_anchors", "--seeds", "0"],
     ["benchmarks/step_overhead.py"],
     ["benchmarks/gossip_step.py", "--rounds", "4"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
