@@ -263,7 +263,7 @@ def render_card_rows(r: dict, side: str) -> str:
 ANCHOR_NAMES = {
     "schedulefree_adamw": "schedule-free AdamW",
     "prodigy_constant": "Prodigy",
-    "prodigy_cosine": "Prodigy, cosine",
+    "prodigy_cosine": "Prodigy with cosine",
     "muon_adamw": "Muon + AdamW",
 }
 
