@@ -25,6 +25,7 @@ imports ``learned_opt.tasks``.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -409,6 +410,7 @@ def main(argv: list[str] | None = None) -> dict:
         return summary
     finally:
         if created:
+            gc.collect()  # the run's objects (pending gloo work among them) before the group
             if summary is not None and not summary["failures"]:
                 # every rank done with the group before any closes its connections: a
                 # gloo rank whose peer tore down first could abort at exit
