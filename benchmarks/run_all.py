@@ -8,7 +8,8 @@ page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU core
 - ``quality_heldout --seeds 3 4``: the single-worker rule at two further seeds;
 - ``quality_heldout --schedule wsd``: the single-worker rule with ``wsd_schedule``
   (about 25 min);
-- ``heldout_anchors``: the zero-tuning anchors on the single-worker rows (about 15 min);
+- ``heldout_anchors``: the zero-tuning anchors on the single-worker rows, three seeds
+  (about 20 min);
 - ``step_overhead``: step cost against AdamW (about 15 min);
 - ``gossip_step``: one full decentralized step on local gloo workers (a few minutes);
 - ``gossip_compression``: the compressed exchange, two partitions (about 15 min).
@@ -30,7 +31,7 @@ STEPS = [
      "--seeds", "3", "4", "--out", "quality_heldout_seeds34"],
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "--schedule", "wsd",
      "--out", "quality_heldout_wsd"],
-    ["-m", "benchmarks.heldout_anchors", "--seeds", "0"],
+    ["-m", "benchmarks.heldout_anchors"],
     ["benchmarks/step_overhead.py"],
     ["benchmarks/gossip_step.py", "--rounds", "4"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
