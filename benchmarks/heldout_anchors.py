@@ -53,10 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEC_SEEDS))
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args(argv)
+    suite = RESULTS / "quality_heldout.json"
+    if not suite.exists() or not CACHE.exists():
+        parser.error(f"{suite.name} and {CACHE.name} are missing: run the suite first "
+                     "(python -m benchmarks.quality_heldout)")  # fmt: skip
     cache = BaselineCache(CACHE).data
     learned = {
         (r["task"], r["horizon"]): r["speedup"]
-        for r in json.loads((RESULTS / "quality_heldout.json").read_text())["single"]
+        for r in json.loads(suite.read_text())["single"]
         if r["side"] == SINGLE_WORKER_CHECKPOINT
     }
     jobs = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from benchmarks.report import markdown_table, section
 from benchmarks.report_sections import _f, _measured, _x, seeds_phrase
+from benchmarks.report_validation import SCHEDULE_PHRASES
 
 
 def _pair(row: dict | None) -> str:
@@ -130,16 +131,6 @@ def _seeds(r: dict) -> str:
     )
 
 
-def _schedule(r: dict) -> str:
-    """How the learned side's multiplier ran over each run, when not held constant."""
-    if r.get("schedule", "constant") == "constant":
-        return ""
-    return (
-        f", under the `{r['schedule']}` schedule over each run (`wsd`: "
-        "`learned_opt.wsd_schedule`, held, then linear to zero over the last fifth)"
-    )
-
-
 def _render(r: dict, name: str) -> str:
     """The held-out suite's tables and summary of ``results/NAME.json``."""
     partial = ""
@@ -182,7 +173,8 @@ def _render(r: dict, name: str) -> str:
         "all workers in one process, learned mixing included), measured side by side. AdamW "
         f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
         "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
-        f"step speedups at those multipliers){_schedule(r)}. A run diverged if its loss went non-finite or "
+        f"step speedups at those multipliers)"
+        f"{SCHEDULE_PHRASES.get(r.get('schedule', 'constant'), '')}. A run diverged if its loss went non-finite or "
         f"ended above its start. {_seeds(r)} {_measured(r)}{load} Wall time "
         f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
         f"`{r['command']}`. Plot: "

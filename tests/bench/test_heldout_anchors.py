@@ -41,3 +41,10 @@ def test_the_table_and_the_headline_line_name_every_anchor():
     table, line = render_heldout_anchors(r), render_anchors_headline(r)
     assert "| char_lm | 200 | 2.00x | 0.50x | 0.80x | 0.40x |" in table
     assert "schedule-free AdamW 0.50x" in line and "`adapt_init_2x` 2.00x" in line
+
+
+def test_without_the_suites_results_it_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(ha, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit):
+        ha.main(["--seeds", "0"])
+    assert "run the suite first" in capsys.readouterr().err
