@@ -22,7 +22,7 @@ from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.features import adam_direction
 from learned_opt.segments import FlatLayout, segment_mean
-from learned_opt.step import flat_step, init_flat_state
+from learned_opt.step import ALL_PARTS, Parts, flat_step, init_flat_state
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
@@ -44,6 +44,8 @@ class InnerOptimizer:
 
     ``kind`` is one of :data:`INNER_OPTIMIZERS`; ``lr`` is the hand-designed rule's
     learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
+    ``parts``: the networks the learned step evaluates (:class:`~learned_opt.step.Parts`;
+    all by default). Leaving out a network whose output head is zero gives the same values.
     """
 
     kind: str
@@ -55,6 +57,7 @@ class InnerOptimizer:
     weight_decay: float = 1e-2
     share_state: bool = True  # under gossip, mix SHARED_STATE with the parameters
     share_state_every: int = 2  # ... in one exchange of every k (see ``shares_state``)
+    parts: Parts = ALL_PARTS
 
     def __post_init__(self):
         check_share_state_every(self.share_state_every)
@@ -82,7 +85,7 @@ class InnerOptimizer:
             cfg = self.cfg.under_gossip() if gossip else self.cfg
             out = flat_step(
                 self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
-                log_lr=state.get("log_lr"),
+                log_lr=state.get("log_lr"), parts=self.parts,
             )  # fmt: skip
             new = {"m": out[1], "v": out[2]}
             if "log_lr" in state:
@@ -104,15 +107,18 @@ class InnerOptimizer:
 
 
 def make_inner_optimizer(
-    kind: str, lr: float = 1.0, mixing: str = "metropolis", net=None
+    kind: str, lr: float = 1.0, mixing: str = "metropolis", net=None, parts: Parts = ALL_PARTS
 ) -> InnerOptimizer:
-    """Build an :class:`InnerOptimizer`; ``net`` (a ``LearnedOptimizerNet``) for "learned"."""
+    """Build an :class:`InnerOptimizer`; ``net`` (a ``LearnedOptimizerNet``) for "learned",
+    which evaluates ``parts`` of it."""
     if kind not in INNER_OPTIMIZERS:
         raise ValueError(f"unknown inner optimizer {kind!r}; valid: {INNER_OPTIMIZERS}")
     if kind == "learned":
         if net is None:
             raise ValueError("the learned inner optimizer needs a network (net=...)")
-        return InnerOptimizer(kind, lr, mixing, dict(net.named_parameters()), net.config)
+        return InnerOptimizer(
+            kind, lr, mixing, dict(net.named_parameters()), net.config, parts=parts
+        )
     return InnerOptimizer(kind, lr, mixing)
 
 

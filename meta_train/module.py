@@ -19,12 +19,13 @@ import torch
 from learned_opt.checkpoint import load_checkpoint
 from learned_opt.config import NetConfig
 from learned_opt.network import LearnedOptimizerNet
+from learned_opt.step import Parts, active_parts
 from learned_opt.tasks import get_family, get_task
 
 from .estimators import ESTIMATORS, is_finite, make_estimator
 from .evaluation import BaselineCache, compare
 from .inner import make_inner_optimizer
-from .settings import validate_settings
+from .settings import PART_MODULES, validate_settings
 from .slots import SlotSampler, restore_slots, serialise_slots
 
 
@@ -44,6 +45,16 @@ class MetaTrainModule(L.LightningModule):
             "next_worker" (each worker on the next worker's batch) or "average" (the
             workers' averaged model on every worker's batch; see ``inner.SCORES``).
         estimator: "tbptt" or "pes"; pes_sigma, pes_pairs: PES perturbation scale and pairs.
+        meta_objective: "log_mean" (log of the mean loss ratio of a truncation) or
+            "mean_log" (mean of the log ratios; see :mod:`.estimators`).
+        train_parts: the parts of the network that meta-training changes, from "tensor"
+            (the per-tensor network), "element" (the per-element MLP) and "edge" (the
+            mixing head); the others keep their values exactly (no perturbation, no
+            meta-gradient, no outer step). A part left out whose output head is zero is
+            not evaluated in the unrolls either (the same values, cheaper).
+        augment_loss_scale, augment_init_scale: task augmentation bounds (1 = off): each
+            sampled task's loss times a log-uniform factor in [1/a, a], each of its initial
+            parameter tensors times its own in [1/b, b] (see :mod:`.slots`).
         loss_clip: clip of L/L0 in the meta-loss (inner divergence).
         outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
         val_*: validation tasks, horizon and the decentralized validation setting.
@@ -68,6 +79,10 @@ class MetaTrainModule(L.LightningModule):
         estimator: str = "tbptt",
         pes_sigma: float = 0.01,
         pes_pairs: int = 4,
+        meta_objective: str = "log_mean",
+        train_parts: list[str] = ("tensor", "element", "edge"),
+        augment_loss_scale: float = 1.0,
+        augment_init_scale: float = 1.0,
         loss_clip: float = 4.0,
         outer_lr: float = 1e-3,
         grad_clip: float = 1.0,
@@ -95,9 +110,12 @@ class MetaTrainModule(L.LightningModule):
             self.net = LearnedOptimizerNet(NetConfig(width=width))
         self.automatic_optimization = False
         s = self.settings
+        self.trainable = trainable_names(self.net, s.train_parts)
         self.estimator = make_estimator(
-            s.estimator, loss_clip=s.loss_clip, pes_sigma=s.pes_sigma, pes_pairs=s.pes_pairs
-        )
+            s.estimator, loss_clip=s.loss_clip, pes_sigma=s.pes_sigma, pes_pairs=s.pes_pairs,
+            objective=s.meta_objective,
+            trainable=None if len(s.train_parts) == len(PART_MODULES) else self.trainable,
+        )  # fmt: skip
         self.sampler = SlotSampler(get_family(s.family), s)
         self.slots: list = []
         self.skipped_steps = 0
@@ -107,8 +125,21 @@ class MetaTrainModule(L.LightningModule):
 
     launch_command = "MetaTrainModule (Python API)"  # the CLI sets the exact command line
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters of the ``train_parts`` (what the outer optimizer steps)."""
+        return [p for n, p in self.net.named_parameters() if n in self.trainable]
+
+    def unroll_parts(self) -> Parts:
+        """The networks the unrolls evaluate: those trained and those whose heads are set."""
+        active = active_parts(self.net.theta())
+        parts = self.settings.train_parts
+        return Parts(
+            tensor_net="tensor" in parts or active.tensor_net,
+            element_net="element" in parts or active.element_net,
+        )
+
     def configure_optimizers(self):
-        return torch.optim.Adam(self.net.parameters(), lr=self.settings.outer_lr)
+        return torch.optim.Adam(self.trainable_parameters(), lr=self.settings.outer_lr)
 
     # ---------------------------------------------------------------- training
     def training_step(self, batch, batch_idx):
@@ -122,16 +153,18 @@ class MetaTrainModule(L.LightningModule):
                 self.slots[i] = self.estimator.particles(
                     self.sampler.sample(seeds[i % len(seeds)] + i, self.device)
                 )
-        opt = make_inner_optimizer("learned", net=self.net, mixing="learned")
+        opt = make_inner_optimizer(
+            "learned", net=self.net, mixing="learned", parts=self.unroll_parts()
+        )
         infos: list = []
         meta_loss, grads = self.estimator.estimate(
             self.net, opt, self.slots, s.unroll_length, infos
         )
         outer = self.optimizers()
         if is_finite(grads, meta_loss):
-            for p, g in zip(self.net.parameters(), grads):
-                p.grad = g.to(p.dtype)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.net.parameters(), s.grad_clip)
+            for (name, p), g in zip(self.net.named_parameters(), grads):
+                p.grad = g.to(p.dtype) if name in self.trainable else None
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable_parameters(), s.grad_clip)
             outer.step()
             outer.zero_grad(set_to_none=True)
             self.log("meta/grad_norm", float(grad_norm))
@@ -263,4 +296,17 @@ class MetaTrainModule(L.LightningModule):
         self.slots = restore_slots(checkpoint.get("meta_slots", []), self.estimator, self.device)
 
 
-__all__ = ["ESTIMATORS", "MetaTrainModule"]
+def trainable_names(net, parts) -> frozenset[str]:
+    """Names of ``net``'s parameters that belong to ``parts`` (keys of ``PART_MODULES``)."""
+    owner = {m: part for part, mods in PART_MODULES.items() for m in mods}
+    names = set()
+    for name, _ in net.named_parameters():
+        module = name.split(".")[0]
+        if module not in owner:
+            raise ValueError(f"parameter {name!r} belongs to no part of train_parts")
+        if owner[module] in parts:
+            names.add(name)
+    return frozenset(names)
+
+
+__all__ = ["ESTIMATORS", "MetaTrainModule", "trainable_names"]

@@ -7,8 +7,15 @@ from types import SimpleNamespace
 from learned_opt.distributed.topology import get_topology, list_topologies
 from learned_opt.tasks import PARTITION_SCHEMES, check_not_held_out, get_task, list_families
 
-from .estimators import ESTIMATORS
+from .estimators import ESTIMATORS, META_OBJECTIVES
 from .inner import SCORES
+
+#: The parts of the network that ``train_parts`` names, and the modules of each.
+PART_MODULES = {
+    "tensor": ("tensor_in", "tensor_out"),
+    "element": ("elem_in", "elem_time", "elem_hidden", "elem_out"),
+    "edge": ("edge_in", "edge_out"),
+}
 
 
 def _fail(field: str, message: str):
@@ -57,6 +64,25 @@ def validate_settings(hp: dict) -> SimpleNamespace:
     for p in s.partitions:
         if p not in PARTITION_SCHEMES:
             _fail("partitions", f"unknown partition {p!r}; valid: {list(PARTITION_SCHEMES)}")
+    if s.meta_objective not in META_OBJECTIVES:
+        _fail(
+            "meta_objective",
+            f"unknown meta-objective {s.meta_objective!r}; valid: {list(META_OBJECTIVES)}",
+        )
+    if isinstance(s.train_parts, str):
+        _fail("train_parts", f"must be a list of parts, got {s.train_parts!r}")
+    s.train_parts = list(s.train_parts)
+    bad = [p for p in s.train_parts if p not in PART_MODULES]
+    if bad or not s.train_parts or len(set(s.train_parts)) != len(s.train_parts):
+        _fail(
+            "train_parts",
+            f"must be a non-empty list of distinct parts from {list(PART_MODULES)}, "
+            f"got {s.train_parts!r}",
+        )
+    for name in ("augment_loss_scale", "augment_init_scale"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+            _fail(name, f"must be a number >= 1 (1 = off), got {value!r}")
     if s.decentralized_score not in SCORES:
         _fail("decentralized_score", f"unknown score {s.decentralized_score!r}; valid: {SCORES}")
     for name in ("alpha", "val_alpha", "pes_sigma", "loss_clip", "outer_lr", "grad_clip"):
