@@ -1,0 +1,170 @@
+"""Meta-training options for what carries over: train_parts, the mean_log meta-objective
+and task augmentation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learned_opt.checkpoint import load_checkpoint
+from learned_opt.config import NetConfig
+from learned_opt.meta_train.cli import export
+from learned_opt.meta_train.data import step_seeds
+from learned_opt.meta_train.estimators import PES, TBPTT, make_estimator, truncation_meta_loss
+from learned_opt.meta_train.inner import make_inner_optimizer, new_trajectory
+from learned_opt.meta_train.module import MetaTrainModule, trainable_names
+from learned_opt.meta_train.settings import PART_MODULES, validate_settings
+from learned_opt.meta_train.slots import AugmentedTask, SlotSampler, restore_slots, serialise_slots
+from learned_opt.network import LearnedOptimizerNet
+from learned_opt.step import Parts, active_parts
+from learned_opt.tasks import get_family, get_task
+
+TENSOR_ONLY = dict(
+    init_checkpoint="adapt_init_2x", train_parts=["tensor"], estimator="pes", pes_pairs=1,
+    tasks_per_step=1, unroll_length=3, min_length=6, max_length=6, worker_counts=[1],
+    topologies=["ring"], val_tasks=["iris_mlp"], val_horizon=15, val_workers=2,
+    baseline_cache=None, outer_lr=1e-2,
+)  # fmt: skip
+
+
+def _curve(*ratios):
+    return [torch.tensor([r]) for r in ratios]
+
+
+def test_mean_log_is_the_mean_of_the_clipped_log_ratios():
+    losses = [torch.tensor([2.0, 0.0]), torch.tensor([float("nan"), 1.0])]
+    value = truncation_meta_loss(losses, loss0=2.0, loss_clip=4.0, objective="mean_log")
+    ratios = (1.0, 0.0, 4.0, 0.5)
+    expected = sum(math.log(r + 1e-6) for r in ratios) / 4
+    assert abs(float(value) - expected) < 1e-6
+
+
+def test_mean_log_prefers_a_low_loss_reached_early_and_kept():
+    early = _curve(1.0, 0.01, 0.01, 0.01)  # down at once, stays down
+    flat = _curve(0.2, 0.2, 0.2, 0.2)  # a lower mean, never low
+    dip = _curve(1.0, 0.01, 0.01, 1.0)  # down, then back up
+
+    def score(curve, objective):
+        return float(truncation_meta_loss(curve, 1.0, 4.0, objective))
+
+    assert score(flat, "log_mean") < score(early, "log_mean")  # the default's ranking
+    assert score(early, "mean_log") < score(flat, "mean_log")
+    assert score(early, "mean_log") < score(dip, "mean_log")
+    with pytest.raises(ValueError, match="meta-objective"):
+        truncation_meta_loss(early, 1.0, 4.0, "median")
+
+
+def test_estimators_touch_only_the_trainable_parameters(one_param_task):
+    torch.manual_seed(0)
+    net = LearnedOptimizerNet(NetConfig(width=8)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # every head non-zero
+    names = [n for n, _ in net.named_parameters()]
+    wanted = trainable_names(net, ["tensor"])
+    assert wanted == {n for n in names if n.startswith("tensor_")}
+    opt = make_inner_optimizer("learned", lr=30.0, net=net)
+
+    def run(est):
+        traj = new_trajectory(one_param_task, 1, "ring", "iid", 1.0, 0, 100)
+        return dict(zip(names, est.estimate(net, opt, [est.particles(traj)], 6)[1]))
+
+    full, part = run(TBPTT()), run(TBPTT(trainable=wanted))
+    pes = run(PES(pes_sigma=1e-3, pes_pairs=2, trainable=wanted))
+    for n in names:
+        if n in wanted:
+            assert torch.allclose(part[n], full[n]), n
+            assert pes[n].abs().sum() > 0, n
+        else:
+            assert not part[n].any() and not pes[n].any(), n
+    assert any(full[n].any() for n in names if n not in wanted)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("train_parts", ["tensor", "mixing"]), ("train_parts", []), ("train_parts", "tensor"),
+        ("train_parts", ["tensor", "tensor"]), ("meta_objective", "median"),
+        ("augment_loss_scale", 0.5), ("augment_init_scale", "2"),
+    ],
+)  # fmt: skip
+def test_bad_options_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"field {field!r}"):
+        MetaTrainModule(**{**TENSOR_ONLY, field: value})
+
+
+def test_defaults_train_every_part_with_the_old_objective():
+    module = MetaTrainModule(**{**TENSOR_ONLY, "train_parts": list(PART_MODULES)})
+    assert module.trainable == {n for n, _ in module.net.named_parameters()}
+    assert module.estimator.trainable is None
+    defaults = MetaTrainModule(tasks_per_step=1, baseline_cache=None, val_tasks=["iris_mlp"])
+    assert defaults.settings.train_parts == list(PART_MODULES)
+    assert defaults.settings.meta_objective == "log_mean"
+    assert defaults.estimator.objective == "log_mean"
+
+
+def test_tensor_only_run_keeps_the_element_head_zero_and_exports_the_cheap_path(
+    monkeypatch, tmp_path
+):
+    module = MetaTrainModule(**TENSOR_ONLY)
+    start = {k: v.clone() for k, v in module.net.state_dict().items()}
+    assert module.unroll_parts() == Parts(tensor_net=True, element_net=False)
+    outer = module.configure_optimizers()
+    monkeypatch.setattr(module, "optimizers", lambda: outer)
+    monkeypatch.setattr(module, "log", lambda *a, **k: None)
+    for step in range(3):
+        module.training_step(step_seeds(0, step, 1), step)
+    assert module.skipped_steps == 0
+    for name, value in module.net.state_dict().items():
+        moved = not torch.equal(value, start[name])
+        assert moved == name.startswith("tensor_"), name
+    ckpt = {"state_dict": {f"net.{k}": v for k, v in module.net.state_dict().items()}}
+    module.on_save_checkpoint(ckpt)
+    ckpt["hyper_parameters"] = dict(module.hparams)
+    torch.save(ckpt, tmp_path / "last.ckpt")
+    net, _ = load_checkpoint(export(str(tmp_path / "last.ckpt"), tmp_path / "t.pt", False))
+    assert active_parts(net.theta()) == Parts(tensor_net=True, element_net=False)
+    assert not net.elem_out.weight.any() and not net.elem_out.bias.any()
+
+
+def _settings(**extra):
+    module = MetaTrainModule(**{**TENSOR_ONLY, **extra})
+    return validate_settings(dict(module.hparams))
+
+
+def test_augmented_task_scales_the_loss_and_each_initial_tensor():
+    task = get_task("iris_mlp")
+    aug = AugmentedTask(task, loss_scale=7.0, init_scale=2.0, init_seed=3)
+    gen = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+    base, scaled = task.init(gen()), aug.init(gen())
+    factors = {k: float(scaled[k].norm() / base[k].norm()) for k in base if base[k].any()}
+    assert all(0.5 - 1e-6 <= f <= 2.0 + 1e-6 for f in factors.values())
+    assert len({round(f, 6) for f in factors.values()}) > 1  # one factor per tensor
+    for k in base:
+        assert torch.allclose(scaled[k], base[k] * factors.get(k, 1.0))
+    assert all(torch.equal(aug.init(gen())[k], scaled[k]) for k in base)  # seeded
+    batch = task.worker_batches(0, 1, "iid", 1.0).get(0)
+    one = tuple(t[0] for t in batch)
+    assert torch.allclose(aug.loss(base, one), 7.0 * task.loss(base, one))
+    assert aug.name == task.name and aug.describe() == task.describe()
+
+
+def test_sampler_augments_tasks_and_slots_keep_their_augmentation():
+    family = get_family("mlp_family")
+    plain = SlotSampler(family, _settings()).sample(5)
+    assert not isinstance(plain.task, AugmentedTask)
+    bounds = dict(augment_loss_scale=100.0, augment_init_scale=2.0)
+    trajs = [SlotSampler(family, _settings(**bounds)).sample(seed) for seed in (5, 6, 7)]
+    first = trajs[0]
+    assert isinstance(first.task, AugmentedTask)
+    assert first.task.describe() == plain.task.describe() and first.length == plain.length
+    scales = [t.task.loss_scale for t in trajs]
+    assert all(0.01 <= s <= 100.0 for s in scales) and len(set(scales)) == 3
+    (restored,) = restore_slots(serialise_slots([[first]]), make_estimator("pes"))
+    assert restored[0].task.augmentation() == first.task.augmentation()
+    batch = first.batches.get(0)
+    params = first.layout.unflatten(first.params)
+    one = (tuple(t[0] for t in batch), {k: v[0] for k, v in params.items()})
+    assert torch.allclose(restored[0].task.loss(one[1], one[0]), first.task.loss(one[1], one[0]))
