@@ -25,7 +25,7 @@ from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
 from benchmarks.common import RESULTS, machine, write_json
 from benchmarks.quality_heldout import CACHE, DEC_SEEDS, DEFAULT_LONG, LONG, SHORT
-from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import BaselineCache, speedup
 from learned_opt.tasks import list_heldout_tasks
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     learned = {
         (r["task"], r["horizon"]): r["speedup"]
         for r in json.loads(suite.read_text())["single"]
-        if r["side"] == SINGLE_WORKER_CHECKPOINT
+        if r["side"] == DEFAULT_CHECKPOINT
     }
     jobs = [
         (task, h, seed, a)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {
             "median_speedup": medians,
             "learned_median_speedup": round(statistics.median(mine), 4) if mine else None,
-            "learned_side": SINGLE_WORKER_CHECKPOINT,
+            "learned_side": DEFAULT_CHECKPOINT,
         },
         "seeds": args.seeds,
         "anchor_versions": anchors.versions(),

@@ -21,7 +21,7 @@ import statistics
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import final_loss, speedup
 from learned_opt.tasks import get_task
 
@@ -154,14 +154,12 @@ def _median(xs: list) -> float | None:
     return _r(statistics.median(xs)) if xs else None
 
 
-def summarise(
-    side: str, singles: list[dict], decs: list[dict], dec_side: str | None = None
-) -> dict:
-    """The issue's criteria for one learned side (its single-worker rows, and the
-    decentralized rows of ``dec_side``, by default the same side); ``divergences`` counts
-    the rows and lr-multiplier entries that diverged at some seed."""
+def summarise(side: str, singles: list[dict], decs: list[dict]) -> dict:
+    """The issue's criteria for one learned side (its single-worker and decentralized
+    rows); ``divergences`` counts the rows and lr-multiplier entries that diverged at some
+    seed."""
     s = [r for r in singles if r["side"] == side]
-    d = [r for r in decs if r["side"] == (dec_side or side)]
+    d = [r for r in decs if r["side"] == side]
     mults = [m for r in s for m in r["lr_mult"].values()]
     speeds = [r["speedup"] for r in s + d]
     return {
@@ -183,14 +181,13 @@ def summarise(
 
 
 def headline(sides: list[str], singles: list[dict], decs: list[dict]) -> dict:
-    """The top-level summary: the shipped default of ``LearnedOptimizer()`` when both its
-    rules were measured (:data:`~learned_opt.checkpoint.SINGLE_WORKER_CHECKPOINT`'s
-    single-worker rows, :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`'s decentralized
-    rows), else the first learned side."""
-    alone, gossip = SINGLE_WORKER_CHECKPOINT, DEFAULT_CHECKPOINT
-    if alone in sides and gossip in sides:
-        parts = {"side": "shipped default", "single_side": alone, "decentralized_side": gossip}
-        return {**parts, **summarise(alone, singles, decs, dec_side=gossip)}
+    """The top-level summary: the shipped default of ``LearnedOptimizer()``
+    (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`, one rule alone and under gossip)
+    when it was measured, else the first learned side."""
+    if DEFAULT_CHECKPOINT in sides:
+        parts = {"side": "shipped default", "single_side": DEFAULT_CHECKPOINT,
+                 "decentralized_side": DEFAULT_CHECKPOINT}  # fmt: skip
+        return {**parts, **summarise(DEFAULT_CHECKPOINT, singles, decs)}
     return {"side": sides[0], **summarise(sides[0], singles, decs)}
 
 

@@ -45,7 +45,7 @@ from benchmarks.gossip_validation import SETTINGS as VALIDATION_SETTINGS
 from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
 from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import LearnedOptimizer, load_checkpoint
-from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed.local_steps import SimulatedLocalSteps, nesterov
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.evaluation import BaselineCache
@@ -94,7 +94,7 @@ def outer_factory(kind: str, lr: float):
     if kind != "learned":
         raise ValueError(f"unknown outer rule {kind!r}")
     if "net" not in _NET:
-        _NET["net"] = load_checkpoint(SINGLE_WORKER_CHECKPOINT)[0]
+        _NET["net"] = load_checkpoint(DEFAULT_CHECKPOINT)[0]
     return lambda anchors: LearnedOptimizer(anchors, net=_NET["net"], lr=lr, compile=False)
 
 

@@ -41,7 +41,7 @@ from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
 from benchmarks.job_queue import JobQueue
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import BaselineCache, final_loss
 from learned_opt.tasks import list_heldout_tasks
 
@@ -307,9 +307,9 @@ class Suite:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", nargs="*",
-                        default=[SINGLE_WORKER_CHECKPOINT, DEFAULT_CHECKPOINT],
+                        default=[DEFAULT_CHECKPOINT],
                         help="checkpoints (shipped names or paths) to evaluate (default: the "
-                        "two shipped rules)")  # fmt: skip
+                        "shipped rule)")  # fmt: skip
     parser.add_argument("--factory", nargs="*", default=[],
                         help="optimizer factories module:function, (params, lr_mult) -> opt")  # fmt: skip
     parser.add_argument("--tasks", nargs="*", default=None, help="default: every held-out task")

@@ -71,7 +71,9 @@ def _summary_line(side: str, s: dict) -> str:
         return "-" if v is None else _x(v)
 
     below = ", ".join(s["rows_below_0.8"]) or "none"
-    if "single_side" in s:  # the headline: the shipped default, one rule per setting
+    if "single_side" in s and s["single_side"] == s["decentralized_side"]:  # one rule
+        side = f"**The shipped default** (`LearnedOptimizer()`: `{s['single_side']}`, alone and under gossip)"
+    elif "single_side" in s:  # a result of when the default was one rule per setting
         side = (
             f"**The shipped default** (`LearnedOptimizer()`: `{s['single_side']}` single-worker, "
             f"`{s['decentralized_side']}` under gossip)"
@@ -149,7 +151,7 @@ def _render(r: dict, name: str) -> str:
             "step times behind the wall-clock speedups are noisy)."
         )
     lines = [_summary_line(side, s) for side, s in r["summaries"].items()]
-    if "single_side" in r["summary"]:
+    if "single_side" in r["summary"] and len(r["summaries"]) > 1:
         lines.insert(0, _summary_line(r["summary"]["side"], r["summary"]))
     summaries = "\n".join(f"- {line}" for line in lines)
     decentralized = ""

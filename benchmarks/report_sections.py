@@ -259,6 +259,42 @@ def render_gossip_validation(r: dict) -> str:
     )
 
 
+@section("validation_gossip_rule")
+def render_gossip_rule(r: dict) -> str:
+    """The candidates for the rule under gossip, one column each, on the decentralized
+    validation settings."""
+    cands = r["candidates"]
+    first = cands[0]["rows"]
+    table = []
+    for i, row in enumerate(first):
+        cells = []
+        for c in cands:
+            x = c["rows"][i]
+            flag = " (diverged)" if x["diverged"] else (" *" if x["worse_than_dadam"] else "")
+            cells.append(f"{_x(x['speedup'])}{flag}")
+        data = row["partition"] + ("" if row["partition"] == "iid" else f" {row['alpha']:g}")
+        table.append([row["task"].removeprefix("val_"), row["workers"], row["topology"], data]
+                     + cells)  # fmt: skip
+    for key, name in (("median_speedup_decentralized", "median"),
+                      ("min_speedup_decentralized", "lowest")):  # fmt: skip
+        table.append([f"**{name}**", "", "", ""] + [_x(c["summary"][key]) for c in cands])
+    for key, name in (("decentralized_worse_than_dadam", "worse than D-Adam"),
+                      ("divergences_decentralized", "diverged")):  # fmt: skip
+        table.append([f"**{name}**", "", "", ""] + [str(c["summary"][key]) for c in cands])
+    header = ["problem", "ranks", "graph", "data"] + [f"`{c['label']}`" for c in cands]
+    args = "; ".join(f"`{c['label']}`: `{c['arguments']}`" for c in cands)
+    return (
+        markdown_table(header, table)
+        + "\n\nStep speedup of the averaged model against the best of D-SGD, D-Adam and DSGT "
+        "(each Metropolis-mixed and tuned per setting), 200 steps, "
+        f"{seeds_phrase(r['seeds'])}; `*`: the averaged model ended worse than tuned "
+        "D-Adam's at some seed. Ranked by divergences, then settings worse than D-Adam, then "
+        f"the lowest and the median speedup: best `{r['best']}`. Candidates (arguments of "
+        f"`benchmarks.validation`): {args}. {_measured(r)} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`."
+    )
+
+
 @section("registry_sides")
 @section("registry_sides_lr")
 def render_registry_sides(r: dict) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = [
-    ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "gossip_adapt"],
+    ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "--out", "quality_heldout"],
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "--factory", "benchmarks.heldout_single:shipped_default",
      "--seeds", "3", "4", "--out", "quality_heldout_seeds34"],
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "--schedule", "wsd",

@@ -132,8 +132,15 @@ class Run:
         self.args, self.side = args, side
         self.cache = BaselineCache(CACHE)
         wanted = lambda task: not args.problems or task in args.problems  # noqa: E731
-        self.problems = [(t, h, k) for t, h, k in SINGLE_PROBLEMS
-                         if wanted(t) and (not args.quick or h <= 500)]  # fmt: skip
+        self.problems = (
+            []
+            if args.no_single
+            else [
+                (t, h, k)
+                for t, h, k in SINGLE_PROBLEMS
+                if wanted(t) and (not args.quick or h <= 500)
+            ]
+        )
         settings = [] if args.no_decentralized else [s for s in DECENTRALIZED_PROBLEMS
                                                      if wanted(s["task"])]  # fmt: skip
         self.settings = settings[:2] if args.quick else settings
@@ -318,7 +325,7 @@ class Run:
         }  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rule = parser.add_mutually_exclusive_group(required=True)
     rule.add_argument("--checkpoint", help="a shipped checkpoint name or a path")
@@ -330,31 +337,22 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"seeds of every row (default {' '.join(map(str, SEEDS))})")  # fmt: skip
     parser.add_argument("--problems", nargs="*", help="only these validation tasks")
     parser.add_argument("--no-decentralized", action="store_true")
+    parser.add_argument("--no-single", action="store_true",
+                        help="only the decentralized settings")  # fmt: skip
     parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
                         help="the rule's learning-rate schedule over each run (cosine: "
                         "torch's CosineAnnealingLR to 0 at the horizon; wsd: held, then "
                         "linear to 0 over the last fifth)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
-    args = parser.parse_args(argv)
-    side = args.side or (args.checkpoint, args.checkpoint, {})
-    try:
-        side = (side[0], side[1], typed_fields(side[1], side[2]))
-        side_factory(side[1], side[2])
-    except (TypeError, ValueError, OSError) as exc:
-        parser.error(f"side {side[0]!r}: {exc}")
-    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"--seeds repeats a seed: {args.seeds}")
-    known = {t for t, _, _ in SINGLE_PROBLEMS}
-    if set(args.problems or ()) - known:
-        parser.error(
-            f"unknown problems {sorted(set(args.problems) - known)}; valid: {sorted(known)}"
-        )
-    run = Run(args, side)
-    name = args.out or ("validation_quick" if args.quick else "validation")
-    command = "python -m benchmarks.validation " + " ".join(sys.argv[1:] if argv is None else argv)
-    start = time.perf_counter()
+    return parser
 
+
+def execute(args, side: tuple, command: str, name: str | None = None) -> dict:
+    """Run the side's jobs (cached baselines skipped); the payload, also written to
+    ``results/NAME.json`` as results come in when ``name`` is given."""
+    run = Run(args, side)
+    start = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as executor:
         pool = JobQueue(executor, args.jobs)
         run.submit_all(pool)
@@ -362,8 +360,36 @@ def main(argv: list[str] | None = None) -> int:
         while run.pending:
             for ticket, future in pool.wait_any():
                 run.record(pool, ticket, future)
-            write_json(name, run.payload(time.perf_counter() - start, command), quiet=True)
-    payload = run.payload(time.perf_counter() - start, command)
+            if name:
+                write_json(name, run.payload(time.perf_counter() - start, command), quiet=True)
+    return run.payload(time.perf_counter() - start, command)
+
+
+def checked_side(parser: argparse.ArgumentParser, args) -> tuple:
+    """``(label, checkpoint, typed fields)`` of the parsed ``--checkpoint``/``--side``."""
+    side = args.side or (args.checkpoint, args.checkpoint, {})
+    try:
+        side = (side[0], side[1], typed_fields(side[1], side[2]))
+        side_factory(side[1], side[2])
+    except (TypeError, ValueError, OSError) as exc:
+        parser.error(f"side {side[0]!r}: {exc}")
+    return side
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    side = checked_side(parser, args)
+    if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds repeats a seed: {args.seeds}")
+    known = {t for t, _, _ in SINGLE_PROBLEMS}
+    if set(args.problems or ()) - known:
+        parser.error(
+            f"unknown problems {sorted(set(args.problems) - known)}; valid: {sorted(known)}"
+        )
+    name = args.out or ("validation_quick" if args.quick else "validation")
+    command = "python -m benchmarks.validation " + " ".join(sys.argv[1:] if argv is None else argv)
+    payload = execute(args, side, command, name)
     write_json(name, payload)
     s = payload["summary"]
     print(f"{side[0]}: median {s['median_speedup']} (short {s['median_speedup_short']}, long "

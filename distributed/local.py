@@ -24,28 +24,16 @@ adapter sets its generic ``config_transform`` hook.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint, resolve_checkpoint
 from learned_opt.config import NetConfig
 from learned_opt.features import init_state
 from learned_opt.network import LearnedOptimizerNet, Theta
 from learned_opt.optimizer import LearnedOptimizer
-
-#: The warning of a ``LearnedOptimizer`` built without a checkpoint that a gossip wrapper
-#: switches to the shipped decentralized rule (Python shows it once per calling line).
-RULE_SWITCH = (
-    "GossipOptimizer: this LearnedOptimizer was built without a checkpoint, so under gossip "
-    "it steps with the shipped decentralized rule {gossip!r} "
-    "(learned_opt.checkpoint.DEFAULT_CHECKPOINT) in place of the single-worker rule "
-    "{single!r}; pass LearnedOptimizer(params, checkpoint=...) to choose the rule yourself"
-)
 
 
 @runtime_checkable
@@ -136,46 +124,18 @@ class LearnedLocal(TorchLocal):
     - :meth:`join_gossip`: its step runs with :meth:`NetConfig.under_gossip
       <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling and a higher floor on
       adapted step sizes), set through its ``config_transform``.
-    - Built without a checkpoint (``checkpoint_by_default``) and not stepped yet, it takes
-      the shipped decentralized rule, :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`
-      (the best of the held-out suite under gossip), in place of the single-worker one,
-      and a ``UserWarning`` says so (:data:`RULE_SWITCH`). An optimizer built with a
-      checkpoint, or one that has stepped (its state belongs to its rule), keeps its own.
     """
 
     has_shared_state = True
 
-    def __init__(self, optimizer: LearnedOptimizer):
-        super().__init__(optimizer)
-        self._switch: tuple[LearnedOptimizerNet, dict, Any] | None = None  # net, card, path
-
-    def _switches(self) -> bool:
-        opt = self.optimizer
-        return opt.checkpoint_by_default and opt.config_transform is None and not opt.state
-
     def mixing_net(self) -> LearnedOptimizerNet:
-        if not self._switches():
-            return self.optimizer.net
-        if self._switch is None:  # loaded once, installed by join_gossip
-            path = resolve_checkpoint(DEFAULT_CHECKPOINT)
-            self._switch = (*load_checkpoint(path), path)
-        return self._switch[0]
+        return self.optimizer.net
 
     def mixing_theta(self, device: torch.device) -> Theta:
         return self.optimizer.theta(device, torch.float32)
 
     def join_gossip(self) -> None:
-        opt = self.optimizer
-        net = self.mixing_net()
-        if net is not opt.net:
-            single = Path(opt.checkpoint_path).stem  # the shipped name, as one passes it
-            net, card, path = self._switch
-            opt.net, opt.card, opt.checkpoint_path = net, card, path
-            opt.refresh_theta()
-            message = RULE_SWITCH.format(gossip=DEFAULT_CHECKPOINT, single=single)
-            warnings.warn(message, UserWarning, stacklevel=3)  # the wrapper's caller
-        opt.config_transform = NetConfig.under_gossip
-        self._switch = None
+        self.optimizer.config_transform = NetConfig.under_gossip
 
     def shared_state(self) -> list[Tensor]:
         """Each parameter's second moment ``v``, then each parameter's momenta ``m``

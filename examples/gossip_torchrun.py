@@ -24,7 +24,7 @@ x = torch.randn(256, 8)
 y = x @ torch.ones(8, 1) + 0.1 * torch.randn(256, 1)
 model = torch.nn.Linear(8, 1)
 
-local = LearnedOptimizer(model.parameters(), checkpoint="gossip_adapt")  # the gossip rule
+local = LearnedOptimizer(model.parameters())  # the shipped rule, alone or under gossip
 opt = GossipOptimizer(local, topology=get_topology("ring", world_size), mixing="learned")
 for _ in range(20):
     loss = torch.nn.functional.mse_loss(model(x), y)

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .checkpoint import (
-    SINGLE_WORKER_CHECKPOINT,
+    DEFAULT_CHECKPOINT,
     load_checkpoint,
     resolve_checkpoint,
     save_checkpoint,
@@ -74,11 +74,9 @@ class LearnedOptimizer(Optimizer):
         checkpoint: a shipped name (see :func:`learned_opt.list_pretrained`) or a file path.
             A shipped name wins over a file of that name in the working directory (write
             ``./default`` for the file); ``checkpoint_path`` says which file was loaded.
-            Ignored when ``net`` is given. Default (None): the shipped single-worker rule,
-            :data:`~learned_opt.checkpoint.SINGLE_WORKER_CHECKPOINT` (the best of the
-            held-out suite on one worker); ``checkpoint_by_default`` then records that no
-            rule was chosen, so a wrapper with a better default of its own may replace it
-            before the first step, and says so when it does.
+            Ignored when ``net`` is given. Default (None): the shipped rule,
+            :data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`, the same alone and under
+            a gossip wrapper.
         lr: a multiplier on the learned step (default 1.0), so every
             ``torch.optim.lr_scheduler`` works unchanged. A finite number >= 0, or a
             one-element Tensor (read with ``.item()`` once per group and step); it is
@@ -134,10 +132,8 @@ class LearnedOptimizer(Optimizer):
         checked_lr(lr, "learning-rate multiplier lr")
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (must be True or False)")
-        #: built with neither checkpoint nor net: the rule is the default, not a choice
-        self.checkpoint_by_default = net is None and checkpoint is None
         if net is None:
-            name = SINGLE_WORKER_CHECKPOINT if checkpoint is None else checkpoint
+            name = DEFAULT_CHECKPOINT if checkpoint is None else checkpoint
             self.checkpoint_path = resolve_checkpoint(name)
             net, card = load_checkpoint(self.checkpoint_path)
         else:
@@ -159,7 +155,6 @@ class LearnedOptimizer(Optimizer):
         "card",
         "checkpoint_path",
         "compile",
-        "checkpoint_by_default",
         "config_transform",
     )
 
@@ -186,8 +181,8 @@ class LearnedOptimizer(Optimizer):
         for stale in ("workers", "chunk_size", "small_tensor_size", "stack_same_shape", "fused"):
             state.pop(stale, None)  # settings of earlier versions
         state.pop("last_loss", None)  # kept by earlier versions, read by nothing
-        if "shipped_default" in state:  # its earlier name
-            state["checkpoint_by_default"] = state.pop("shipped_default")
+        for stale in ("shipped_default", "checkpoint_by_default"):
+            state.pop(stale, None)  # earlier versions' marks for a gossip rule swap
         if state.pop("gossip", False):  # earlier versions' flag for the gossip bounds
             state["config_transform"] = NetConfig.under_gossip
         super().__setstate__(state)
@@ -204,7 +199,6 @@ class LearnedOptimizer(Optimizer):
             "card": {},
             "checkpoint_path": None,
             "compile": True,
-            "checkpoint_by_default": False,
             "config_transform": None,
             "_theta_cache": {},
             "_parts": None,

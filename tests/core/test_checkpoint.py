@@ -16,7 +16,7 @@ from learned_opt import (
     load_checkpoint,
     save_checkpoint,
 )
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 
 
 @pytest.fixture
@@ -68,15 +68,16 @@ def test_list_pretrained_default_first_and_loadable():
         net, card = load_checkpoint(name)
         assert isinstance(card, dict) and card.get("summary")
     opt = LearnedOptimizer(make_params())  # alone: the shipped single-worker rule
-    assert opt.card == load_checkpoint(SINGLE_WORKER_CHECKPOINT)[1]
-    assert opt.checkpoint_path.stem == SINGLE_WORKER_CHECKPOINT
+    assert opt.card == load_checkpoint(DEFAULT_CHECKPOINT)[1]
+    assert opt.checkpoint_path.stem == DEFAULT_CHECKPOINT
 
 
 def test_shipped_cards_are_honest():
-    _, card = load_checkpoint("adam_init")
-    assert card["trained"] is False
-    assert "NOT meta-trained" in card["summary"]
-    for name in ("default", DEFAULT_CHECKPOINT):
+    for name in ("adam_init", DEFAULT_CHECKPOINT):  # hand-set rules say so
+        _, card = load_checkpoint(name)
+        assert card["trained"] is False
+        assert "NOT meta-trained" in card["summary"]
+    for name in ("default", "gossip_adapt"):
         _, card = load_checkpoint(name)
         assert card["trained"] is True
         assert card["command"].startswith("learned-opt-meta fit --config meta_train/configs/")

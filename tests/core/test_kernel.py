@@ -18,7 +18,7 @@ from golden import LR, STEP, golden_inputs
 from test_golden import check_recorded
 
 from learned_opt import LearnedOptimizer, kernel
-from learned_opt.checkpoint import SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
 
 #: generous: a cold compile of the golden tensors takes tens of seconds on a loaded machine
@@ -74,7 +74,7 @@ def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
     opt.step()
     assert [e.eager_steps for e in entries] == eager_steps, "a bucket ran the reference"
     got = {name: {"p": p.detach(), **opt.state[p]} for name, p in zip(inputs, params)}
-    check_recorded(SINGLE_WORKER_CHECKPOINT, got, inputs, opt.config.adapts_lr)
+    check_recorded(DEFAULT_CHECKPOINT, got, inputs, opt.config.adapts_lr)
 
 
 def test_kernel_continues_the_reference_run(compiled, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, load_checkpoint
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT, SINGLE_WORKER_CHECKPOINT
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed import GossipOptimizer
 from learned_opt.distributed.local import (
     GossipLocal,
@@ -160,35 +160,32 @@ def test_a_protocol_of_ones_own_is_joined_once_and_its_state_mixed():
     assert comm.calls[-1]["state"] == 1 and float(own.count) == 1
 
 
-def test_the_rule_switch_is_announced_once_and_only_when_it_happens():
+def test_one_rule_alone_and_under_gossip_silently():
     params = _params()
     fresh = LearnedOptimizer(params)
+    net, card = fresh.net, fresh.card
+    assert fresh.checkpoint_path.stem == DEFAULT_CHECKPOINT
     local = gossip_local(fresh)
-    net = local.mixing_net()  # what it will step with: the decentralized rule, not yet taken
-    assert net is not fresh.net and local.mixing_net() is net  # loaded once
-    assert fresh.checkpoint_path.stem == SINGLE_WORKER_CHECKPOINT
-    with pytest.warns(UserWarning, match="built without a checkpoint") as caught:
-        local.join_gossip()
-    message = str(caught[0].message)
-    assert repr(DEFAULT_CHECKPOINT) in message and repr(SINGLE_WORKER_CHECKPOINT) in message
-    assert "checkpoint=" in message  # how to choose another
-    assert fresh.net is net and fresh.checkpoint_path.stem == DEFAULT_CHECKPOINT
-    assert fresh.card == load_checkpoint(DEFAULT_CHECKPOINT)[1]
-    # wrapped again (a second wrapper, a resumed strategy): nothing more to switch or say
+    assert local.mixing_net() is net  # the edge head of the optimizer's own network
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        gossip_local(fresh).join_gossip()
-        gossip_local(LearnedOptimizer(params, checkpoint=SINGLE_WORKER_CHECKPOINT)).join_gossip()
-    assert fresh.net is net
+        warnings.simplefilter("error")  # nothing to announce: the rule is the same
+        local.join_gossip()
+        gossip_local(fresh).join_gossip()  # wrapped again: the same
+    assert fresh.net is net and fresh.card == card == load_checkpoint(DEFAULT_CHECKPOINT)[1]
+    assert fresh.config_transform == NetConfig.under_gossip
+    # under gossip the adapted step sizes keep gossip's own bounds
+    bounded = fresh.config_transform(fresh.net.config)
+    assert bounded.lr_adapt_max == fresh.net.config.lr_adapt_max_gossip < fresh.net.config.lr_adapt_max
 
 
 def test_pickles_of_earlier_versions_keep_their_settings():
     opt = LearnedOptimizer(_params())
     state = opt.__getstate__()
-    for name in ("checkpoint_by_default", "config_transform"):
-        del state[name]
-    state.update(gossip=True, shipped_default=True, last_loss=torch.tensor(1.0))
+    del state["config_transform"]
+    state.update(gossip=True, shipped_default=True, checkpoint_by_default=True,
+                 last_loss=torch.tensor(1.0))  # fmt: skip
     old = LearnedOptimizer.__new__(LearnedOptimizer)
     old.__setstate__(state)
-    assert old.config_transform == NetConfig.under_gossip and old.checkpoint_by_default
-    assert not hasattr(old, "gossip") and not hasattr(old, "last_loss")
+    assert old.config_transform == NetConfig.under_gossip
+    for stale in ("gossip", "last_loss", "shipped_default", "checkpoint_by_default"):
+        assert not hasattr(old, stale)

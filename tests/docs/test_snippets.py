@@ -51,6 +51,16 @@ def test_page_code_blocks_run(page, tmp_path, monkeypatch, capsys):
                 timeout=600,
             )
             assert run.returncode == 0, f"{block.id}: {command}\n{run.stderr[-3000:]}"
+    _leave_no_process_group()
+
+
+def _leave_no_process_group() -> None:
+    """A page's snippets may leave the default process group up (Lightning's strategies
+    keep theirs after ``fit``); the tests after it expect none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def test_skipped_blocks_say_why_in_the_text():
