@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, wait
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 
 
 class JobQueue:
@@ -53,3 +54,18 @@ class JobQueue:
             self._running[self.executor.submit(fn, *args, **kwargs)] = ticket
         done, _ = wait(list(self._running), return_when=FIRST_COMPLETED)
         return [(self._running.pop(f), f) for f in done]
+
+
+def run_jobs(owner, jobs: int, after_each: Callable[[], None] | None = None) -> None:
+    """Run ``owner``'s jobs on ``jobs`` processes: ``owner.submit_all(pool)`` queues them,
+    ``owner.record(pool, ticket, future)`` takes each result (and may queue more) until
+    ``owner.pending`` is empty; ``after_each`` runs after every batch of results."""
+    with ProcessPoolExecutor(jobs) as executor:
+        pool = JobQueue(executor, jobs)
+        owner.submit_all(pool)
+        print(f"{len(owner.pending)} jobs on {jobs} processes", flush=True)
+        while owner.pending:
+            for ticket, future in pool.wait_any():
+                owner.record(pool, ticket, future)
+            if after_each is not None:
+                after_each()

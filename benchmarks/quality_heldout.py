@@ -34,13 +34,12 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
-from benchmarks.job_queue import JobQueue
+from benchmarks.job_queue import JobQueue, run_jobs
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import BaselineCache, final_loss
 from learned_opt.tasks import list_heldout_tasks
@@ -367,14 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         suite.submit_all(JobQueue(None))
         print(f"--cached-only: {len(suite.pending)} jobs not run", flush=True)
     else:
-        with ProcessPoolExecutor(args.jobs) as executor:
-            pool = JobQueue(executor, args.jobs)
-            suite.submit_all(pool)
-            print(f"{len(suite.pending)} jobs on {args.jobs} processes", flush=True)
-            while suite.pending:
-                for ticket, future in pool.wait_any():
-                    suite.record(pool, ticket, future)
-                snapshot(quiet=True)
+        run_jobs(suite, args.jobs, lambda: snapshot(quiet=True))
     payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)
     s = payload["summary"]

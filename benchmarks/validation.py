@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -42,7 +41,7 @@ from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
 from benchmarks.common import RESULTS, machine, write_json
 from benchmarks.gossip_validation import WORKER_FIELDS, learned_run, parse_side
-from benchmarks.job_queue import JobQueue
+from benchmarks.job_queue import run_jobs
 from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.meta_train.evaluation import BaselineCache
@@ -353,15 +352,12 @@ def execute(args, side: tuple, command: str, name: str | None = None) -> dict:
     ``results/NAME.json`` as results come in when ``name`` is given."""
     run = Run(args, side)
     start = time.perf_counter()
-    with ProcessPoolExecutor(args.jobs) as executor:
-        pool = JobQueue(executor, args.jobs)
-        run.submit_all(pool)
-        print(f"{len(run.pending)} jobs on {args.jobs} processes", flush=True)
-        while run.pending:
-            for ticket, future in pool.wait_any():
-                run.record(pool, ticket, future)
-            if name:
-                write_json(name, run.payload(time.perf_counter() - start, command), quiet=True)
+
+    def snapshot() -> None:
+        if name:
+            write_json(name, run.payload(time.perf_counter() - start, command), quiet=True)
+
+    run_jobs(run, args.jobs, snapshot)
     return run.payload(time.perf_counter() - start, command)
 
 
