@@ -66,6 +66,7 @@ SCHEDULE_PHRASES = {
 @section("validation_cosine")
 @section("validation_wsd")
 @section("validation_adapt2x_stage1")
+@section("validation_adapt2x_tensor_stage1")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
