@@ -175,7 +175,9 @@ def test_one_rule_alone_and_under_gossip_silently():
     assert fresh.config_transform == NetConfig.under_gossip
     # under gossip the adapted step sizes keep gossip's own bounds
     bounded = fresh.config_transform(fresh.net.config)
-    assert bounded.lr_adapt_max == fresh.net.config.lr_adapt_max_gossip < fresh.net.config.lr_adapt_max
+    assert (
+        bounded.lr_adapt_max == fresh.net.config.lr_adapt_max_gossip < fresh.net.config.lr_adapt_max
+    )
 
 
 def test_pickles_of_earlier_versions_keep_their_settings():
