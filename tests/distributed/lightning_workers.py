@@ -173,8 +173,9 @@ def parity_and_resume(rank, world, root, epochs):
     full = Digits()
     trainer(f"{root}/full", world, epochs).fit(full, loader(rank, world), val_loader())
     out["full"] = _averaged_train_loss(full)
-    opt = full.trainer.optimizers[0]  # built without a checkpoint: the shipped gossip rule
-    out["full_rule"] = (opt.card.get("name"), opt.config_transform == NetConfig.under_gossip)
+    opt = full.trainer.optimizers[0]  # built without a checkpoint: the shipped rule
+    rule = os.path.splitext(os.path.basename(opt.checkpoint_path))[0]
+    out["full_rule"] = (rule, opt.config_transform == NetConfig.under_gossip)
     out["full_params"] = [p.detach().clone() for p in full.parameters()]
     out["val_params"] = full.val_params
 
