@@ -185,8 +185,7 @@ def headline(sides: list[str], singles: list[dict], decs: list[dict]) -> dict:
     (:data:`~learned_opt.checkpoint.DEFAULT_CHECKPOINT`, one rule alone and under gossip)
     when it was measured, else the first learned side."""
     if DEFAULT_CHECKPOINT in sides:
-        parts = {"side": "shipped default", "single_side": DEFAULT_CHECKPOINT,
-                 "decentralized_side": DEFAULT_CHECKPOINT}  # fmt: skip
+        parts = {"side": "shipped default", "rule": DEFAULT_CHECKPOINT}
         return {**parts, **summarise(DEFAULT_CHECKPOINT, singles, decs)}
     return {"side": sides[0], **summarise(sides[0], singles, decs)}
 

@@ -71,12 +71,9 @@ def _summary_line(side: str, s: dict) -> str:
         return "-" if v is None else _x(v)
 
     below = ", ".join(s["rows_below_0.8"]) or "none"
-    if "single_side" in s and s["single_side"] == s["decentralized_side"]:  # one rule
-        side = f"**The shipped default** (`LearnedOptimizer()`: `{s['single_side']}`, alone and under gossip)"
-    elif "single_side" in s:  # a result of when the default was one rule per setting
+    if "rule" in s:  # the headline: the shipped default
         side = (
-            f"**The shipped default** (`LearnedOptimizer()`: `{s['single_side']}` single-worker, "
-            f"`{s['decentralized_side']}` under gossip)"
+            f"**The shipped default** (`LearnedOptimizer()`: `{s['rule']}`, alone and under gossip)"
         )
     else:
         side = f"`{side}`"
@@ -151,7 +148,7 @@ def _render(r: dict, name: str) -> str:
             "step times behind the wall-clock speedups are noisy)."
         )
     lines = [_summary_line(side, s) for side, s in r["summaries"].items()]
-    if "single_side" in r["summary"] and len(r["summaries"]) > 1:
+    if "rule" in r["summary"] and len(r["summaries"]) > 1:
         lines.insert(0, _summary_line(r["summary"]["side"], r["summary"]))
     summaries = "\n".join(f"- {line}" for line in lines)
     decentralized = ""
@@ -189,20 +186,20 @@ def render_headline(r: dict) -> str:
     """The front page's one table: the shipped default against what users would pick (a
     run of one side only: that side, alone and under gossip)."""
     s = r["summary"]
-    s = {"single_side": s["side"], "decentralized_side": s["side"], **s}
+    rule = s.get("rule", s["side"])
 
     def lowest(rows: list[dict]) -> str:
         return _x(min(x["speedup"] for x in rows)) if rows else "-"
 
-    single = [x for x in r["single"] if x["side"] == s["single_side"]]
-    dec = [x for x in r["decentralized"] if x["side"] == s["decentralized_side"]]
+    single = [x for x in r["single"] if x["side"] == rule]
+    dec = [x for x in r["decentralized"] if x["side"] == rule]
     header = ["shipped rule", "compared with", "settings", "median speedup in steps",
               "median speedup in wall-clock time", "lowest setting (steps)"]  # fmt: skip
     rows = [
-        [f"one worker (`{s['single_side']}`)", "AdamW, lr and schedule tuned per task",
+        [f"one worker (`{rule}`)", "AdamW, lr and schedule tuned per task",
          len(single), f"**{_x(s['median_speedup_single'])}**",
          _x(s["median_wall_speedup_single"]), lowest(single)],
-        [f"gossip workers (`{s['decentralized_side']}`)",
+        [f"gossip workers (`{rule}`)",
          "best of D-SGD, D-Adam, DSGT, each tuned", len(dec),
          f"**{_x(s['median_speedup_decentralized'])}**",
          _x(s["median_wall_speedup_decentralized"]), lowest(dec)],

@@ -242,8 +242,7 @@ def test_headline_is_the_shipped_default_one_rule_for_both():
     singles = [row(DEFAULT_CHECKPOINT, 1.5), row(other, 0.4)]
     decs = [row(DEFAULT_CHECKPOINT, 0.9, workers=8), row(other, 1.2, workers=8)]
     top = headline([other, "ortho_init", DEFAULT_CHECKPOINT], singles, decs)
-    assert (top["side"], top["single_side"], top["decentralized_side"]) == (
-        "shipped default", DEFAULT_CHECKPOINT, DEFAULT_CHECKPOINT)  # fmt: skip
+    assert (top["side"], top["rule"]) == ("shipped default", DEFAULT_CHECKPOINT)
     # the default's own rows, alone and under gossip, whatever another side scored
     assert top["median_speedup_single"] == 1.5 and top["median_speedup_decentralized"] == 0.9
     assert top["min_speedup"] == 0.9 and top["rows_below_0.8"] == []
