@@ -63,6 +63,8 @@ SCHEDULE_PHRASES = {
 @section("validation_final")
 @section("validation_ns_bf16")
 @section("validation_ns_pe3")
+@section("validation_ns4")
+@section("validation_ns3")
 @section("validation_cosine")
 @section("validation_wsd")
 @section("validation_adapt2x_stage1")

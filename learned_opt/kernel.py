@@ -93,8 +93,9 @@ def compiling_enabled() -> bool:
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
-    Tensors of one shape are stepped together, at most :data:`BUCKET` per call, and every
-    bucket of the same shapes runs the same compiled function: a model of many layers
+    Tensors of one shape are stepped together, at most :data:`BUCKET` per call (vectors of
+    any length, at most :data:`VECTOR_BUCKET`), and every bucket of the same shapes runs
+    the same compiled function: a model of many layers
     compiles each kind of layer tensor once, not every tensor (a 10M-parameter transformer
     of 150 tensors compiles about 16 small graphs instead of one of 150 tensors)."""
 
@@ -102,7 +103,7 @@ class Kernels:
         self.compile = compile
         self._entries: dict[tuple, _Entry] = {}
 
-    def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> Tensor:
+    def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
         ready, else with the reference (and the compile queued once that bucket's kind has
         stepped :data:`COMPILE_AFTER` times); returns, per tensor, whether it was stepped."""
@@ -111,8 +112,8 @@ class Kernels:
         # copies it was compiled on (a Parameter requires grad, a copy does not)
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled()):
-            return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t)
-        oks = torch.ones(len(params), dtype=torch.bool, device=params[0].device)
+            return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
+        order, oks = [], []
         # the kernel was compiled outside autocast: a step() called inside it would fail
         # the kernel's guards and recompile on this thread
         with torch.autocast(params[0].device.type, enabled=False):
@@ -121,8 +122,12 @@ class Kernels:
                     theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
                     [states[i] for i in index], lr_t,
                 )  # fmt: skip
-                oks[index] = self._step_bucket(args)
-        return oks
+                oks.append(self._step_bucket(args))
+                order += index
+        stepped = [False] * len(params)
+        for i, ok in zip(order, torch.cat(oks).tolist()):  # one read back of all the flags
+            stepped[i] = ok
+        return stepped
 
     def _step_bucket(self, args: tuple) -> Tensor:
         theta, cfg, parts, params, grads, states, _ = args
@@ -152,16 +157,30 @@ class Kernels:
 #: At most this many tensors of one shape are stepped by one compiled call: fewer calls
 #: per step against smaller graphs to compile (see :class:`Kernels`).
 BUCKET = 4
+#: At most this many vectors (1-D tensors: biases, norm scales) of any lengths are stepped
+#: by one compiled call. Their elementwise work is tiny, and each call costs tens of
+#: microseconds whatever its size (``benchmarks/step_overhead.py``, ``vector_bucket``).
+VECTOR_BUCKET = 16
 
 
 def _buckets(params, grads, states) -> list[list[int]]:
-    """Indices of the tensors stepped together: same shape, dtypes, layout and
-    ``sparse_rows`` mark, at most :data:`BUCKET` each, in order of first appearance."""
+    """Indices of the tensors stepped together: the same dtypes, layout and
+    ``sparse_rows`` mark, and either the same shape (at most :data:`BUCKET`) or all
+    vectors (at most :data:`VECTOR_BUCKET`, ordered by length so that the layers of a
+    deep model give buckets of the same kind)."""
     kinds: dict[tuple, list[int]] = {}
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        key = (tuple(p.shape), p.dtype, g.dtype, p.is_contiguous(), s.get("sparse_rows"))
-        kinds.setdefault(key, []).append(i)
-    return [idx[k : k + BUCKET] for idx in kinds.values() for k in range(0, len(idx), BUCKET)]
+        shape = "vector" if p.dim() == 1 else tuple(p.shape)
+        kinds.setdefault(
+            (shape, p.dtype, g.dtype, p.is_contiguous(), s.get("sparse_rows")), []
+        ).append(i)
+    out = []
+    for key, idx in kinds.items():
+        size = BUCKET
+        if key[0] == "vector":
+            idx, size = sorted(idx, key=lambda i: params[i].shape[0]), VECTOR_BUCKET
+        out += [idx[k : k + size] for k in range(0, len(idx), size)]
+    return out
 
 
 class _Entry:

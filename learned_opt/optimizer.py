@@ -310,7 +310,7 @@ class LearnedOptimizer(Optimizer):
                     for s in states
                 ]
                 oks = self._kernels.step(theta, cfg, parts, params, grads, tensors, lr)
-                for p, state, ok in zip(params, states, oks.tolist()):
+                for p, state, ok in zip(params, states, oks):
                     if not ok:
                         self._skipped(index, group, p, state)
         return closure_loss
