@@ -6,6 +6,9 @@ Adapt-then-combine, once per step on every rank:
 2. exchange the parameters (and the batch loss) with the topology's neighbours;
 3. mix: ``x_i <- x_i + sum_j w_ij (x_j - x_i)``, in place.
 
+Steps 2 and 3 are :func:`~.exchange.exchange_and_mix`, the routine meta-training's inner
+loop runs too.
+
 ``mixing="metropolis"`` around ``torch.optim.SGD`` is D-SGD and around ``torch.optim.Adam``
 is D-Adam (see :func:`dsgd`, :func:`dadam`). With a
 :class:`~learned_opt.LearnedOptimizer` and ``mixing="learned"`` the weights come from the
@@ -26,9 +29,10 @@ from torch.optim import Optimizer
 
 from learned_opt.network import LearnedOptimizerNet
 
+from .exchange import exchange_and_mix, sends_state
 from .local import GossipLocal, gossip_local
 from .membership import ON_FAILURE
-from .mixing import RULES, check_share_state_every, shares_state
+from .mixing import RULES, check_share_state_every
 from .process_group import ProcessGroupCommunicator
 from .topology import Topology, get_topology
 
@@ -269,28 +273,31 @@ class GossipOptimizer:
         Returns what the local optimizer's ``step`` returned."""
         if self.overlap:
             return self._overlapped_step(closure, loss)
-        ret = self.local.step(closure)
+        ret = self.local.step(closure)  # adapt
         batch_loss = loss if loss is not None else ret
-        with torch.no_grad():
+        with torch.no_grad():  # combine
             ys = [p.detach() for p in self.params]
             cfg = self.net.config if self.mixing == "learned" else None
-            sent, extra = self._with_state(ys, self.step_count)
-            _, info = self.communicator.mix(
-                sent, self.step_count, self.mixing, self._theta(ys[0]), cfg, batch_loss,
-                out=sent, **extra,
+            mixed = exchange_and_mix(
+                self.communicator, ys, self._sent_state(self.step_count), self.step_count,
+                self.mixing, self._theta(ys[0]), cfg, batch_loss, in_place=True,
             )  # fmt: skip
-        self._record(info, ys)
+        self._record(mixed.info, ys)
         self.step_count += 1
         return ret
 
+    def _sent_state(self, exchange: int) -> list[Tensor]:
+        """The shared state the 0-based ``exchange`` carries (empty unless
+        :func:`~.exchange.sends_state` says so)."""
+        if not sends_state(self.share_state, exchange, self.share_state_every):
+            return []
+        return [v.detach() for v in self.local.shared_state()]
+
     def _with_state(self, ys: list[Tensor], exchange: int) -> tuple[list[Tensor], dict]:
-        """The tensors the 0-based ``exchange`` carries (the parameters ``ys``, then the
-        shared state when ``share_state`` and :func:`shares_state` says so) and the
-        ``state=`` count the communicator's mix takes."""
-        if not (self.share_state and shares_state(exchange, self.share_state_every)):
-            return ys, {}
-        state = [v.detach() for v in self.local.shared_state()]
-        return ys + state, {"state": len(state)}
+        """The tensors the overlapped path's ``exchange`` carries (``ys``, then the shared
+        state) and the ``state=`` count its communicator's mix takes."""
+        state = self._sent_state(exchange)
+        return ys + state, ({"state": len(state)} if state else {})
 
     def _finish(self, ys: list[Tensor]) -> dict:
         """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""

@@ -117,18 +117,33 @@ class SimulatedCommunicator:
         rule: str = "metropolis",
         theta: Theta | None = None,
         cfg: NetConfig | None = None,
-        losses: Tensor | None = None,
+        loss: Tensor | None = None,
         *,
+        out: list[Tensor] | None = None,
         state: int = 0,
     ) -> tuple[list[Tensor], dict]:
-        """Mix every stacked tensor in ``ys`` (each ``[N, *shape]``) over the step's edges.
+        """Mix every stacked tensor in ``ys`` (each ``[N, *shape]``) over the step's edges
+        (the :class:`~.exchange.Communicator` protocol).
 
         ``rule`` is ``metropolis``, ``uniform`` or ``learned`` (needs ``theta`` and ``cfg``).
-        ``losses`` (``[N]`` batch losses) feeds the learned rule's loss features; ``None``
+        ``loss`` (``[N]`` batch losses) feeds the learned rule's loss features; ``None``
         marks them absent. The last ``state`` tensors are optimizer state, mixed by
         :func:`tensor_rules`. Returns the mixed tensors and ``{"weights": [E] per tensor,
-        "edges": the edge list}``. Differentiable in ``ys``, ``theta`` and ``losses``.
+        "edges": the edge list}``. Differentiable in ``ys``, ``theta`` and ``loss``, unless
+        ``out`` is given: then the results are also copied into ``out`` (in place, as a
+        real worker mixes) and returned as ``out``.
         """
+        mixed, info = self._mix(ys, step, rule, theta, cfg, loss, state)
+        if out is None:
+            return mixed, info
+        if len(out) != len(ys):
+            raise ValueError(f"out holds {len(out)} tensors for {len(ys)} mixed ones")
+        for o, y in zip(out, mixed):
+            if o is not y:
+                o.copy_(y)
+        return list(out), info
+
+    def _mix(self, ys, step, rule, theta, cfg, losses, state) -> tuple[list[Tensor], dict]:
         check_rule(rule, theta, cfg)
         rules = tensor_rules(rule, len(ys), state)
         plan = self._plan(step)
@@ -157,7 +172,8 @@ class SimulatedCommunicator:
             mixed.append(mix(y, list(nb), [w_s.view(view) for w_s in slot_w]))
         return mixed, {"weights": weights, "edges": plan.edges}
 
-    def consensus_distance(self, ys: list[Tensor]) -> Tensor:
-        """``(1/N) sum_i ||x_i - x_bar||^2`` summed over all stacked tensors (0-d)."""
+    def consensus_distance(self, ys: list[Tensor], step: int = 0) -> Tensor:
+        """``(1/N) sum_i ||x_i - x_bar||^2`` summed over all stacked tensors (0-d); ``step``
+        is unused (the protocol's: a real communicator names the exchange it waits on)."""
         total = sum((y - y.mean(dim=0, keepdim=True)).square().sum() for y in ys)
         return torch.as_tensor(total) / self.world_size

@@ -24,6 +24,13 @@ from .gossip import resolve_communicator
 from .topology import Topology
 
 
+def tracker_update(mixed_tracker: Tensor | None, grad: Tensor, prev_grad: Tensor | None) -> Tensor:
+    """DSGT's tracker after a new gradient: ``W y + g_new - g_old``, or the gradient itself
+    on the first step (``mixed_tracker`` None). The one definition, for the real workers
+    and meta-training's inner loop."""
+    return grad if mixed_tracker is None else mixed_tracker + grad - prev_grad
+
+
 class GradientTracking:
     """DSGT on this rank's parameters.
 
@@ -87,11 +94,12 @@ class GradientTracking:
                 for p in self.params
             ]
             if self._tracker is None:
-                tracker = [g.clone() for g in grads]
+                tracker = [tracker_update(None, g, None).clone() for g in grads]
                 self._mixed_tracker = [torch.empty_like(g) for g in grads]
             else:
                 tracker = [
-                    wy + g - g0 for wy, g, g0 in zip(self._mixed_tracker, grads, self._prev_grad)
+                    tracker_update(wy, g, g0)
+                    for wy, g, g0 in zip(self._mixed_tracker, grads, self._prev_grad)
                 ]
             xs = [p.detach() for p in self.params]
             batch_loss = loss if loss is not None else ret

@@ -17,9 +17,11 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 
 from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
-from learned_opt.distributed.mixing import check_share_state_every, shares_state
+from learned_opt.distributed.exchange import exchange_and_mix, sends_state
+from learned_opt.distributed.mixing import check_share_state_every
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
+from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
 from learned_opt.segments import FlatLayout, segment_mean
 from learned_opt.step import ALL_PARTS, Parts, flat_step, init_flat_state
@@ -100,7 +102,7 @@ class InnerOptimizer:
                 upd = upd + self.weight_decay * p
             return p - self.lr * upd, {"m": m, "v": v}
         if self.kind == "dsgt":  # y_t = W y_{t-1} + g_t - g_{t-1}; the caller mixes p and y
-            y = g if step == 1 else state["wy"] + g - state["g_prev"]
+            y = tracker_update(None if step == 1 else state["wy"], g, state["g_prev"])
             return p - self.lr * y, {"wy": y, "g_prev": g}
         m = self.momentum * state["m"] + g
         return p - self.lr * m, {"m": m}
@@ -233,19 +235,16 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         tensors = list(layout.unflatten(new_params).values())
         if opt.kind == "dsgt":  # one exchange carries the parameters and the tracker
             tensors += list(layout.unflatten(new_states["wy"]).values())
-        sharing = opt.share_state and shares_state(traj.step, opt.share_state_every)
-        shared = SHARED_STATE.get(opt.kind, ()) if sharing else ()
+        sending = sends_state(opt.share_state, traj.step, opt.share_state_every)
+        shared = SHARED_STATE.get(opt.kind, ()) if sending else ()
         # and the state the workers normalise and step with, one flat tensor per entry
-        tensors += [new_states[k].reshape(traj.num_workers, -1) for k in shared]
-        mixed, mix_info = traj.comm.mix(
-            tensors, traj.step, rule=opt.mixing, theta=opt.theta, cfg=opt.cfg,
-            losses=losses.detach(), state=len(shared),
-        )  # fmt: skip
+        state = [new_states[k].reshape(traj.num_workers, -1) for k in shared]
+        mixed, states, mix_info = exchange_and_mix(
+            traj.comm, tensors, state, traj.step, opt.mixing, opt.theta, opt.cfg, losses.detach()
+        )
         if shared:
-            mixed, states = mixed[: -len(shared)], mixed[-len(shared) :]
             new_states = {**new_states, **{k: y.reshape(new_states[k].shape)
                                            for k, y in zip(shared, states)}}  # fmt: skip
-            mix_info["weights"] = mix_info["weights"][: len(layout.shapes)]
         flat = torch.cat([y.reshape(traj.num_workers, -1) for y in mixed], dim=1)
         new_params = flat[:, : layout.size]
         if opt.kind == "dsgt":
