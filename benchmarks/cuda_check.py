@@ -182,7 +182,6 @@ def check_step_timing(ctx: Context, r: dict) -> None:
     as the eager reference, and the shipped gossip rule (networks not zero); all
     optimizers step one shared parameter set per size."""
     from learned_opt import LearnedOptimizer
-    from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 
     so = import_from(ROOT / "benchmarks", "step_overhead")
     sizes = GPU_SIZES if ctx.cuda else CPU_SIZES
@@ -202,7 +201,7 @@ def check_step_timing(ctx: Context, r: dict) -> None:
         }
         opts["learned_default"] = LearnedOptimizer(params)
         opts["learned_reference"] = LearnedOptimizer(params, compile=False)
-        opts["learned_gossip_rule"] = LearnedOptimizer(params, checkpoint=DEFAULT_CHECKPOINT)
+        opts["muon_adamw"] = so.muon_adamw(params, opts["learned_default"].config)
         t0 = time.perf_counter()
         so.compile_kernels({k: o.step for k, o in opts.items()}, opts)
         r.setdefault("compile_seconds", {})[label] = round(time.perf_counter() - t0, 1)

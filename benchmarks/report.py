@@ -80,6 +80,8 @@ STEP_COLUMNS = (
     ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
     ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),
     ("shipped rule: training step / AdamW", "learned_shipped_train_ratio"),
+    ("Muon + AdamW: step / AdamW", "muon_adamw_step_ratio"),
+    ("Muon + AdamW: training step / AdamW", "muon_adamw_train_ratio"),
 )
 
 

@@ -11,9 +11,10 @@ gradients (optimizer step only). Per workload, every optimizer steps its own cop
 take turns step by step, so a busy machine slows them alike: only ratios measured side
 by side are reported. The learned optimizers: the shipped single-worker rule on its default
 path (``learned_default``: the kernel, ``torch.compile`` of the reference, timed once it is
-compiled), the same rule with ``compile=False`` (``learned_reference``: the eager
-reference that steps while the kernel compiles), and the shipped gossip rule, whose
-networks are not zero (``learned_gossip_rule``, on its default path). AdamW runs with
+compiled) and the same rule with ``compile=False`` (``learned_reference``: the eager
+reference that steps while the kernel compiles). For scale, ``torch.optim.Muon`` on the
+matrices the rule orthogonalises and AdamW on the rest (``muon_adamw``; see
+:func:`muon_adamw`): what an orthogonalised step costs in torch itself. AdamW runs with
 ``foreach=True`` (and ``fused=True`` on a GPU). The first ``step()`` in a fresh process
 with an empty compile cache, and the time until its kernel is ready, are measured in a
 subprocess (``cold_start``). Then the same is
@@ -39,8 +40,12 @@ import torch
 from torch import nn
 
 from learned_opt import LearnedOptimizer
-from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.kernel import COMPILE_AFTER
+from learned_opt.orthogonal import is_matrix
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
+from benchmarks.muon_adamw import MuonWithAdamW  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 THREADS = 2
@@ -147,8 +152,16 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
         opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
-    opts["learned_gossip_rule"] = LearnedOptimizer(params_of(), checkpoint=DEFAULT_CHECKPOINT)
+    opts["muon_adamw"] = muon_adamw(params_of(), opts["learned_default"].config)
     return opts
+
+
+def muon_adamw(params, cfg) -> MuonWithAdamW:
+    """``torch.optim.Muon`` (Muon's 5 Newton-Schulz iterations) on the matrices the learned
+    rule orthogonalises under ``cfg``, AdamW (foreach) on the rest: the same matrices take
+    an orthogonalised step in both, so the two steps' costs compare like for like."""
+    params = list(params)
+    return MuonWithAdamW(params, [is_matrix(tuple(p.shape), cfg) for p in params])
 
 
 def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:
@@ -270,7 +283,7 @@ def measure(names, device, warmup, repeats, label="", rows=None, save=None):
             row[f"{opt}_step_ms"] = round(t["step"], 2)
             if "train" in t:
                 row[f"{opt}_train_ms"] = round(t["train"], 2)
-            if opt.startswith("learned"):
+            if opt != "adamw_foreach":
                 row[f"{opt}_step_ratio"] = round(t["step"] / base["step"], 2)
                 if "train" in t:
                     row[f"{opt}_train_ratio"] = round(t["train"] / base["train"], 2)
@@ -366,8 +379,7 @@ def print_row(r: dict) -> None:
         f"{r['workload']:>17} {r['load']:>6} {r['params']:>11,} "
         f"step {get('learned_default_step_ratio'):>6}x (reference "
         f"{get('learned_reference_step_ratio')}x) train {get('learned_default_train_ratio'):>6}x "
-        f"gossip rule step {get('learned_gossip_rule_step_ratio')}x train "
-        f"{get('learned_gossip_rule_train_ratio')}x "
+        f"Muon step {get('muon_adamw_step_ratio')}x train {get('muon_adamw_train_ratio')}x "
         f"AdamW step {get('adamw_foreach_step_ms')} ms",
         flush=True,
     )

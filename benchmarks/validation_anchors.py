@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks import heldout_single as single
+from benchmarks.muon_adamw import MuonWithAdamW
 from learned_opt.tasks import get_task
 
 ANCHORS = ("schedulefree_adamw", "prodigy_constant", "prodigy_cosine", "muon_adamw")
@@ -55,32 +56,6 @@ def hidden_matrices(model: nn.Module) -> list[bool]:
     if linears and not embeds:
         edges.add(id(linears[0].weight))
     return [p.ndim == 2 and id(p) not in embeds | edges for p in model.parameters()]
-
-
-class MuonWithAdamW:
-    """``torch.optim.Muon`` on the hidden matrices and ``AdamW`` on the rest, stepped
-    together (the interface :func:`benchmarks.heldout_single.run` uses: ``step`` and
-    ``zero_grad``)."""
-
-    def __init__(self, params, hidden: list[bool]):
-        params = list(params)
-        if len(params) != len(hidden):
-            raise ValueError(f"{len(params)} parameters but a mask of {len(hidden)}")
-        muon = [p for p, h in zip(params, hidden) if h]
-        rest = [p for p, h in zip(params, hidden) if not h]
-        self.optimizers = [torch.optim.AdamW(rest, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)]
-        if muon:
-            self.optimizers.append(
-                torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
-            )
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
 
 
 def _prodigy(params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
