@@ -93,11 +93,10 @@ def compiling_enabled() -> bool:
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
-    Tensors of one shape are stepped together, at most :data:`BUCKET` per call (vectors of
-    any length, at most :data:`VECTOR_BUCKET`), and every bucket of the same shapes runs
-    the same compiled function: a model of many layers
-    compiles each kind of layer tensor once, not every tensor (a 10M-parameter transformer
-    of 150 tensors compiles about 16 small graphs instead of one of 150 tensors)."""
+    Tensors are stepped in buckets of at most :data:`BUCKET`, ordered by shape, and every
+    bucket of the same shapes runs the same compiled function: a small model steps in
+    one call, and a model of many layers compiles each kind of bucket once (a 10M-parameter
+    transformer of 124 tensors compiles a few graphs instead of one of 124 tensors)."""
 
     def __init__(self, compile: bool = True):
         self.compile = compile
@@ -154,32 +153,27 @@ class Kernels:
         return self.ready()
 
 
-#: At most this many tensors of one shape are stepped by one compiled call: fewer calls
-#: per step against smaller graphs to compile (see :class:`Kernels`).
-BUCKET = 4
-#: At most this many vectors (1-D tensors: biases, norm scales) of any lengths are stepped
-#: by one compiled call. Their elementwise work is tiny, and each call costs tens of
-#: microseconds whatever its size (``benchmarks/step_overhead.py``, ``vector_bucket``).
-VECTOR_BUCKET = 16
+#: At most this many tensors are stepped by one compiled call. Each call costs tens of
+#: microseconds whatever its size, which is most of a small model's step; more tensors per
+#: call make larger graphs to compile. Measured side by side at one thread against
+#: buckets of one shape: a 3-layer MLP's step took 0.99 ms in one call against 1.38 ms in
+#: four, a 0.5M transformer's 23.8 ms in 2 calls against 26.0 ms in 7, and compiling took
+#: no longer; ``benchmarks/step_overhead.py`` measures the step this gives.
+BUCKET = 16
 
 
 def _buckets(params, grads, states) -> list[list[int]]:
     """Indices of the tensors stepped together: the same dtypes, layout and
-    ``sparse_rows`` mark, and either the same shape (at most :data:`BUCKET`) or all
-    vectors (at most :data:`VECTOR_BUCKET`, ordered by length so that the layers of a
-    deep model give buckets of the same kind)."""
+    ``sparse_rows`` mark, ordered by shape (so that the layers of a deep model give
+    buckets of the same kind, compiled once), at most :data:`BUCKET` each."""
     kinds: dict[tuple, list[int]] = {}
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        shape = "vector" if p.dim() == 1 else tuple(p.shape)
-        kinds.setdefault(
-            (shape, p.dtype, g.dtype, p.is_contiguous(), s.get("sparse_rows")), []
-        ).append(i)
+        key = (p.dtype, g.dtype, p.is_contiguous(), s.get("sparse_rows"))
+        kinds.setdefault(key, []).append(i)
     out = []
-    for key, idx in kinds.items():
-        size = BUCKET
-        if key[0] == "vector":
-            idx, size = sorted(idx, key=lambda i: params[i].shape[0]), VECTOR_BUCKET
-        out += [idx[k : k + size] for k in range(0, len(idx), size)]
+    for idx in kinds.values():
+        idx = sorted(idx, key=lambda i: (params[i].dim(), tuple(params[i].shape)))
+        out += [idx[k : k + BUCKET] for k in range(0, len(idx), BUCKET)]
     return out
 
 
