@@ -112,10 +112,14 @@ class Kernels:
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
-        order, oks = [], []
+        device = params[0].device.type
         # the kernel was compiled outside autocast: a step() called inside it would fail
         # the kernel's guards and recompile on this thread
-        with torch.autocast(params[0].device.type, enabled=False):
+        outside = contextlib.nullcontext()
+        if torch.is_autocast_enabled(device):
+            outside = torch.autocast(device, enabled=False)
+        order, oks = [], []
+        with outside:
             for index in _buckets(params, grads, states):
                 args = (
                     theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
@@ -123,8 +127,9 @@ class Kernels:
                 )  # fmt: skip
                 oks.append(self._step_bucket(args))
                 order += index
+        flags = (oks[0] if len(oks) == 1 else torch.cat(oks)).tolist()  # one read back
         stepped = [False] * len(params)
-        for i, ok in zip(order, torch.cat(oks).tolist()):  # one read back of all the flags
+        for i, ok in zip(order, flags):
             stepped[i] = ok
         return stepped
 
