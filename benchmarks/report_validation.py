@@ -64,6 +64,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_bf16")
 @section("validation_ns_pe3")
 @section("validation_ns4")
+@section("validation_ns4_decentralized")
 @section("validation_ns3")
 @section("validation_cosine")
 @section("validation_wsd")

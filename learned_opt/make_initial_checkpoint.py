@@ -12,7 +12,7 @@ scaled down by their width: ``NetConfig.adam_max_width``; the adapted multiplier
 orthogonalised matrix at most e: ``NetConfig.lr_adapt_max_ortho``) and ``adapt_init_2x``
 (``adapt_init`` with twice its base steps: ``NetConfig.step_mult`` 2e-3 and
 ``NetConfig.ortho_step_mult`` 4e-3, and the adapted multipliers' ceiling under gossip
-``NetConfig.lr_adapt_max_gossip`` e^5, and 4 Newton-Schulz iterations), the one rule for single-worker and gossip training.
+``NetConfig.lr_adapt_max_gossip`` e^5), the one rule for single-worker and gossip training.
 """
 
 from __future__ import annotations
@@ -67,20 +67,12 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "their running RMS. " + _MIXING + "The starting point of the adaptive meta-training chain.",
     ),
     "adapt_init_2x": (
-        {
-            **_ADAPT,
-            "step_mult": 2e-3,
-            "ortho_step_mult": 4e-3,
-            "lr_adapt_max_gossip": 5.0,
-            "ns_steps": 4,
-        },
+        {**_ADAPT, "step_mult": 2e-3, "ortho_step_mult": 4e-3, "lr_adapt_max_gossip": 5.0},
         _NOT_TRAINED
         + "adapt_init with twice its base steps: Adam(lr=2e-3) for the Adam-form tensors "
         "and an RMS of 4e-3 per step for orthogonalised matrices, before the same adapted "
         "multipliers (within [-4, 7], [-4, 1] for orthogonalised matrices; [-2, 5] under "
-        "gossip, the ceiling chosen on the decentralized validation settings). Matrices "
-        "take 4 Newton-Schulz iterations (Muon's 5 cost a quarter more; chosen on the "
-        "validation family: benchmarks/results/validation_ns4.json). "
+        "gossip, the ceiling chosen on the decentralized validation settings). "
         + _MIXING
         + "Chosen on the registry tasks (median speedup 1.00x against adapt_init's 0.92x, "
         "benchmarks/results/registry_sides_lr.json); held-out probes were seen before the "
