@@ -108,6 +108,7 @@ def _first_steps(result: dict) -> str:
 
 
 @section("step_overhead")
+@section("step_overhead_newest_torch")
 def render_step_overhead(result: dict) -> str:
     """Step cost against AdamW: the optimizer step alone and the whole training step."""
 
