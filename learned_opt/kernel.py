@@ -90,6 +90,35 @@ def compiling_enabled() -> bool:
     return value not in ("0", "false")
 
 
+#: The oldest torch whose compiler may run in a background thread while the training thread
+#: steps. On torch 2.11 it may not: its tracing state is shared by all threads, so a kernel
+#: called while another compiles raises ("Detected that you are using FX to symbolically
+#: trace a dynamo-optimized function"), and the process can crash with a segmentation
+#: fault. Measured: 2.11 fails that way, 2.13 and 2.14.1 pass (``make test-newest-torch``).
+BACKGROUND_COMPILE_TORCH = (2, 13)
+_WARNED_OLD_TORCH: list[bool] = []
+
+
+def background_compile_safe() -> bool:
+    """Whether this torch can compile the kernel in the background
+    (:data:`BACKGROUND_COMPILE_TORCH`); warns once where it cannot: the eager reference
+    then steps (correct, slower)."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version >= BACKGROUND_COMPILE_TORCH:
+        return True
+    if not _WARNED_OLD_TORCH:
+        _WARNED_OLD_TORCH.append(True)
+        want = ".".join(map(str, BACKGROUND_COMPILE_TORCH))
+        warnings.warn(
+            f"learned_opt: torch {torch.__version__} cannot compile the step kernel in the "
+            f"background while training steps; the eager reference steps instead (correct, "
+            f"slower). torch >= {want} runs the compiled kernel.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return False
+
+
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
@@ -110,7 +139,7 @@ class Kernels:
         # plain tensors sharing the parameters' memory: the kernel's guards then match the
         # copies it was compiled on (a Parameter requires grad, a copy does not)
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-        if not (self.compile and compiling_enabled()):
+        if not (self.compile and compiling_enabled() and background_compile_safe()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         device = params[0].device.type
         # the kernel was compiled outside autocast: a step() called inside it would fail

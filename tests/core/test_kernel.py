@@ -23,6 +23,12 @@ from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
 
 #: generous: a cold compile of the golden tensors takes tens of seconds on a loaded machine
 COMPILE_TIMEOUT = 600
+#: the tests of the compiled kernel need a torch that compiles it (see
+#: ``kernel.BACKGROUND_COMPILE_TORCH``); older ones step the reference, tested below
+TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+needs_compile = pytest.mark.skipif(
+    TORCH < kernel.BACKGROUND_COMPILE_TORCH, reason="this torch steps the eager reference"
+)
 
 
 def _golden_optimizer():
@@ -46,6 +52,8 @@ def _set_golden_state(opt, params, inputs) -> None:
 @pytest.fixture(scope="module")
 def compiled():
     """An optimizer of the shipped rule whose kernel is compiled, and how its steps went."""
+    if TORCH < kernel.BACKGROUND_COMPILE_TORCH:
+        pytest.skip("this torch steps the eager reference")
     mp = pytest.MonkeyPatch()
     mp.setenv(COMPILE_ENV, "1")
     try:
@@ -144,6 +152,7 @@ print("done")
 """
 
 
+@needs_compile
 def test_a_script_that_ends_while_the_kernel_compiles_exits_cleanly(tmp_path):
     """A compile still running while the interpreter finalises crashed the process
     (segmentation fault, or ``terminate called without an active exception`` on a
@@ -164,3 +173,23 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
     entry = kernel._Entry()
     worker.submit(entry, (None, None, None, [], [], [], torch.zeros(())))
     assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
+
+
+@pytest.mark.parametrize(("version", "safe"), [("2.11.0+cu130", False), ("2.12.1", False),
+                                               ("2.13.0+cpu", True), ("2.14.1", True)])  # fmt: skip
+def test_torch_older_than_2_13_keeps_the_reference_and_says_so(version, safe, monkeypatch):
+    """torch 2.11's compiler cannot run beside the training thread (a kernel called while
+    another compiles raises, and the process can crash): there the reference steps, and
+    one warning says so; nothing is queued for compiling."""
+    monkeypatch.setattr(torch, "__version__", version)
+    monkeypatch.setattr(kernel, "_WARNED_OLD_TORCH", [])
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    inputs, params, opt = _golden_optimizer()
+    if safe:
+        assert kernel.background_compile_safe()
+        return
+    with pytest.warns(RuntimeWarning, match="eager reference steps instead") as caught:
+        for _ in range(COMPILE_AFTER + 1):
+            opt.step()
+    assert len(caught) == 1
+    assert not opt._kernels._entries, "a compile was queued on an old torch"
