@@ -158,8 +158,9 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
 
 def muon_adamw(params, cfg) -> MuonWithAdamW:
     """``torch.optim.Muon`` (Muon's 5 Newton-Schulz iterations) on the matrices the learned
-    rule orthogonalises under ``cfg``, AdamW (foreach) on the rest: the same matrices take
-    an orthogonalised step in both, so the two steps' costs compare like for like."""
+    rule orthogonalises under ``cfg``, AdamW (torch's defaults, as the anchors run it) on
+    the rest: the same matrices take an orthogonalised step in both, so the two steps'
+    costs compare like for like."""
     params = list(params)
     return MuonWithAdamW(params, [is_matrix(tuple(p.shape), cfg) for p in params])
 

@@ -96,18 +96,25 @@ def compiling_enabled() -> bool:
 #: trace a dynamo-optimized function"), and the process can crash with a segmentation
 #: fault. Measured: 2.11 fails that way, 2.13 and 2.14.1 pass (``make test-newest-torch``).
 BACKGROUND_COMPILE_TORCH = (2, 13)
-_WARNED_OLD_TORCH: list[bool] = []
 
 
-def background_compile_safe() -> bool:
-    """Whether this torch can compile the kernel in the background
-    (:data:`BACKGROUND_COMPILE_TORCH`); warns once where it cannot: the eager reference
-    then steps (correct, slower)."""
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if version >= BACKGROUND_COMPILE_TORCH:
-        return True
-    if not _WARNED_OLD_TORCH:
-        _WARNED_OLD_TORCH.append(True)
+def compiles_in_background(version: str) -> bool:
+    """Whether torch ``version`` (such as ``"2.14.1+cpu"``) can compile the kernel in the
+    background while training steps (:data:`BACKGROUND_COMPILE_TORCH`)."""
+    return tuple(int(x) for x in version.split("+")[0].split(".")[:2]) >= BACKGROUND_COMPILE_TORCH
+
+
+#: Whether the installed torch compiles in the background (read once, at import).
+BACKGROUND_COMPILE = compiles_in_background(torch.__version__)
+_warned_old_torch = False
+
+
+def _background_compile() -> bool:
+    """:data:`BACKGROUND_COMPILE`, warning once where it is False: the eager reference then
+    steps (correct, slower)."""
+    global _warned_old_torch
+    if not BACKGROUND_COMPILE and not _warned_old_torch:
+        _warned_old_torch = True
         want = ".".join(map(str, BACKGROUND_COMPILE_TORCH))
         warnings.warn(
             f"learned_opt: torch {torch.__version__} cannot compile the step kernel in the "
@@ -116,7 +123,7 @@ def background_compile_safe() -> bool:
             RuntimeWarning,
             stacklevel=4,
         )
-    return False
+    return BACKGROUND_COMPILE
 
 
 class Kernels:
@@ -139,7 +146,7 @@ class Kernels:
         # plain tensors sharing the parameters' memory: the kernel's guards then match the
         # copies it was compiled on (a Parameter requires grad, a copy does not)
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-        if not (self.compile and compiling_enabled() and background_compile_safe()):
+        if not (self.compile and compiling_enabled() and _background_compile()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         device = params[0].device.type
         # the kernel was compiled outside autocast: a step() called inside it would fail

@@ -25,9 +25,8 @@ from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
 COMPILE_TIMEOUT = 600
 #: the tests of the compiled kernel need a torch that compiles it (see
 #: ``kernel.BACKGROUND_COMPILE_TORCH``); older ones step the reference, tested below
-TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 needs_compile = pytest.mark.skipif(
-    TORCH < kernel.BACKGROUND_COMPILE_TORCH, reason="this torch steps the eager reference"
+    not kernel.BACKGROUND_COMPILE, reason="this torch steps the eager reference"
 )
 
 
@@ -52,7 +51,7 @@ def _set_golden_state(opt, params, inputs) -> None:
 @pytest.fixture(scope="module")
 def compiled():
     """An optimizer of the shipped rule whose kernel is compiled, and how its steps went."""
-    if TORCH < kernel.BACKGROUND_COMPILE_TORCH:
+    if not kernel.BACKGROUND_COMPILE:
         pytest.skip("this torch steps the eager reference")
     mp = pytest.MonkeyPatch()
     mp.setenv(COMPILE_ENV, "1")
@@ -177,17 +176,18 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
 
 @pytest.mark.parametrize(("version", "safe"), [("2.11.0+cu130", False), ("2.12.1", False),
                                                ("2.13.0+cpu", True), ("2.14.1", True)])  # fmt: skip
-def test_torch_older_than_2_13_keeps_the_reference_and_says_so(version, safe, monkeypatch):
+def test_background_compile_needs_torch_2_13(version, safe):
+    assert kernel.compiles_in_background(version) is safe
+
+
+def test_torch_older_than_2_13_keeps_the_reference_and_says_so(monkeypatch):
     """torch 2.11's compiler cannot run beside the training thread (a kernel called while
     another compiles raises, and the process can crash): there the reference steps, and
     one warning says so; nothing is queued for compiling."""
-    monkeypatch.setattr(torch, "__version__", version)
-    monkeypatch.setattr(kernel, "_WARNED_OLD_TORCH", [])
+    monkeypatch.setattr(kernel, "BACKGROUND_COMPILE", False)
+    monkeypatch.setattr(kernel, "_warned_old_torch", False)
     monkeypatch.setenv(COMPILE_ENV, "1")
     inputs, params, opt = _golden_optimizer()
-    if safe:
-        assert kernel.background_compile_safe()
-        return
     with pytest.warns(RuntimeWarning, match="eager reference steps instead") as caught:
         for _ in range(COMPILE_AFTER + 1):
             opt.step()
