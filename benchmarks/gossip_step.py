@@ -53,7 +53,7 @@ from learned_opt.distributed import (
     get_topology,
     launch_local,
 )
-from learned_opt.kernel import COMPILE_AFTER
+from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
 from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
@@ -186,9 +186,10 @@ def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
 
     # the steps that queue the learned step's compiles, then its compiled kernels: the
     # timing is of the steps a long run takes, not of the reference that steps meanwhile
-    for _ in range(COMPILE_AFTER + 1):
-        for model, opt in configs.values():
-            train_step(model, opt)
+    with compile_after_seconds(0):
+        for _ in range(COMPILE_AFTER + 1):
+            for model, opt in configs.values():
+                train_step(model, opt)
     for _, opt in configs.values():
         inner = getattr(getattr(opt, "local", None), "optimizer", None)
         if isinstance(inner, LearnedOptimizer) and not inner.wait_compiled(timeout=900):

@@ -24,6 +24,7 @@ import torch
 
 from learned_opt import LearnedOptimizer, load_checkpoint, wsd_schedule
 from learned_opt.checkpoint import resolve_checkpoint
+from learned_opt.kernel import compile_after_seconds
 from learned_opt.meta_train.evaluation import final_loss
 from learned_opt.tasks import get_task
 
@@ -115,10 +116,13 @@ def adamw(lr: float) -> Factory:
 
 
 def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
-        schedule: str = "constant", seed: int = 0) -> list[float]:  # fmt: skip
+        schedule: str = "constant", seed: int = 0,
+        clock: list[float] | None = None) -> list[float]:  # fmt: skip
     """Train the task's workload for ``steps`` steps; the per-step training loss curve.
 
-    The loss of step ``t`` is the batch loss before the ``t``-th update. ``schedule``
+    The loss of step ``t`` is the batch loss before the ``t``-th update. ``clock``, if
+    given, receives the seconds from the optimizer's construction to the end of each step
+    (its compile, if any, included). ``schedule``
     "cosine" anneals the learning rate to 0 over ``steps``; "wsd" holds it, then decays it
     linearly to 0 over the last fifth of ``steps`` (:func:`learned_opt.wsd_schedule`). A non-finite loss
     ends the run, and the rest of the curve is ``inf``.
@@ -127,6 +131,7 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
         raise ValueError(f"unknown schedule {schedule!r}; valid choices: {RULE_SCHEDULES}")
     torch.manual_seed(seed)
     model, loss_fn, batches = get_task(task_name).workload(seed)
+    start = time.perf_counter()
     opt = factory(model.parameters(), lr_mult)
     sched = None
     if schedule == "cosine":
@@ -146,6 +151,8 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
         opt.step()
         if sched is not None:
             sched.step()
+        if clock is not None:
+            clock.append(time.perf_counter() - start)
     return curve
 
 
@@ -189,15 +196,16 @@ def time_side_by_side(task_name: str, factories: dict[str, Factory], steps: int 
             for _, _, opt, _ in jobs.values():
                 if hasattr(opt, "wait_compiled"):
                     opt.wait_compiled(timeout=1800)
-        for loss_fn, batches, opt, times in jobs.values():
-            batch = next(batches)
-            t0 = time.perf_counter()
-            loss = loss_fn(batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
+        with compile_after_seconds(0):  # the warm-up steps queue the compile at once
+            for loss_fn, batches, opt, times in jobs.values():
+                batch = next(batches)
+                t0 = time.perf_counter()
+                loss = loss_fn(batch)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                if i >= warmup:
+                    times.append(time.perf_counter() - t0)
     return {name: 1000 * statistics.median(job[3]) for name, job in jobs.items()}
 
 

@@ -104,6 +104,8 @@ def _first_steps(result: dict) -> str:
     if cold.get("kernel_ready_seconds") is not None:
         parts.append(f"the compiled kernel was ready after {cold['kernel_ready_seconds']:.0f} s")
     where = f"{cold.get('workload', 'the first workload')}, {cold.get('threads', '?')} threads"
+    if cold.get("command"):  # measured again on its own, after the table
+        where += f"; measured {cold['date'][:10]} by `{cold['command']}`"
     return f" In a new process with an empty compile cache ({where}), " + " and ".join(parts) + "."
 
 

@@ -209,9 +209,9 @@ def render_headline(r: dict) -> str:
         + f"\n\nFive held-out tasks never seen in meta-training, {seeds_phrase(r['seeds'])}; "
         f"divergences: {s['divergences']}. Speedup: steps the tuned baseline needs to reach "
         "a loss level divided by the steps ours needs (above 1: faster). Wall-clock time "
-        "counts each side's whole training step once the kernel is compiled, so the compile "
-        "(about a minute per process on 2 cores, while the eager reference steps) is left "
-        "out; on these small CPU models the learned step costs more than it saves. "
+        "counts each side's whole training step once the kernel is compiled, so the compile, "
+        "and the eager steps before it, are left out (the next line counts them); on these "
+        "small CPU models the learned step costs more than it saves. "
         "Measured on "
         f"{r['machine']}, torch {r['torch']}."
     )

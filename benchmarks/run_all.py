@@ -10,6 +10,8 @@ page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU core
   (about 25 min);
 - ``heldout_anchors``: the zero-tuning anchors on the single-worker rows, three seeds
   (about 20 min);
+- ``wallclock``: the held-out single-worker rows trained in new processes, the compile
+  included (about 20 min);
 - ``step_overhead``: step cost against AdamW (about 15 min);
 - ``gossip_step``: one full decentralized step on local gloo workers (a few minutes);
 - ``gossip_compression``: the compressed exchange, two partitions (about 15 min).
@@ -32,6 +34,7 @@ STEPS = [
     ["-m", "benchmarks.quality_heldout", "--checkpoint", "adapt_init_2x", "--schedule", "wsd",
      "--out", "quality_heldout_wsd"],
     ["-m", "benchmarks.heldout_anchors"],
+    ["-m", "benchmarks.wallclock", "--suite", "heldout"],
     ["benchmarks/step_overhead.py"],
     ["benchmarks/gossip_step.py", "--rounds", "4"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],

@@ -7,10 +7,12 @@ kernel, whose elementwise work inductor fuses into a few loops over each tensor.
 
 ``step()`` never waits for a compile. A :class:`Kernels` steps the tensors in buckets of
 one shape and holds one compiled function per kind of bucket (device, dtypes, shapes); the
-first steps of a new kind run the reference, and after :data:`COMPILE_AFTER` of them one
-process-wide worker thread compiles the kernel on copies of the tensors, one kind at a
-time. The steps after that run the kernel. If compiling fails, one warning says why and
-the reference keeps stepping that kind.
+first steps of a new kind run the reference, and once they have taken
+:data:`COMPILE_AFTER_SECONDS` (and at least :data:`COMPILE_AFTER` steps) one process-wide
+worker thread compiles the kernel on copies of the tensors, one kind at a time: first in
+a child process at low priority, which fills the on-disk compile caches, then in this
+process, where it finds them. The steps after that run the kernel. If compiling fails,
+one warning says why and the reference keeps stepping that kind.
 
 Processes on one host share one compile: the worker holds a file lock in the compile
 cache's folder while it compiles, so the other ranks of a ``torchrun`` job wait (stepping
@@ -24,9 +26,11 @@ import contextlib
 import itertools
 import os
 import queue
+import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 import warnings
 import weakref
@@ -40,9 +44,19 @@ from .config import NetConfig
 from .network import Theta
 from .step import Parts, tensor_step
 
-#: A kind of bucket is compiled after this many eager steps: a short-lived optimizer (a
-#: quick check, a two-step test) never pays for a compile it would not use.
+#: A kind of bucket is compiled once it has stepped eagerly at least this many times and
+#: for at least :data:`COMPILE_AFTER_SECONDS` in all: a short-lived optimizer (a quick
+#: check, a two-step test) or a small model's short run never pays for a compile it would
+#: not use.
 COMPILE_AFTER = 3
+#: The eager seconds a kind of bucket steps for before its compile is queued. A compile
+#: takes tens of seconds to minutes of a core and slows the training thread meanwhile (by
+#: about 1.8x on 2 cores, with the compile in a child process), so a run whose whole
+#: eager optimizer cost is a few seconds finishes sooner without a kernel, and a model
+#: whose eager step is slow reaches the threshold in a few steps. Chosen on the validation
+#: family by ``benchmarks/wallclock.py`` (compile-included wall clock: median 0.69x tuned
+#: AdamW at 10 s, 0.64x at 2 s, 0.17x compiling after 3 steps; docs: *Results*).
+COMPILE_AFTER_SECONDS = 10.0
 #: Environment variable that turns compiling off (``0``): every step runs the reference.
 COMPILE_ENV = "LEARNED_OPT_COMPILE"
 
@@ -80,6 +94,19 @@ def step_tensors(
         s["step"].add_(out[-1].to(s["step"].dtype))
         oks.append(out[-1])
     return torch.stack(oks) if oks else torch.ones(0, dtype=torch.bool)
+
+
+@contextlib.contextmanager
+def compile_after_seconds(seconds: float):
+    """Within the block, queue compiles once a kind of bucket has stepped eagerly for
+    ``seconds`` (:data:`COMPILE_AFTER_SECONDS` again after it): ``0`` for a benchmark or
+    test that times or checks the kernel itself after :data:`COMPILE_AFTER` steps."""
+    global COMPILE_AFTER_SECONDS
+    previous, COMPILE_AFTER_SECONDS = COMPILE_AFTER_SECONDS, float(seconds)
+    try:
+        yield
+    finally:
+        COMPILE_AFTER_SECONDS = previous
 
 
 def compiling_enabled() -> bool:
@@ -141,7 +168,7 @@ class Kernels:
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
         ready, else with the reference (and the compile queued once that bucket's kind has
-        stepped :data:`COMPILE_AFTER` times); returns, per tensor, whether it was stepped."""
+        stepped eagerly for :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it was stepped."""
         lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
         # plain tensors sharing the parameters' memory: the kernel's guards then match the
         # copies it was compiled on (a Parameter requires grad, a copy does not)
@@ -175,10 +202,14 @@ class Kernels:
         if entry.fn is not None:
             return entry.fn(*args)
         entry.eager_steps += 1
-        if entry.eager_steps == COMPILE_AFTER and not entry.queued:
+        if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
+                and entry.eager_seconds >= COMPILE_AFTER_SECONDS):  # fmt: skip
             entry.queued = True
             _worker().submit(entry, args)
-        return step_tensors(*args)
+        start = time.perf_counter()
+        oks = step_tensors(*args)
+        entry.eager_seconds += time.perf_counter() - start
+        return oks
 
     def ready(self) -> bool:
         """Whether every bucket stepped so far runs its compiled kernel."""
@@ -224,6 +255,7 @@ class _Entry:
     def __init__(self):
         self.fn: Callable | None = None
         self.eager_steps = 0
+        self.eager_seconds = 0.0  # host time of the eager steps (not synchronised on CUDA)
         self.queued = False
         self.done = threading.Event()
 
@@ -262,6 +294,7 @@ class _Worker:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
+        self.child: subprocess.Popen | None = None  # see _compile_in_child
         self.closed = False
 
     def submit(self, entry: _Entry, args: tuple) -> None:
@@ -304,6 +337,8 @@ class _Worker:
                 if entry is not None:
                     entry.done.set()
             thread = self.thread
+            if self.child is not None:
+                self.child.kill()
         if thread is not None:
             thread.join()
 
@@ -316,6 +351,41 @@ class _Worker:
                 self.thread = None
                 return None
 
+    def _compile_in_child(self, args: tuple) -> bool:
+        """Compile the kernel of ``args`` in a child process first, at low priority, so that
+        it fills the on-disk compile caches; the compile in this process then finds its graph
+        there. Compiling traces Python code, and traced in this process, the training thread
+        (which needs the GIL between its eager ops) ran 10-15 times slower for as long as it
+        took: a logistic regression's eager step took 15-20 ms against 1.3 ms. A child shares
+        only the cores. Best effort: returns False, and the compile here does all the work, if
+        the child cannot run or fails."""
+        theta, cfg, parts, params, grads, states, lr = args
+        job = {
+            "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
+            "grads": grads, "states": states, "lr": lr, "threads": torch.get_num_threads(),
+            "nice": CHILD_NICE,
+        }  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                path = os.path.join(folder, "job.pt")
+                torch.save(job, path)
+                with self.lock:
+                    if self.closed:
+                        return False
+                    self.child = subprocess.Popen(
+                        [sys.executable, "-c", _CHILD, path], env=env,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    )  # fmt: skip
+                try:
+                    return self.child.wait(timeout=CHILD_COMPILE_TIMEOUT) == 0
+                finally:
+                    self.child.kill()  # no-op once it has exited
+                    self.child.wait()
+                    self.child = None
+        except (OSError, subprocess.SubprocessError):
+            return False
+
     def _run(self) -> None:
         while (job := self._next()) is not None:
             ref, args = job
@@ -325,13 +395,16 @@ class _Worker:
             try:
                 fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
                 device = args[3][0].device.type
-                with (
-                    _host_lock(),
-                    _short_switch_interval(),
-                    torch.no_grad(),
-                    torch.autocast(device, enabled=False),
-                ):
-                    fn(*args)
+                with _host_lock():
+                    self._compile_in_child(args)
+                    if self.closed:  # the interpreter is exiting
+                        continue
+                    with (
+                        _short_switch_interval(),
+                        torch.no_grad(),
+                        torch.autocast(device, enabled=False),
+                    ):
+                        fn(*args)
                 entry.fn = fn
             except Exception as e:  # any failure of the compiler: keep the reference
                 if self.closed:  # cut short by the exit (its worker pools are shut)
@@ -346,6 +419,30 @@ class _Worker:
             finally:
                 entry.done.set()
                 del entry, args, job
+
+
+#: Seconds a child process may compile one kind of bucket before it is stopped (the
+#: in-process compile then does all the work).
+CHILD_COMPILE_TIMEOUT = 1800
+#: The child's niceness: the training process keeps the cores it needs.
+CHILD_NICE = 10
+_CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sys.argv[1])"
+
+
+def compile_job(path: str) -> None:
+    """The child of :func:`_compile_in_child`: compile and run the kernel once on the
+    saved tensors (a file it owns; loaded with ``weights_only``), at low priority."""
+    job = torch.load(path, weights_only=True)
+    if hasattr(os, "nice"):
+        os.nice(job["nice"])
+    torch.set_num_threads(job["threads"])
+    args = (
+        job["theta"], NetConfig.from_dict(job["cfg"]), Parts(*job["parts"]), job["params"],
+        job["grads"], job["states"], job["lr"],
+    )  # fmt: skip
+    fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
+    with torch.no_grad(), torch.autocast(job["params"][0].device.type, enabled=False):
+        fn(*args)
 
 
 _WORKER: _Worker | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -55,14 +56,25 @@ def compiled():
         pytest.skip("this torch steps the eager reference")
     mp = pytest.MonkeyPatch()
     mp.setenv(COMPILE_ENV, "1")
+    mp.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)  # tiny tensors: compile them anyway
+    mp.setattr(kernel, "CHILD_NICE", 0)  # on a busy test machine a niced child waits long
+    children = []  # whether each child process compiled
+    in_child = kernel._Worker._compile_in_child
+    mp.setattr(kernel._Worker, "_compile_in_child",
+               lambda self, args: children.append(in_child(self, args)) or children[-1])  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests run (conftest): else each recompiles on its thread
     try:
         inputs, params, opt = _golden_optimizer()
         for _ in range(COMPILE_AFTER):
             opt.step()
         queued_while_stepping = not opt.wait_compiled(timeout=0)
         ready = opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+        opt.children = children
+        torch.set_num_threads(threads)
         yield inputs, params, opt, queued_while_stepping, ready
     finally:
+        torch.set_num_threads(threads)
         mp.undo()
 
 
@@ -70,6 +82,36 @@ def test_step_returns_before_the_kernel_is_compiled(compiled):
     *_, queued_while_stepping, ready = compiled
     assert queued_while_stepping, "step() waited for the compile"
     assert ready, "the kernel did not compile"
+
+
+def test_a_child_process_compiled_each_kernel_first(compiled):
+    """The compile runs in a child process first (see ``_Worker._compile_in_child``):
+    traced in this one, it would stall the training thread."""
+    _, _, opt, *_ = compiled
+    assert opt.children and all(opt.children), opt.children
+    assert len(opt.children) == len(opt._kernels._entries)
+
+
+def _job_args():
+    from learned_opt.config import NetConfig
+    from learned_opt.step import Parts
+
+    p = torch.zeros(3)
+    state = {"m": torch.zeros(3, 3), "v": torch.zeros(3), "step": torch.zeros(())}
+    return {}, NetConfig(), Parts(), [p], [p.clone()], [state], torch.ones(())
+
+
+@pytest.mark.parametrize("child", ["import sys; sys.exit(3)", None])
+def test_a_child_that_fails_leaves_the_compile_to_this_process(monkeypatch, child):
+    """A child that exits with an error, or cannot start, returns False quietly: the
+    compile in this process then does all the work (and any error is raised there)."""
+    if child is None:
+        monkeypatch.setattr(kernel.sys, "executable", "/nonexistent/python")
+    else:
+        monkeypatch.setattr(kernel, "_CHILD", child)
+    worker = kernel._Worker()
+    assert worker._compile_in_child(_job_args()) is False
+    assert worker.child is None
 
 
 def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
@@ -140,10 +182,11 @@ def test_compile_thread_exits_when_its_queue_is_empty(compiled):
 
 EXIT_MID_COMPILE = """
 import torch
-from learned_opt import LearnedOptimizer
+from learned_opt import LearnedOptimizer, kernel
 m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
 opt = LearnedOptimizer(m.parameters())
-for _ in range(6):  # the compile starts after the third step
+kernel.COMPILE_AFTER_SECONDS = 0.0  # so that the compile starts after the third step
+for _ in range(6):
     m(torch.randn(8, 32)).sum().backward()
     opt.step()
     opt.zero_grad()
@@ -164,6 +207,38 @@ def test_a_script_that_ends_while_the_kernel_compiles_exits_cleanly(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
     assert "Warning" not in out.stderr and "terminate" not in out.stderr, out.stderr[-2000:]
+
+
+class _Submissions:
+    """A stand-in for the compile worker that records which step queued a compile."""
+
+    def __init__(self):
+        self.at_step: list[int] = []
+        self.step = 0
+
+    def submit(self, entry, args):
+        self.at_step.append(self.step)
+
+
+def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(monkeypatch):
+    """A small model's short run never pays for a compile (it slows the training thread
+    many times over while it traces): the compile is queued once the eager steps of a kind
+    have taken ``COMPILE_AFTER_SECONDS`` in all, and never twice."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr(kernel, "BACKGROUND_COMPILE", True)
+    worker = _Submissions()
+    monkeypatch.setattr(kernel, "_worker", lambda: worker)
+    ticks = iter(range(10**6))  # each eager step of a bucket takes 0.5 s of this clock
+    monkeypatch.setattr(kernel, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    _, _, opt = _golden_optimizer()
+    default = kernel.COMPILE_AFTER_SECONDS
+    with kernel.compile_after_seconds(2.0):
+        for step in range(1, 9):
+            worker.step = step
+            opt.step()
+    assert kernel.COMPILE_AFTER_SECONDS == default
+    kinds = len(opt._kernels._entries)
+    assert worker.at_step == [5] * kinds  # steps 1-4 took 2 s; the fifth queued each kind
 
 
 def test_a_closed_worker_queues_nothing_and_releases_its_waiters():

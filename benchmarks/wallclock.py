@@ -1,0 +1,280 @@
+"""Wall-clock speedups with the compile included: each side trained in a fresh process.
+
+The suites' wall-clock columns (``quality_heldout``, ``validation``) multiply the step
+speedup by the ratio of step times measured once the rule's kernel is compiled; they
+leave out what a user's first run pays before that (the eager steps, and the compile
+competing with them for the cores). This measures it. For every single-worker row of a
+recorded suite, at its timing seed (0):
+
+- the rule (multiplier 1, held) in a new Python process whose inductor cache is empty
+  (``TORCHINDUCTOR_CACHE_DIR`` a fresh temporary folder, ``--warm-cache`` reuses one
+  per task instead), and
+- tuned AdamW, at the row's rate and schedule for seed 0, in another new process,
+
+one process at a time, each training the task to the row's horizon and recording after
+every step its loss and the seconds since the optimizer was built
+(:func:`benchmarks.heldout_single.run`). The compile-included wall-clock speedup is the
+ratio of the seconds each needs to reach the level of the step speedup (the worse of the
+two best smoothed losses). Beside it: the step speedup of the same two curves, the
+steady-state estimate the suite reports (step speedup times the ratio of the step times
+once compiled), and the step at which the rule's kernel was ready (or none within the run).
+
+    python -m benchmarks.wallclock --suite heldout            # quality_heldout.json's rows
+    python -m benchmarks.wallclock --suite validation         # validation_final.json's rows
+    python -m benchmarks.wallclock --suite heldout --tasks heldout_autoencoder
+    python -m benchmarks.wallclock --suite validation --compile-after-seconds 10 --out X
+    python -m benchmarks.wallclock --compare X="after 10 s" Y="after 2 s" --out X_vs_Y
+
+Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine: the
+processes run one at a time, at one thread each (as the suites time their steps), and
+the compile takes the other core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, machine, write_json
+
+#: The recorded suites whose rows are timed, and the seed their step times are taken at.
+SUITES = {"heldout": "quality_heldout.json", "validation": "validation_final.json"}
+TIMING_SEED = 0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child(spec: dict) -> dict:
+    """One side's run in this (fresh) process: its loss curve, cumulative seconds, and the
+    step after which the rule's kernel was ready (``None``: not within the run)."""
+    import torch
+
+    from benchmarks import heldout_single as single
+    from learned_opt import kernel
+
+    torch.set_num_threads(1)
+    if spec.get("compile_after_seconds") is not None:
+        kernel.COMPILE_AFTER_SECONDS = spec["compile_after_seconds"]
+    built = []
+    if spec["side"] == "adamw":
+        base = single.adamw(spec["lr"])
+    else:
+        base = single.resolve_side(spec["side"])
+
+    def factory(params, lr_mult=1.0):
+        built.append(base(params, lr_mult))
+        return built[-1]
+
+    class Clock(list):  # also notes the first step after which the kernel was ready
+        ready_step = None
+
+        def append(self, seconds):
+            super().append(seconds)
+            opt = built[0]
+            if self.ready_step is None and hasattr(opt, "wait_compiled"):
+                if opt.wait_compiled(timeout=0):
+                    self.ready_step = len(self)
+
+    clock = Clock()
+    curve = single.run(spec["task"], factory, spec["steps"], schedule=spec["schedule"],
+                       seed=TIMING_SEED, clock=clock)  # fmt: skip
+    return {"curve": curve, "seconds": [round(s, 5) for s in clock],
+            "ready_step": clock.ready_step}  # fmt: skip
+
+
+def run_fresh(spec: dict, cache: str) -> dict:
+    """:func:`child` in a new interpreter (one thread, compiling on, inductor cache
+    ``cache``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEARNED_OPT_COMPILE": "1",
+           "TORCHINDUCTOR_CACHE_DIR": cache}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wallclock", "--child", json.dumps(spec)],
+        env=env, cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"{spec['task']} ({spec['side']}) failed: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rows_of(suite: str, tasks: list[str] | None) -> list[dict]:
+    """The single-worker rows of the recorded suite: task, horizon, side, and tuned
+    AdamW's rate and schedule at the timing seed, with the recorded step speedup and
+    steady-state wall-clock speedup."""
+    recorded = json.loads((RESULTS / SUITES[suite]).read_text())
+    out = []
+    for r in recorded["single"]:
+        if tasks and r["task"] not in tasks:
+            continue
+        side = r.get("side") or recorded["side"]["checkpoint"]
+        learned = r.get("learned", r)
+        out.append({
+            "task": r["task"], "horizon": r["horizon"], "side": side,
+            "adamw": r["adamw_by_seed"][TIMING_SEED],
+            "recorded_speedup": learned["speedup"],
+            "recorded_wall_speedup": learned.get("wall_speedup"),
+        })  # fmt: skip
+    return out
+
+
+def time_to(curve_seconds: list[float], steps: int) -> float:
+    """Seconds until the end of step ``steps`` (1-based)."""
+    return curve_seconds[steps - 1]
+
+
+def score(row: dict, rule: dict, adamw: dict) -> dict:
+    """The row's speedups from the two fresh-process runs."""
+    from learned_opt.meta_train.evaluation import smooth, steps_to
+
+    h = row["horizon"]
+    ls, bs = smooth(rule["curve"][:h]), smooth(adamw["curve"][:h])
+    level = max(min(ls), min(bs))
+    n_rule, n_adamw = steps_to(ls, level), steps_to(bs, level)
+    t_rule, t_adamw = time_to(rule["seconds"], n_rule), time_to(adamw["seconds"], n_adamw)
+    return {
+        "task": row["task"], "horizon": h, "side": row["side"], "adamw": row["adamw"],
+        "steps_rule": n_rule, "steps_adamw": n_adamw,
+        "speedup": round(n_adamw / n_rule, 4),
+        "seconds_rule": round(t_rule, 3), "seconds_adamw": round(t_adamw, 3),
+        "wall_speedup": round(t_adamw / t_rule, 4),
+        "first_step_seconds": rule["seconds"][0],
+        "kernel_ready_step": rule["ready_step"],
+        "recorded_speedup": row["recorded_speedup"],
+        "recorded_wall_speedup": row["recorded_wall_speedup"],
+    }  # fmt: skip
+
+
+def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = None,
+            log=print) -> list[dict]:  # fmt: skip
+    """Run every row's two sides in fresh processes and score them. A task's rule runs
+    once, to its longest horizon (a held multiplier: the shorter row is its prefix);
+    AdamW runs once per distinct rate and schedule (a held rate likewise)."""
+    runs: dict[tuple, dict] = {}
+
+    def need(key: tuple, steps: int) -> None:
+        runs[key] = {"steps": max(steps, runs.get(key, {}).get("steps", 0))}
+
+    for r in rows:
+        need(("rule", r["task"], r["side"]), r["horizon"])
+        a = r["adamw"]
+        steps_key = None if a["schedule"] == "constant" else r["horizon"]
+        need(("adamw", r["task"], a["lr"], a["schedule"], steps_key), r["horizon"])
+    caches: dict[str, str] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for key, job in runs.items():
+            if key[0] == "rule":
+                spec = {"task": key[1], "side": key[2], "schedule": "constant",
+                        "compile_after_seconds": compile_after}  # fmt: skip
+                cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) if warm_cache \
+                    else tempfile.mkdtemp(dir=root)  # fmt: skip
+                if warm_cache:  # fill the cache first, untimed
+                    run_fresh({**spec, "steps": job["steps"]}, cache)
+            else:
+                spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
+                cache = tempfile.mkdtemp(dir=root)
+            start = time.perf_counter()
+            job.update(run_fresh({**spec, "steps": job["steps"]}, cache))
+            log(f"  {key}: {job['steps']} steps in {time.perf_counter() - start:.1f} s "
+                f"(kernel ready after step {job.get('ready_step')})")  # fmt: skip
+    scored = []
+    for r in rows:
+        a = r["adamw"]
+        rule = runs[("rule", r["task"], r["side"])]
+        adamw = runs[("adamw", r["task"], a["lr"], a["schedule"],
+                      None if a["schedule"] == "constant" else r["horizon"])]  # fmt: skip
+        scored.append(score(r, rule, adamw))
+    return scored
+
+
+def summarise(scored: list[dict]) -> dict:
+    def med(key):
+        return round(statistics.median(s[key] for s in scored), 4) if scored else None
+
+    return {"median_speedup": med("speedup"), "median_wall_speedup": med("wall_speedup"),
+            "median_recorded_wall_speedup": med("recorded_wall_speedup"),
+            "rows": len(scored)}  # fmt: skip
+
+
+def compare(named: list[str]) -> dict:
+    """A table of several runs of this benchmark on the same rows (``NAME=LABEL``: the
+    result ``NAME.json`` under the label ``LABEL``), to choose a compile policy by."""
+    runs = []
+    for item in named:
+        name, _, label = item.partition("=")
+        r = json.loads((RESULTS / f"{name}.json").read_text())
+        walls = {f"{x['task']}@{x['horizon']}": x["wall_speedup"] for x in r["rows"]}
+        runs.append({"name": name, "label": label or name, "summary": r["summary"],
+                     "walls": walls, "command": r["command"], "date": r["date"]})  # fmt: skip
+    return {"benchmark": "wallclock_compare", "runs": runs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", choices=sorted(SUITES), default="heldout")
+    parser.add_argument("--tasks", nargs="*", help="only these tasks (default: all rows)")
+    parser.add_argument(
+        "--warm-cache",
+        action="store_true",
+        help="time the rule with the compile cache of an earlier run",
+    )
+    parser.add_argument(
+        "--compile-after-seconds",
+        type=float,
+        metavar="S",
+        help="queue the kernel's compile after S eager seconds instead of "
+        "learned_opt.kernel.COMPILE_AFTER_SECONDS (to compare thresholds)",
+    )
+    parser.add_argument("--out", help="result name (default: wallclock_<suite>)")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="NAME=LABEL",
+        help="write the table of these earlier results (to --out) and exit",
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
+    if args.compare:
+        if not args.out:
+            parser.error("--compare needs --out")
+        write_json(args.out, compare(args.compare))
+        return 0
+    rows = rows_of(args.suite, args.tasks)
+    if not rows:
+        parser.error(f"no rows of {SUITES[args.suite]} match --tasks {args.tasks}")
+    start = time.perf_counter()
+    print(f"wallclock: {len(rows)} rows of {SUITES[args.suite]}, one fresh process per side")
+    scored = measure(rows, args.warm_cache, args.compile_after_seconds)
+    import torch
+
+    from benchmarks.validation import commit
+    from learned_opt import kernel
+
+    payload = {
+        "benchmark": "wallclock", "suite": args.suite, "source": SUITES[args.suite],
+        "cache": "warm" if args.warm_cache else "empty", "threads": 1,
+        "compile_after_seconds": (kernel.COMPILE_AFTER_SECONDS if args.compile_after_seconds
+                                  is None else args.compile_after_seconds),
+        "timing_seed": TIMING_SEED, "rows": scored, "summary": summarise(scored),
+        "wall_seconds": round(time.perf_counter() - start, 1),
+        "command": "python -m benchmarks.wallclock " + " ".join(argv or sys.argv[1:]),
+        **machine(), "torch": torch.__version__, "commit": commit(),
+        "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    path = write_json(args.out or f"wallclock_{args.suite}", payload)
+    s = payload["summary"]
+    print(f"median step speedup {s['median_speedup']}x, compile-included wall-clock "
+          f"{s['median_wall_speedup']}x (recorded steady-state {s['median_recorded_wall_speedup']}x)"
+          f" -> {path}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

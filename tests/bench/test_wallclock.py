@@ -1,0 +1,76 @@
+"""The compile-included wall-clock benchmark: its scoring and one side's run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import wallclock
+
+
+def _row(horizon=6):
+    return {"task": "t", "horizon": horizon, "side": "adapt_init_2x",
+            "adamw": {"lr": 0.01, "schedule": "constant"}, "recorded_speedup": 1.0,
+            "recorded_wall_speedup": 0.5}  # fmt: skip
+
+
+def test_score_times_each_side_to_the_shared_level():
+    """Both sides reach the worse of their best levels; the wall-clock speedup is the
+    ratio of the seconds each took to get there, the step speedup that of the steps."""
+    rule = {"curve": [4.0, 1.0, 1.0, 1.0, 1.0, 1.0], "seconds": [5.0, 5.1, 5.2, 5.3, 5.4, 5.5],
+            "ready_step": None}  # fmt: skip
+    adamw = {"curve": [4.0, 4.0, 4.0, 4.0, 1.0, 1.0], "seconds": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+             "ready_step": None}  # fmt: skip
+    s = wallclock.score(_row(), rule, adamw)
+    # smoothed (trailing mean of 10): the rule's best is its last value, AdamW's too
+    assert s["steps_rule"] < s["steps_adamw"]
+    assert s["speedup"] == pytest.approx(s["steps_adamw"] / s["steps_rule"], abs=1e-4)
+    expected = adamw["seconds"][s["steps_adamw"] - 1] / rule["seconds"][s["steps_rule"] - 1]
+    assert s["wall_speedup"] == pytest.approx(expected, abs=1e-4)
+    assert s["wall_speedup"] < 1 < s["speedup"]  # fewer steps, but a slow start
+
+
+def test_score_cuts_the_curves_to_the_row_horizon():
+    rule = {"curve": [4.0, 3.0, 0.0, 0.0], "seconds": [1.0, 2.0, 3.0, 4.0], "ready_step": 3}
+    adamw = {"curve": [4.0, 3.0, 2.0, 2.0], "seconds": [1.0, 2.0, 3.0, 4.0], "ready_step": None}
+    s = wallclock.score(_row(horizon=2), rule, adamw)
+    assert s["steps_rule"] == s["steps_adamw"] == 2 and s["wall_speedup"] == 1.0
+
+
+def test_rows_of_a_recorded_suite(tmp_path, monkeypatch):
+    recorded = {"side": {"checkpoint": "adapt_init_2x"}, "single": [
+        {"task": "a", "horizon": 200, "adamw_by_seed": [{"lr": 0.1, "schedule": "cosine"}],
+         "learned": {"speedup": 1.2, "wall_speedup": 0.6}},
+        {"task": "b", "horizon": 1000, "adamw_by_seed": [{"lr": 0.01, "schedule": "constant"}],
+         "learned": {"speedup": 0.9}},
+    ]}  # fmt: skip
+    (tmp_path / "validation_final.json").write_text(json.dumps(recorded))
+    monkeypatch.setattr(wallclock, "RESULTS", tmp_path)
+    rows = wallclock.rows_of("validation", ["a"])
+    assert rows == [{"task": "a", "horizon": 200, "side": "adapt_init_2x",
+                     "adamw": {"lr": 0.1, "schedule": "cosine"}, "recorded_speedup": 1.2,
+                     "recorded_wall_speedup": 0.6}]  # fmt: skip
+
+
+def test_one_side_runs_and_records_cumulative_seconds():
+    out = wallclock.child({"task": "heldout_logreg_l2", "side": "adamw", "lr": 0.01,
+                           "schedule": "constant", "steps": 5})  # fmt: skip
+    assert len(out["curve"]) == len(out["seconds"]) == 5
+    assert all(a < b for a, b in zip(out["seconds"], out["seconds"][1:]))
+    assert out["ready_step"] is None
+
+
+def test_compare_tabulates_earlier_results(tmp_path, monkeypatch):
+    for name, wall in (("x", 0.5), ("y", 0.7)):
+        result = {
+            "rows": [{"task": "t", "horizon": 200, "wall_speedup": wall}],
+            "summary": {"median_wall_speedup": wall},
+            "command": name,
+            "date": "d",
+        }
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    monkeypatch.setattr(wallclock, "RESULTS", tmp_path)
+    table = wallclock.compare(["x=first", "y"])
+    assert [r["label"] for r in table["runs"]] == ["first", "y"]
+    assert table["runs"][1]["walls"] == {"t@200": 0.7}
