@@ -55,7 +55,8 @@ COMPILE_AFTER = 3
 #: eager optimizer cost is a few seconds finishes sooner without a kernel, and a model
 #: whose eager step is slow reaches the threshold in a few steps. Chosen on the validation
 #: family by ``benchmarks/wallclock.py`` (compile-included wall clock: median 0.69x tuned
-#: AdamW at 10 s, 0.64x at 2 s, 0.17x compiling after 3 steps; docs: *Results*).
+#: AdamW at 10 s, 0.64x at 2 s, 0.17x compiling in this process after 3 steps; docs:
+#: *Results*).
 COMPILE_AFTER_SECONDS = 10.0
 #: Environment variable that turns compiling off (``0``): every step runs the reference.
 COMPILE_ENV = "LEARNED_OPT_COMPILE"
@@ -168,7 +169,8 @@ class Kernels:
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
         ready, else with the reference (and the compile queued once that bucket's kind has
-        stepped eagerly for :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it was stepped."""
+        stepped eagerly for :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
+        was stepped."""
         lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
         # plain tensors sharing the parameters' memory: the kernel's guards then match the
         # copies it was compiled on (a Parameter requires grad, a copy does not)
