@@ -396,6 +396,7 @@ def render_local_steps(r: dict) -> str:
 
 
 @section("wallclock_heldout")
+@section("wallclock_heldout_warm")
 @section("wallclock_validation_child10")
 def render_wallclock(r: dict) -> str:
     """Compile-included wall clock: each side trained in a fresh process."""

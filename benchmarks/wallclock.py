@@ -84,6 +84,8 @@ def child(spec: dict) -> dict:
     clock = Clock()
     curve = single.run(spec["task"], factory, spec["steps"], schedule=spec["schedule"],
                        seed=TIMING_SEED, clock=clock)  # fmt: skip
+    if spec.get("fill") and hasattr(built[0], "wait_compiled"):
+        built[0].wait_compiled(timeout=1800)  # fill the cache: exiting would stop the compile
     return {"curve": curve, "seconds": [round(s, 5) for s in clock],
             "ready_step": clock.ready_step}  # fmt: skip
 
@@ -172,8 +174,8 @@ def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = No
                         "compile_after_seconds": compile_after}  # fmt: skip
                 cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) if warm_cache \
                     else tempfile.mkdtemp(dir=root)  # fmt: skip
-                if warm_cache:  # fill the cache first, untimed
-                    run_fresh({**spec, "steps": job["steps"]}, cache)
+                if warm_cache:  # fill the cache first, untimed, to the end of its compile
+                    run_fresh({**spec, "steps": job["steps"], "fill": True}, cache)
             else:
                 spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
                 cache = tempfile.mkdtemp(dir=root)
