@@ -191,12 +191,12 @@ def time_side_by_side(task_name: str, factories: dict[str, Factory], steps: int 
     for name, factory in factories.items():
         model, loss_fn, batches = get_task(task_name).workload(seed)
         jobs[name] = (loss_fn, batches, factory(model.parameters(), 1.0), [])
-    for i in range(warmup + steps):
-        if i == warmup:
-            for _, _, opt, _ in jobs.values():
-                if hasattr(opt, "wait_compiled"):
-                    opt.wait_compiled(timeout=1800)
-        with compile_after_seconds(0):  # the warm-up steps queue the compile at once
+    with compile_after_seconds(0):  # the warm-up steps queue the compile at once
+        for i in range(warmup + steps):
+            if i == warmup:
+                for _, _, opt, _ in jobs.values():
+                    if hasattr(opt, "wait_compiled"):
+                        opt.wait_compiled(timeout=1800)
             for loss_fn, batches, opt, times in jobs.values():
                 batch = next(batches)
                 t0 = time.perf_counter()

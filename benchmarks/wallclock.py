@@ -151,6 +151,20 @@ def score(row: dict, rule: dict, adamw: dict) -> dict:
     }  # fmt: skip
 
 
+def run_keys(row: dict) -> tuple[tuple, tuple]:
+    """The row's two runs: the rule's (one per task, held multiplier) and AdamW's (one per
+    rate and schedule; a cosine run belongs to its horizon)."""
+    a = row["adamw"]
+    horizon = None if a["schedule"] == "constant" else row["horizon"]
+    return ("rule", row["task"], row["side"]), (
+        "adamw",
+        row["task"],
+        a["lr"],
+        a["schedule"],
+        horizon,
+    )
+
+
 def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = None,
             log=print) -> list[dict]:  # fmt: skip
     """Run every row's two sides in fresh processes and score them. A task's rule runs
@@ -162,10 +176,8 @@ def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = No
         runs[key] = {"steps": max(steps, runs.get(key, {}).get("steps", 0))}
 
     for r in rows:
-        need(("rule", r["task"], r["side"]), r["horizon"])
-        a = r["adamw"]
-        steps_key = None if a["schedule"] == "constant" else r["horizon"]
-        need(("adamw", r["task"], a["lr"], a["schedule"], steps_key), r["horizon"])
+        for key in run_keys(r):
+            need(key, r["horizon"])
     caches: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as root:
         for key, job in runs.items():
@@ -183,14 +195,7 @@ def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = No
             job.update(run_fresh({**spec, "steps": job["steps"]}, cache))
             log(f"  {key}: {job['steps']} steps in {time.perf_counter() - start:.1f} s "
                 f"(kernel ready after step {job.get('ready_step')})")  # fmt: skip
-    scored = []
-    for r in rows:
-        a = r["adamw"]
-        rule = runs[("rule", r["task"], r["side"])]
-        adamw = runs[("adamw", r["task"], a["lr"], a["schedule"],
-                      None if a["schedule"] == "constant" else r["horizon"])]  # fmt: skip
-        scored.append(score(r, rule, adamw))
-    return scored
+    return [score(r, *(runs[key] for key in run_keys(r))) for r in rows]
 
 
 def summarise(scored: list[dict]) -> dict:

@@ -395,19 +395,12 @@ class _Worker:
             if entry is None:
                 continue
             try:
-                fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
-                device = args[3][0].device.type
                 with _host_lock():
                     self._compile_in_child(args)
                     if self.closed:  # the interpreter is exiting
                         continue
-                    with (
-                        _short_switch_interval(),
-                        torch.no_grad(),
-                        torch.autocast(device, enabled=False),
-                    ):
-                        fn(*args)
-                entry.fn = fn
+                    with _short_switch_interval():
+                        entry.fn = compiled_kernel(args)
             except Exception as e:  # any failure of the compiler: keep the reference
                 if self.closed:  # cut short by the exit (its worker pools are shut)
                     continue
@@ -431,20 +424,27 @@ CHILD_NICE = 10
 _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sys.argv[1])"
 
 
+def compiled_kernel(args: tuple) -> Callable:
+    """:func:`step_tensors` compiled for the tensors of ``args`` (``torch.compile``,
+    full graph, static shapes) and run once on them, outside autocast: the one compile
+    recipe, so that the child's graph and this process's find the same cache entries."""
+    fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
+    with torch.no_grad(), torch.autocast(args[3][0].device.type, enabled=False):
+        fn(*args)
+    return fn
+
+
 def compile_job(path: str) -> None:
-    """The child of :func:`_compile_in_child`: compile and run the kernel once on the
-    saved tensors (a file it owns; loaded with ``weights_only``), at low priority."""
+    """The child of :func:`_compile_in_child`: :func:`compiled_kernel` on the saved
+    tensors (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
     if hasattr(os, "nice"):
         os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
-    args = (
+    compiled_kernel((
         job["theta"], NetConfig.from_dict(job["cfg"]), Parts(*job["parts"]), job["params"],
         job["grads"], job["states"], job["lr"],
-    )  # fmt: skip
-    fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
-    with torch.no_grad(), torch.autocast(job["params"][0].device.type, enabled=False):
-        fn(*args)
+    ))  # fmt: skip
 
 
 _WORKER: _Worker | None = None
