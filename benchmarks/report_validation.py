@@ -72,6 +72,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage1")
 @section("validation_shrink05")
 @section("validation_shrink02")
+@section("validation_noise10")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
