@@ -358,7 +358,8 @@ def render_stragglers(r: dict) -> str:
         markdown_table(header, rows)
         + f"\n\n{r['setup']}. `slow`: rank {slow} {r['slow_factor']:g}x slower; "
         "`deadline_<ms>`: with `step_deadline`. Exchanges are counted on the slow rank's "
-        "neighbours, fast-fast ones on both ends; the distance to the average is relative "
+        "neighbours, fast-fast ones on both ends, once per step: mixed (late ones included) "
+        "or skipped (still in flight); the distance to the average is relative "
         f"to the average's norm. Goal: {r['goal']}. Measured {r['date'][:10]}, "
         f"{r['machine']}, torch {r['torch']}. Command: `{r['command']}`."
     )

@@ -12,8 +12,8 @@ its forward and backward pass, and the slow rank :data:`SLOW_RANK` sleeps
 fraction of a millisecond, so the slowdown is the one set, and 8 processes on 2 cores
 contend less than they would computing for real. Every rank takes the same number of steps
 (``--steps``); a rank's throughput is its steps per second from the end of the warm-up
-steps to its last step (a fast rank then waits, outside the clock, for the slow one to
-finish, so that every exchange posted is matched). The runs, per topology:
+steps to its last step (a fast rank then waits, outside the clock, in ``flush``, which
+ends the exchanges still in flight). The runs, per topology:
 
 - ``clean``: no rank slow, plain gossip (no deadline): the reference throughput;
 - ``slow``: the slow rank at a fifth of the speed, plain gossip: each step waits for
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from learned_opt.distributed import GossipOptimizer, get_topology, launch_local
+from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
@@ -70,7 +70,6 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         step_deadline=cfg["deadline"],
         metrics_every=0,  # its all_reduce would make every rank wait for the slowest
     )
-    graph = get_topology(cfg["topology"], world)
     slow = cfg["slow_rank"]
     compute = cfg["compute_s"] * (cfg["slow_factor"] if rank == slow else 1.0)
     mixed = skipped = mixed_slow = skipped_slow = 0
@@ -83,15 +82,14 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
         task.module_loss(module, next(data)).backward()
         time.sleep(compute)  # the emulated rest of the forward and backward pass
         opt.step()
-        peers = graph.neighbors(rank, step)
         late = set(opt.communicator.skipped)
-        mixed += sum(p not in late for p in peers)
+        mixed += len(opt.neighbors)  # this step's and (with a deadline) late ones
         skipped += len(late)
-        if slow in peers:
-            mixed_slow += slow not in late
-            skipped_slow += slow in late
+        mixed_slow += slow in opt.neighbors
+        skipped_slow += slow in late
     seconds = time.perf_counter() - start
-    dist.barrier()  # every exchange posted is matched before any rank leaves
+    opt.flush()  # with a deadline: end the exchanges in flight (waits for the slow rank)
+    dist.barrier()
     return {
         "rank": rank,
         "steps_per_s": (cfg["steps"] - cfg["warmup"]) / seconds,

@@ -117,10 +117,12 @@ class GossipOptimizer:
         drift_correction: the compressed mix's integral step ``beta`` in [0,
             ``consensus_step``], which learns each rank's persistent drift from the others
             (0: off); default ``R / 20`` for top-k, 0 otherwise (see :mod:`.compression`).
-        step_deadline: seconds a step waits for a slow neighbour (straggler) before it
-            skips that neighbour for the step, on both ends of the edge (the average stays
-            exact); ``None`` (default) waits up to ``timeout``. Not with ``overlap`` or
-            ``compression`` (default communicator only; see :mod:`.deadline`).
+        step_deadline: seconds a step waits for a slow neighbour (straggler); an exchange
+            that misses it is mixed at the step it arrives, by the difference it carries
+            (the average stays exact), so a rank that stays slow is mixed at its own pace
+            and the others keep theirs. ``None`` (default) waits up to ``timeout``. Not with
+            ``overlap``, ``compression`` or ``share_state_every`` > 1 (default communicator
+            only; see :mod:`.deadline`). Call :meth:`flush` after the last step.
         robust: ``None`` (default, plain mixing) or ``"clip"`` / ``"clip:C"``: clip what
             each neighbour sends to ``C`` times the closest neighbour's distance, so a
             neighbour sending bad finite values moves this rank by a bounded step (default
@@ -147,9 +149,12 @@ class GossipOptimizer:
 
     ``metrics`` holds the latest ``gossip/*`` values: ``bytes_sent``, ``edge_weight_mean``,
     ``self_weight_mean``, ``nonfinite_excluded``, ``excluded_ranks``, ``world_size``,
-    ``skipped_edges`` (neighbours skipped for a missed ``step_deadline`` this step) and
-    (every k steps) ``consensus_distance``. A rank whose own parameters turn NaN/Inf raises
-    ``GossipError`` (its neighbours never mix them in).
+    ``skipped_edges`` (this step's neighbours whose exchange is still in flight past the
+    ``step_deadline``) and (every k steps) ``consensus_distance``; ``neighbors`` lists the
+    ranks mixed in the last step (with ``step_deadline``, late exchanges included). A rank
+    whose own parameters turn NaN/Inf raises ``GossipError`` (its neighbours never mix them
+    in). With ``step_deadline``, call :meth:`flush` (or :meth:`close`) on every rank at the
+    end of training.
     """
 
     def __init__(
@@ -221,13 +226,20 @@ class GossipOptimizer:
             )
         if overlap and not hasattr(communicator, "begin"):
             raise ValueError("overlap=True needs a communicator with begin() and finish_mix()")
-        if overlap and getattr(communicator, "step_deadline", None) is not None:
+        deadline = getattr(communicator, "step_deadline", None) is not None
+        if overlap and deadline:
             raise ValueError("overlap=True and step_deadline do not go together")
+        if deadline and self.share_state and self.share_state_every > 1:
+            raise ValueError(
+                "step_deadline needs the same tensors in every exchange: pass "
+                "share_state_every=1 or share_state=False"
+            )
         self.overlap = overlap
         self._inflight = None
         self.metrics_every = metrics_every
         self.step_count = 0
         self.metrics: dict[str, float] = {}
+        self.neighbors: list[int] = []  # the neighbours mixed in the last step
         self._writer = writer
         if writer is None and logdir is not None:
             from torch.utils.tensorboard import SummaryWriter  # only when asked for
@@ -274,8 +286,13 @@ class GossipOptimizer:
         if self.overlap:
             return self._overlapped_step(closure, loss)
         ret = self.local.step(closure)  # adapt
-        batch_loss = loss if loss is not None else ret
-        with torch.no_grad():  # combine
+        self._combine(loss if loss is not None else ret)
+        self.step_count += 1
+        return ret
+
+    def _combine(self, batch_loss) -> None:
+        """Exchange the parameters (and shared state) and mix them in place."""
+        with torch.no_grad():
             ys = [p.detach() for p in self.params]
             cfg = self.net.config if self.mixing == "learned" else None
             mixed = exchange_and_mix(
@@ -283,8 +300,6 @@ class GossipOptimizer:
                 self.mixing, self._theta(ys[0]), cfg, batch_loss, in_place=True,
             )  # fmt: skip
         self._record(mixed.info, ys)
-        self.step_count += 1
-        return ret
 
     def _sent_state(self, exchange: int) -> list[Tensor]:
         """The shared state the 0-based ``exchange`` carries (empty unless
@@ -332,14 +347,20 @@ class GossipOptimizer:
         return ret
 
     def flush(self) -> None:
-        """With ``overlap``: finish the exchange in flight and mix it in, so every rank ends
-        on mixed parameters and nothing is left in flight. A no-op otherwise."""
+        """Leave nothing in flight: with ``overlap``, finish the exchange in flight and mix
+        it in; with ``step_deadline``, end the exchanges still in flight with every
+        neighbour (each rank must call it; it waits for them) and mix those that arrived,
+        so the average is exact. A no-op otherwise."""
         if self._inflight is not None:
             with torch.no_grad():
                 self._finish([p.detach() for p in self.params])
+        drain = getattr(self.communicator, "drain", None)
+        if drain is not None and drain():
+            self._combine(None)
 
     def _record(self, info: dict, ys: list[Tensor]) -> None:
         weights = info["weights"][: len(ys)]  # the parameters' (not the shared state's)
+        self.neighbors = list(info.get("neighbors", []))
         edge_sums = [float(w.sum()) for w in weights]
         m = self.metrics
         m["gossip/bytes_sent"] = float(info.get("bytes_sent", 0))

@@ -55,6 +55,10 @@ class _Exchanged:
     own_finite: bool
     graph: Topology  # over the indices of ``members``
     members: list[int]
+    # step_deadline: the step each exchange was posted at, and for one posted before this
+    # step the tensors this rank sent in it (None: sent now); see :mod:`.deadline`
+    steps: list[int] | None = None
+    sent: list[list[Tensor] | None] | None = None
 
 
 @dataclass
@@ -75,7 +79,6 @@ class Inflight:
     done: set = field(default_factory=set)  # slots received
     failure: _PeerFailure | None = None
     full: bool = True  # compression: the tensors went whole (the copies start)
-    posted: float = 0.0  # step_deadline: when the exchange was posted (monotonic clock)
 
 
 class ProcessGroupCommunicator(GroupCollectives):
@@ -99,9 +102,10 @@ class ProcessGroupCommunicator(GroupCollectives):
             correction, in [0, ``consensus_step``]; 0 turns it off (only with compression;
             default: :func:`~.compression.default_drift_correction`, ``R / 20`` for top-k).
         step_deadline: seconds a step waits for a neighbour's tensors (``None``: up to
-            ``timeout``). An edge that missed it on either end is skipped for that step by
-            both ends (the average stays exact); the neighbour stays in the group. CPU
-            tensors over gloo, without compression (see :mod:`.deadline`).
+            ``timeout``). An exchange that missed it is mixed at the step it arrives, by
+            the difference it carries (the average stays exact), and a neighbour that
+            stays slow is mixed at its own pace. CPU tensors over gloo, one layout for
+            every exchange, without compression (see :mod:`.deadline`).
         robust: ``None`` (plain mixing) or ``"clip"`` / ``"clip:C"``: clip what each
             neighbour sends to ``C`` times the closest neighbour's distance, so one bad
             neighbour moves this rank by a bounded step (see :mod:`.mixing`).
@@ -111,7 +115,8 @@ class ProcessGroupCommunicator(GroupCollectives):
     dropped), ``nonfinite_excluded`` (neighbour tensors dropped because they held NaN/Inf),
     ``bytes_sent`` (bytes sent by the last :meth:`mix`), ``drift_correction`` (the ``beta`` in
     use, ``None`` without compression) and, with ``step_deadline``,
-    ``skipped`` (neighbours skipped in the last step) and ``skipped_total``.
+    ``skipped`` (this step's neighbours not mixed at it), ``skipped_total`` and
+    ``late_total`` (exchanges mixed at a later step than they were posted).
     """
 
     def __init__(
@@ -147,16 +152,39 @@ class ProcessGroupCommunicator(GroupCollectives):
             if not self._host_p2p_only:
                 raise ValueError("step_deadline needs the gloo backend (CPU tensors)")
             self._deadline = DeadlineExchange(step_deadline, self.timeout)
+        self._draining = False
+        self._layout_sent = None  # step_deadline: the layout of every exchange
 
     @property
     def skipped(self) -> list[int]:
-        """Neighbours skipped in the last step for missing the deadline (both ends skip)."""
+        """The last step's neighbours whose exchange was not mixed at it (in flight)."""
         return list(self._deadline.skipped) if self._deadline is not None else []
 
     @property
     def skipped_total(self) -> int:
-        """Edges skipped for a missed deadline so far, counted on this rank."""
+        """Neighbours not mixed at their step, summed over steps, counted on this rank."""
         return self._deadline.skipped_total if self._deadline is not None else 0
+
+    @property
+    def late_total(self) -> int:
+        """Exchanges mixed at a later step than they were posted, counted on this rank."""
+        return self._deadline.late_total if self._deadline is not None else 0
+
+    def drain(self) -> bool:
+        """``step_deadline``: end every exchange in flight (see
+        :meth:`.deadline.DeadlineExchange.drain`; every rank calls it, e.g. through
+        ``GossipOptimizer.flush``); returns whether arrived exchanges are left, which the
+        next :meth:`mix` mixes without posting new ones. ``False`` without a deadline."""
+        if self._deadline is None or self._layout_sent is None:
+            return False
+        m = self.membership
+        me = list(m.members).index(self.rank)
+        peers = {
+            m.members[k] for s in range(m.graph.period) for k in m.graph.neighbors(me, s)
+        }  # fmt: skip
+        left = self._deadline.drain(m, sorted(peers), self._layout_sent.nbytes, _DATA_TAG)
+        self._draining = left
+        return left
 
     # ------------------------------------------------------------------ exchange
 
@@ -246,8 +274,14 @@ class ProcessGroupCommunicator(GroupCollectives):
         if self._deadline is not None:
             if ys[0].is_cuda:
                 raise ValueError("step_deadline works on CPU tensors only")
-            send = self._deadline.buffer(layout.nbytes)
-            recvs = [self._deadline.buffer(layout.nbytes) for _ in peers]
+            if self._layout_sent not in (None, layout):
+                raise ValueError(
+                    "step_deadline needs the same tensors in every exchange (a late exchange "
+                    f"is paired with a later one): step {step} sends {layout.describe()}, an "
+                    f"earlier one {self._layout_sent.describe()}"
+                )
+            self._layout_sent = layout
+            send, recvs = self._deadline.buffer(layout.nbytes), []
         else:
             send, recvs = self._buffers_for(layout, ys[0].device, len(peers))
         own_finite = layout.pack(ys, loss, send)
@@ -270,11 +304,16 @@ class ProcessGroupCommunicator(GroupCollectives):
         return job
 
     def _post_all(self, job: Inflight, send: Tensor, me: int, step: int) -> Inflight:
-        """``step_deadline``: post every send and receive at once, waited for by threads."""
-        order = [job.peers.index(job.members[k]) for k in self._schedule(job.graph, me, step)]
-        failed = self._deadline.post(self.membership, job, send, order, _DATA_TAG)
+        """``step_deadline``: post an exchange to each neighbour with none in flight; the
+        waits run in threads (none after :meth:`drain`, until its leftovers are mixed)."""
+        if self._draining:
+            self._deadline.sent_count = 0
+            return job
+        m = self.membership
+        order = [job.members[k] for k in self._schedule(job.graph, me, step)]
+        failed = self._deadline.post(m.group, m.local, send, order, step, _DATA_TAG)
         if failed is not None:
-            peer = job.peers[failed[0]]
+            peer = failed[0]
             job.failure = _PeerFailure(
                 peer, f"exchange with neighbour rank {peer} failed at step {step}: {failed[1]}"
             )
@@ -283,16 +322,9 @@ class ProcessGroupCommunicator(GroupCollectives):
     def _complete(self, job: Inflight) -> _Exchanged:
         """Wait for what ``job`` still has in flight; after a failure, re-form (keeping what
         arrived) or raise."""
+        if self._deadline is not None:
+            return self._complete_deadline(job)
         try:
-            if self._deadline is not None and job.pending and job.failure is None:
-                try:
-                    job.done.update(self._deadline.settle(self.membership, job))
-                except _Failed as exc:
-                    peer = job.peers[exc.slot]
-                    raise _PeerFailure(
-                        peer,
-                        f"exchange with neighbour rank {peer} failed at step {job.step}: {exc}",
-                    ) from exc
             while job.pending and job.failure is None:
                 self._settle(job, *job.pending.pop(0))
         except _PeerFailure as failure:
@@ -312,6 +344,39 @@ class ProcessGroupCommunicator(GroupCollectives):
             job.own_finite,
             job.graph,
             job.members,
+        )
+
+    def _complete_deadline(self, job: Inflight) -> _Exchanged:
+        """``step_deadline``: every exchange that has arrived by the deadline (see
+        :mod:`.deadline`), this step's and late ones."""
+        arrivals = []
+        if job.failure is None and job.epoch == self.membership.epoch:
+            try:
+                arrivals = self._deadline.settle(job.peers, job.step)
+            except _Failed as exc:
+                job.failure = _PeerFailure(
+                    exc.peer,
+                    f"exchange with neighbour rank {exc.peer} failed at step {job.step}: {exc}",
+                )
+        self._draining = False
+        if job.failure is not None:
+            self._failed(job.step, job.failure)
+            arrivals = []
+        if job.epoch != self.membership.epoch:  # posted on a group re-formed since
+            arrivals = []
+        lay = job.layout
+        self.bytes_sent = lay.nbytes * self._deadline.sent_count
+        heads = [lay.header(a.recv).tolist() for a in arrivals]
+        return _Exchanged(
+            [a.peer for a in arrivals],
+            [lay.unpack(a.recv) for a in arrivals],
+            [h[0] for h in heads],
+            [h[1] == 1.0 for h in heads],
+            job.own_finite,
+            job.graph,
+            job.members,
+            [a.step for a in arrivals],
+            [None if a.sent is None else lay.unpack(a.sent) for a in arrivals],
         )
 
     def exchange(
@@ -385,6 +450,10 @@ class ProcessGroupCommunicator(GroupCollectives):
             )
         keep = [k for k in range(len(ex.peers)) if ex.finite[k]]
         excluded = [ex.peers[k] for k in range(len(ex.peers)) if not ex.finite[k]]
+        for k in keep if ex.sent is not None else []:
+            if ex.sent[k] is not None:  # a late exchange: mix the difference it carries
+                for got, y, sent in zip(ex.tensors[k], ys, ex.sent[k]):
+                    got.add_(y).sub_(sent)
         self.nonfinite_excluded += len(excluded)
         if self._codec is not None:  # mix the public copies, see compression
             mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rules, theta, cfg, out)
@@ -434,8 +503,9 @@ class ProcessGroupCommunicator(GroupCollectives):
         the exchange ran on (both ends of an edge use the same graph, so they agree)."""
         graph, index = ex.graph, {r: k for k, r in enumerate(ex.members)}
         me = index[self.rank]
+        steps = ex.steps if ex.steps is not None else [step] * len(ex.peers)
         if rule != "learned":
-            return [graph.weight(me, index[ex.peers[k]], step, rule) for k in keep]
+            return [graph.weight(me, index[ex.peers[k]], steps[k], rule) for k in keep]
         out = []
         for k in keep:
             j = ex.peers[k]
@@ -443,6 +513,6 @@ class ProcessGroupCommunicator(GroupCollectives):
             (_, y_a, l_a), (_, y_b, l_b) = sorted(pair, key=lambda e: e[0])
             if l_a is None or l_b is None or l_a != l_a or l_b != l_b:
                 l_a = l_b = None  # both ends see the same two losses, so they agree
-            deg = max(graph.degree(me, step), graph.degree(index[j], step))
-            out.append(learned_edge_weight(theta, cfg, y_a, y_b, l_a, l_b, deg, step))
+            deg = max(graph.degree(me, steps[k]), graph.degree(index[j], steps[k]))
+            out.append(learned_edge_weight(theta, cfg, y_a, y_b, l_a, l_b, deg, steps[k]))
         return out

@@ -12,8 +12,8 @@ stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Not
 torchrun itself stops every worker when one exits with an error; the survivors train on
 under launchers that leave them running (``launch_local``) and through frozen ranks.
 ``--overlap`` moves the exchange behind the next forward and backward pass;
-``--step-deadline S`` skips, for one step, a neighbour slower than S seconds (both ends of
-the edge agree). With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
+``--step-deadline S`` waits at most S seconds for a neighbour, and mixes a late exchange
+when it arrives. With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
 local rank has a GPU of its own, else gloo (which passes device tensors through host
 memory); without CUDA, gloo on CPU. ``--backend`` overrides the choice. Per-rank
 TensorBoard logs go to ``--logdir``. Without torchrun it runs as a single worker.
@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--step-deadline",
         type=float,
         default=None,
-        help="seconds a step waits for a slow neighbour before skipping it for that step",
+        help="seconds a step waits for a slow neighbour; a late exchange is mixed when it arrives",
     )
     p.add_argument(
         "--robust", default=None, help="clip or clip:C: clip each neighbour's difference"
@@ -335,7 +335,7 @@ def train(args: argparse.Namespace) -> dict:
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
     if isinstance(opt, GossipOptimizer):
-        opt.flush()  # with --overlap, mix in the last exchange
+        opt.flush()  # mix in what --overlap or --step-deadline left in flight
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         ys = [p.detach() for p in params]

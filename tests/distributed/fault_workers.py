@@ -67,9 +67,10 @@ def frozen_with_raise(rank: int, n: int, timeout: float) -> str:
 def straggler(
     rank: int, n: int, timeout: float, deadline: float, steps: int, kill: bool = False
 ) -> dict:
-    """Ring of 4, pure mixing with ``step_deadline``: rank 2 sleeps ``3 * deadline`` before
-    step 5 (with ``kill``: rank 3 dies at step 12 as well). Returns per-step values and the
-    neighbours skipped at each step."""
+    """Ring of 4, pure mixing with ``step_deadline``, every step paced at ``deadline / 5``:
+    rank 2 sleeps ``3 * deadline`` before step 5 (with ``kill``: rank 3 dies at step 12 as
+    well). Returns per-step values, the neighbours skipped at each step and the values
+    after ``flush``."""
     params = [torch.full((50,), float(rank), requires_grad=True)]
     opt = GossipOptimizer(
         torch.optim.SGD(params, lr=0.0),
@@ -81,6 +82,7 @@ def straggler(
     )
     values, skipped = [], []
     for step in range(steps):
+        time.sleep(deadline / 5)
         if rank == 2 and step == 5:
             time.sleep(3 * deadline)
         if kill and rank == 3 and step == 12:
@@ -88,12 +90,15 @@ def straggler(
         opt.step()
         values.append(params[0].detach().clone())
         skipped.append(opt.communicator.skipped)
+    opt.flush()
     comm = opt.communicator
     return {
         "values": torch.stack(values),
+        "final": params[0].detach().clone(),
         "skipped": skipped,
         "members": comm.members,
         "failures": [f.as_dict() for f in opt.failures],
         "skipped_total": comm.skipped_total,
+        "late_total": comm.late_total,
         "metric": opt.metrics["gossip/skipped_edges"],
     }
