@@ -456,3 +456,23 @@ def render_wallclock_compare(r: dict) -> str:
         + "\n\nWall-clock speedup against tuned AdamW with the compile included (see the "
         f"table below for how it is measured), one column per way of compiling. Commands: {commands}."
     )
+
+
+@section("eager_step")
+def render_eager_step(r: dict) -> str:
+    """The eager reference step with and without reading the finite mask on the host."""
+    rows = [
+        [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.2f}", _x(m["x_adamw"]["masked"]),
+         _x(m["x_adamw"]["mask_read"]), _x(m["speedup_vs_masked"]["mask_read"]),
+         f"{m['max_rel_diff_vs_masked']['mask_read']:.2g}"]
+        for name, m in r["rows"].items()
+    ]  # fmt: skip
+    header = ["model", "params", "AdamW step ms", "masking every step / AdamW",
+              "mask read on the host / AdamW", "faster", "largest parameter difference"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + "\n\nEager reference step (`compile=False`), one thread, median of "
+        "the timed rounds, each side on its own copy of the model, taking turns with AdamW "
+        f"(`foreach=True`). {_measured(r)} Load average {r['load_average_end']} at the end. "
+        f"Command: `{r['command']}`."
+    )

@@ -13,6 +13,7 @@ page and the README show (see docs/benchmarks.md). Rough durations on 2 CPU core
 - ``wallclock``: the held-out single-worker rows trained in new processes, the compile
   included (about 20 min);
 - ``step_overhead``: step cost against AdamW (about 15 min);
+- ``eager_step``: the eager reference step, with and without reading its mask (1 min);
 - ``gossip_step``: one full decentralized step on local gloo workers (a few minutes);
 - ``gossip_compression``: the compressed exchange, two partitions (about 15 min).
 """
@@ -36,6 +37,7 @@ STEPS = [
     ["-m", "benchmarks.heldout_anchors"],
     ["-m", "benchmarks.wallclock", "--suite", "heldout"],
     ["benchmarks/step_overhead.py"],
+    ["-m", "benchmarks.eager_step"],
     ["benchmarks/gossip_step.py", "--rounds", "4"],
     ["benchmarks/gossip_compression.py", "--partition", "dirichlet"],
     ["benchmarks/gossip_compression.py", "--partition", "iid", "--specs", "topk:0.01",

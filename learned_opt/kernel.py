@@ -80,12 +80,15 @@ def step_tensors(
     never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor, so that
     a scheduler changing it never recompiles the kernel."""
     oks = []
+    # eagerly on CPU the host reads each tensor's finite flag, to mask only where needed
+    read_mask = bool(params) and params[0].device.type == "cpu"
+    read_mask = read_mask and not torch.compiler.is_compiling()
     for p, g, s in zip(params, grads, states):
         step = s["step"] + 1
         log_lr = s["log_lr"] if cfg.adapts_lr else None
         out = tensor_step(
             theta, cfg, p, g, s["m"], s["v"], step, lr, log_lr, parts=parts, return_finite=True,
-            sparse_rows=s.get("sparse_rows", False),
+            sparse_rows=s.get("sparse_rows", False), read_mask=read_mask,
         )  # fmt: skip
         p.copy_(out[0])
         s["m"].copy_(out[1])

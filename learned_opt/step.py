@@ -133,6 +133,7 @@ def flat_step(
     log_lr: Tensor | None = None,
     return_finite: bool = False,
     parts: Parts = ALL_PARTS,
+    read_mask: bool = False,
 ) -> tuple[Tensor, ...]:
     """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, 3, P]``); returns
     ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
@@ -146,15 +147,20 @@ def flat_step(
 
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
     and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
-    other segments or, through autograd, theta.
+    other segments or, through autograd, theta. ``read_mask`` (an eager caller on CPU, not
+    traced or vmapped): read that mask on the host, and where every segment is stepped
+    leave out the masking, which is then the identity (five passes over the elements).
     """
     if cfg.adapts_lr and log_lr is None:
         raise ValueError("this config adapts per-tensor step sizes: flat_step needs log_lr")
     g_sum_squares = segment_sum(g * g, layout)  # [B, T]
     ok = stepped(g_sum_squares, segment_sum(p * p, layout))
-    keep = segment_expand(ok, layout)
-    zero = torch.zeros((), dtype=p.dtype, device=p.device)
-    g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
+    masked = not (read_mask and bool(ok.all()))
+    g_in, p_in = g, p
+    if masked:
+        keep = segment_expand(ok, layout)
+        zero = torch.zeros((), dtype=p.dtype, device=p.device)
+        g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
     matrices = layout.matrices(cfg)
@@ -182,11 +188,13 @@ def flat_step(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
         layout.shapes, matrices,
     )  # fmt: skip
-    out = (
-        torch.where(keep, new_p, p),
-        torch.where(keep.unsqueeze(-2), m_new, m),
-        torch.where(keep, v_new, v),
-    )
+    out = (new_p, m_new, v_new)
+    if masked:
+        out = (
+            torch.where(keep, new_p, p),
+            torch.where(keep.unsqueeze(-2), m_new, m),
+            torch.where(keep, v_new, v),
+        )
     if log_lr is not None:
         out = (*out, new_log_lr)
     return (*out, sums.ok) if return_finite else out
@@ -206,6 +214,7 @@ def tensor_step(
     parts: Parts = ALL_PARTS,
     return_finite: bool = False,
     sparse_rows: bool = False,
+    read_mask: bool = False,
 ) -> tuple[Tensor, ...]:
     """Pure learned step of one tensor: :func:`flat_step` on a one-segment view
     (``sparse_rows``: a row-sparse matrix, see :class:`~learned_opt.segments.FlatLayout`).
@@ -215,7 +224,8 @@ def tensor_step(
     ``log_lr`` is given (a config that adapts step sizes needs it), then whether the
     tensor was stepped if ``return_finite``; differentiable in theta, p, g, m and v, and
     works under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN
-    or Inf leaves ``p``, ``m``, ``v`` and ``log_lr`` unchanged.
+    or Inf leaves ``p``, ``m``, ``v`` and ``log_lr`` unchanged. ``read_mask``: see
+    :func:`flat_step`.
     """
     dtype = compute_dtype(p)
     out = flat_step(
@@ -223,7 +233,7 @@ def tensor_step(
         p.to(dtype).reshape(1, -1), g.to(dtype).reshape(1, -1),
         m.reshape(1, 3, -1), v.reshape(1, -1), step, lr,
         log_lr=None if log_lr is None else log_lr.reshape(1, 1),
-        return_finite=True, parts=parts,
+        return_finite=True, parts=parts, read_mask=read_mask,
     )  # fmt: skip
     new_p, new_m, new_v = out[:3]
     new = (new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape))

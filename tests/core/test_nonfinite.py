@@ -145,3 +145,26 @@ def test_flat_step_confines_a_bad_parameter_to_its_segment_and_theta_grad_stays_
     loss = torch.where(keep, new_p, 0.0).square().sum()
     grads = torch.autograd.grad(loss, list(theta.values()), allow_unused=True)
     assert all(t is None or torch.isfinite(t).all() for t in grads)
+
+
+@pytest.mark.parametrize("bad_segment", [None, 1])
+def test_reading_the_mask_on_the_host_gives_the_same_step(bad_segment):
+    """``read_mask`` leaves the masking out only where every segment is stepped: bitwise
+    the same step with and without it, a NaN gradient or not."""
+    net = perturbed_net()
+    theta = {k: v.detach() for k, v in net.theta().items()}
+    layout = FlatLayout(tuple("abc"), ((4, 3), (5,), (2, 2)))
+    gen = torch.Generator().manual_seed(0)
+    p = 0.1 * torch.randn(1, layout.size, generator=gen)
+    g = 0.01 * torch.randn(1, layout.size, generator=gen)
+    if bad_segment is not None:
+        g[0, 14] = float("nan")  # segment "b"
+    state = init_flat_state(p)
+    state["m"].normal_(generator=gen)
+    state["v"].uniform_(generator=gen)
+    args = (theta, net.config, layout, p, g, state["m"], state["v"], 3)
+    masked = flat_step(*args, return_finite=True)
+    read = flat_step(*args, return_finite=True, read_mask=True)
+    for a, b in zip(masked, read):
+        assert _same(a, b)
+    assert masked[-1].tolist() == [[True, bad_segment is None, True]]

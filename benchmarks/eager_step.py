@@ -1,0 +1,164 @@
+"""The eager reference step (what steps until the kernel is compiled), with and without
+reading the finite mask on the host, against AdamW.
+
+Run: ``OMP_NUM_THREADS=1 python -m benchmarks.eager_step`` (``--repeats``). Writes
+``benchmarks/results/eager_step.json``.
+
+Most runs on a small CPU end before their kernel is compiled, so the reference's step sets
+their pace. The step leaves a tensor whose gradient or parameter holds NaN or Inf
+unchanged, which the reference writes as five ``torch.where`` passes over the elements. On
+CPU, outside tracing, ``learned_opt.kernel.step_tensors`` passes ``read_mask=True``: the
+host reads the tensor's finite flag and leaves the passes out where it is finite. Sides,
+each a ``LearnedOptimizer(compile=False)`` on its own copy of the model, taking turns with
+AdamW (``foreach=True``) round by round in one process at one thread:
+
+- ``masked``: every step masks (``read_mask=False``, the step before);
+- ``mask_read``: the default.
+
+The models: a 3-layer MLP (26k parameters), a 2-layer transformer encoder (0.4M, its
+matrices orthogonalised) and a wide MLP (1.9M, 1024-wide matrices, which take the Adam
+form). Every side starts from the same model and gradients, and the JSON records the
+largest relative difference of the parameters from ``masked`` after the timed steps
+(zero: the same step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from learned_opt import LearnedOptimizer, kernel
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import machine  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "eager_step.json"
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+    )
+
+
+def _transformer() -> nn.Module:
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(128, 4, 512, batch_first=True), 2)
+
+
+def _wide() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
+
+
+#: name -> (model factory, optimizer steps per timed round)
+MODELS = {"mlp-26k": (_mlp, 20), "transformer-0.4M": (_transformer, 5), "wide-mlp-1.9M": (_wide, 4)}
+SIDES = ("masked", "mask_read")
+
+
+def _side(name: str):
+    """Patch the step for side ``name``; returns a function that undoes it."""
+    tensor_step = kernel.tensor_step
+    if name == "masked":
+
+        def masked(*args, **kw):
+            return tensor_step(*args, **{**kw, "read_mask": False})
+
+        kernel.tensor_step = masked
+
+    def undo():
+        kernel.tensor_step = tensor_step
+
+    return undo
+
+
+def _model(factory) -> nn.Module:
+    torch.manual_seed(0)
+    model = factory()
+    gen = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = 1e-3 * torch.randn(p.shape, generator=gen)
+    return model
+
+
+def measure(factory, steps: int, repeats: int) -> dict:
+    """Median ms per step of each side and of AdamW, taking turns for ``repeats`` rounds
+    (the first is a warm-up)."""
+    models = {s: _model(factory) for s in SIDES}
+    opts = {s: LearnedOptimizer(m.parameters(), compile=False) for s, m in models.items()}
+    adamw_model = _model(factory)
+    adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-3, foreach=True)
+    times: dict[str, list[float]] = {s: [] for s in [*SIDES, "adamw"]}
+    for _ in range(repeats + 1):
+        for side in SIDES:
+            undo = _side(side)
+            try:
+                start = time.perf_counter()
+                for _ in range(steps):
+                    opts[side].step()
+                times[side].append((time.perf_counter() - start) / steps * 1e3)
+            finally:
+                undo()
+        start = time.perf_counter()
+        for _ in range(steps):
+            adamw.step()
+        times["adamw"].append((time.perf_counter() - start) / steps * 1e3)
+    ms = {k: statistics.median(v[1:]) for k, v in times.items()}
+    ref = [p.detach() for p in models["masked"].parameters()]
+    diff = {
+        s: max(
+            float(((p.detach() - r).abs() / (r.abs() + 1e-6)).max())
+            for p, r in zip(models[s].parameters(), ref)
+        )
+        for s in SIDES
+    }
+    return {
+        "parameters": sum(p.numel() for p in adamw_model.parameters()),
+        "ms": {k: round(v, 3) for k, v in ms.items()},
+        "x_adamw": {s: round(ms[s] / ms["adamw"], 2) for s in SIDES},
+        "speedup_vs_masked": {s: round(ms["masked"] / ms[s], 2) for s in SIDES},
+        "max_rel_diff_vs_masked": {s: float(f"{d:.2g}") for s, d in diff.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rows = {}
+    for name in args.models:
+        factory, steps = MODELS[name]
+        rows[name] = measure(factory, steps, args.repeats)
+        r = rows[name]
+        print(f"{name}: " + ", ".join(f"{s} {r['ms'][s]} ms ({r['x_adamw'][s]}x AdamW)"
+                                      for s in SIDES) + f", AdamW {r['ms']['adamw']} ms",
+              flush=True)  # fmt: skip
+    given = sys.argv[1:] if argv is None else argv
+    payload = {
+        "benchmark": "eager_step",
+        **machine(),
+        "load_average_end": round(os.getloadavg()[0], 1),
+        "command": " ".join(["OMP_NUM_THREADS=1 python -m benchmarks.eager_step", *given]),
+        "sides": list(SIDES),
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
