@@ -73,6 +73,7 @@ SCHEDULE_PHRASES = {
 @section("validation_shrink05")
 @section("validation_shrink02")
 @section("validation_noise10")
+@section("validation_sparse_active")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
