@@ -266,11 +266,14 @@ class _Entry:
 
 
 def _signature(cfg, parts, params, grads, states) -> tuple:
+    """The kind of a bucket: its config, parts and tensors, and torch's thread count, which
+    a compiled kernel's guards read (a kernel called at another count would recompile on
+    the training thread; at a new count the reference steps until that kind compiles)."""
     tensors = tuple(
         (p.device, p.dtype, tuple(p.shape), g.dtype, p.is_contiguous(), s.get("sparse_rows"))
         for p, g, s in zip(params, grads, states)
     )
-    return cfg, parts, tensors
+    return cfg, parts, tensors, torch.get_num_threads()
 
 
 _COUNTER = itertools.count()

@@ -168,6 +168,34 @@ def test_kernel_runs_without_recompiling_inside_autocast(compiled, monkeypatch):
             opt.step()
 
 
+def test_another_thread_count_steps_eagerly_instead_of_recompiling(compiled, monkeypatch):
+    """A kernel compiled at one thread count would recompile on the training thread at
+    another (its guards read the count): a changed count is a new kind of bucket, stepped
+    by the reference until its own compile (none here), and the old kernel returns when
+    the count does."""
+    inputs, params, opt, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    kernels = opt._kernels
+    compiled_kinds = dict(kernels._entries)
+    threads = torch.get_num_threads()
+    _set_golden_state(opt, params, inputs)
+    try:
+        torch.set_num_threads(threads + 1)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            opt.step()
+        new = [e for k, e in kernels._entries.items() if k not in compiled_kinds]
+        assert new and all(e.fn is None and e.eager_steps == 1 for e in new)
+        torch.set_num_threads(threads)
+        eager_steps = [e.eager_steps for e in compiled_kinds.values()]
+        with torch.compiler.set_stance("fail_on_recompile"):
+            opt.step()
+        assert [e.eager_steps for e in compiled_kinds.values()] == eager_steps
+    finally:
+        torch.set_num_threads(threads)
+        kernels._entries = compiled_kinds
+
+
 def test_compile_thread_exits_when_its_queue_is_empty(compiled):
     """The compiling thread's OpenMP team slows every torch op of the process while the
     thread lives (see :class:`learned_opt.kernel._Worker`): once the kernels are compiled,
