@@ -25,7 +25,6 @@ largest relative difference of the parameters from ``masked`` after the timed st
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,9 +38,7 @@ from learned_opt import LearnedOptimizer, kernel
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "eager_step.json"
+from benchmarks.common import machine, write_json  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", default="eager_step", help="result name under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = {}
@@ -154,9 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sides": list(SIDES),
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, payload)
     return payload
 
 
