@@ -102,3 +102,23 @@ def straggler(
         "late_total": comm.late_total,
         "metric": opt.metrics["gossip/skipped_edges"],
     }
+
+
+def slow_rank_time_varying(rank: int, n: int, timeout: float, steps: int) -> dict:
+    """One-peer ring (a neighbour per step, alternating), pure mixing with a short
+    ``step_deadline``: rank 2 takes 10x as long per step as the others. Returns the
+    parameters after ``flush`` and the exchanges mixed late."""
+    params = [torch.full((20,), float(rank), requires_grad=True)]
+    opt = GossipOptimizer(
+        torch.optim.SGD(params, lr=0.0),
+        "one_peer_ring",
+        "metropolis",
+        timeout=timeout,
+        step_deadline=0.01,
+        metrics_every=0,
+    )
+    for _ in range(steps):
+        time.sleep(0.05 if rank == 2 else 0.005)
+        opt.step()
+    opt.flush()
+    return {"final": params[0].detach().clone(), "late": opt.communicator.late_total}
