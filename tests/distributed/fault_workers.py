@@ -64,6 +64,17 @@ def frozen_with_raise(rank: int, n: int, timeout: float) -> str:
     return "finished"
 
 
+def _pure_mixing(rank: int, size: int, topology: str, timeout: float, deadline: float):
+    """A parameter of ``size`` elements all equal to ``rank`` and a gossip optimizer that
+    only mixes it (SGD at lr 0), with ``step_deadline``."""
+    params = [torch.full((size,), float(rank), requires_grad=True)]
+    sgd = torch.optim.SGD(params, lr=0.0)
+    opt = GossipOptimizer(
+        sgd, topology, "metropolis", timeout=timeout, step_deadline=deadline, metrics_every=0
+    )
+    return params, opt
+
+
 def straggler(
     rank: int, n: int, timeout: float, deadline: float, steps: int, kill: bool = False
 ) -> dict:
@@ -71,15 +82,7 @@ def straggler(
     rank 2 sleeps ``3 * deadline`` before step 5 (with ``kill``: rank 3 dies at step 12 as
     well). Returns per-step values, the neighbours skipped at each step and the values
     after ``flush``."""
-    params = [torch.full((50,), float(rank), requires_grad=True)]
-    opt = GossipOptimizer(
-        torch.optim.SGD(params, lr=0.0),
-        "ring",
-        "metropolis",
-        timeout=timeout,
-        step_deadline=deadline,
-        metrics_every=0,
-    )
+    params, opt = _pure_mixing(rank, 50, "ring", timeout, deadline)
     values, skipped = [], []
     for step in range(steps):
         time.sleep(deadline / 5)
@@ -108,15 +111,7 @@ def slow_rank_time_varying(rank: int, n: int, timeout: float, steps: int) -> dic
     """One-peer ring (a neighbour per step, alternating), pure mixing with a short
     ``step_deadline``: rank 2 takes 10x as long per step as the others. Returns the
     parameters after ``flush`` and the exchanges mixed late."""
-    params = [torch.full((20,), float(rank), requires_grad=True)]
-    opt = GossipOptimizer(
-        torch.optim.SGD(params, lr=0.0),
-        "one_peer_ring",
-        "metropolis",
-        timeout=timeout,
-        step_deadline=0.01,
-        metrics_every=0,
-    )
+    params, opt = _pure_mixing(rank, 20, "one_peer_ring", timeout, 0.01)
     for _ in range(steps):
         time.sleep(0.05 if rank == 2 else 0.005)
         opt.step()
