@@ -410,7 +410,8 @@ def render_wallclock(r: dict) -> str:
         rows.append([
             x["task"], x["horizon"], _x(x["speedup"]), f"**{_x(x['wall_speedup'])}**",
             "-" if recorded is None else _x(recorded),
-            f"{x['seconds_rule']:.2f} / {x['seconds_adamw']:.2f}",
+            "a run diverged" if x["seconds_rule"] is None
+            else f"{x['seconds_rule']:.2f} / {x['seconds_adamw']:.2f}",
             x["kernel_ready_step"] if x["kernel_ready_step"] is not None else "not in the run",
         ])  # fmt: skip
     s = r["summary"]

@@ -124,26 +124,25 @@ def rows_of(suite: str, tasks: list[str] | None) -> list[dict]:
     return out
 
 
-def time_to(curve_seconds: list[float], steps: int) -> float:
-    """Seconds until the end of step ``steps`` (1-based)."""
-    return curve_seconds[steps - 1]
-
-
 def score(row: dict, rule: dict, adamw: dict) -> dict:
-    """The row's speedups from the two fresh-process runs."""
-    from learned_opt.meta_train.evaluation import smooth, steps_to
+    """The row's speedups from the two fresh-process runs (0 where a run diverged, as the
+    suites' step speedups)."""
+    from learned_opt.meta_train.evaluation import steps_to_common_level
 
     h = row["horizon"]
-    ls, bs = smooth(rule["curve"][:h]), smooth(adamw["curve"][:h])
-    level = max(min(ls), min(bs))
-    n_rule, n_adamw = steps_to(ls, level), steps_to(bs, level)
-    t_rule, t_adamw = time_to(rule["seconds"], n_rule), time_to(adamw["seconds"], n_adamw)
+    steps = steps_to_common_level(rule["curve"][:h], adamw["curve"][:h])
+    if steps is None:  # a side diverged: no common level
+        n_rule = n_adamw = t_rule = t_adamw = None
+        step_speedup = wall_speedup = 0.0
+    else:  # the seconds until the end of each side's step at the level
+        n_rule, n_adamw = steps
+        t_rule, t_adamw = rule["seconds"][n_rule - 1], adamw["seconds"][n_adamw - 1]
+        step_speedup, wall_speedup = round(n_adamw / n_rule, 4), round(t_adamw / t_rule, 4)
+        t_rule, t_adamw = round(t_rule, 3), round(t_adamw, 3)
     return {
         "task": row["task"], "horizon": h, "side": row["side"], "adamw": row["adamw"],
-        "steps_rule": n_rule, "steps_adamw": n_adamw,
-        "speedup": round(n_adamw / n_rule, 4),
-        "seconds_rule": round(t_rule, 3), "seconds_adamw": round(t_adamw, 3),
-        "wall_speedup": round(t_adamw / t_rule, 4),
+        "steps_rule": n_rule, "steps_adamw": n_adamw, "speedup": step_speedup,
+        "seconds_rule": t_rule, "seconds_adamw": t_adamw, "wall_speedup": wall_speedup,
         "first_step_seconds": rule["seconds"][0],
         "kernel_ready_step": rule["ready_step"],
         "recorded_speedup": row["recorded_speedup"],

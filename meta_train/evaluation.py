@@ -55,13 +55,21 @@ def steps_to(curve_s: list[float], level: float) -> int | None:
     return None
 
 
-def speedup(learned: list[float], baseline: list[float]) -> float:
-    """Steps-to-level ratio (baseline / learned) at the worse of the two best levels."""
+def steps_to_common_level(learned: list[float], baseline: list[float]) -> tuple[int, int] | None:
+    """The steps the smoothed ``learned`` and ``baseline`` curves take to reach the worse of
+    their two best levels, ``(learned, baseline)``; ``None`` where that level is not finite
+    (a run diverged)."""
     ls, bs = smooth(learned), smooth(baseline)
     level = max(min(ls), min(bs))
     if not math.isfinite(level):
-        return 0.0
-    return steps_to(bs, level) / steps_to(ls, level)
+        return None
+    return steps_to(ls, level), steps_to(bs, level)
+
+
+def speedup(learned: list[float], baseline: list[float]) -> float:
+    """Steps-to-level ratio (baseline / learned) at the worse of the two best levels."""
+    steps = steps_to_common_level(learned, baseline)
+    return 0.0 if steps is None else steps[1] / steps[0]
 
 
 @torch.no_grad()

@@ -38,6 +38,22 @@ def test_score_cuts_the_curves_to_the_row_horizon():
     assert s["steps_rule"] == s["steps_adamw"] == 2 and s["wall_speedup"] == 1.0
 
 
+def test_a_diverged_side_scores_zero_and_the_table_says_so():
+    """As the suites' step speedups: no common level when a side diverged (its smoothed
+    curve is all inf), so both speedups are 0 and no seconds are recorded."""
+    from benchmarks.report_sections import render_wallclock
+
+    rule = {"curve": [float("inf")] * 3, "seconds": [1.0, 2.0, 3.0], "ready_step": None}
+    adamw = {"curve": [4.0, 3.0, 2.0], "seconds": [1.0, 2.0, 3.0], "ready_step": None}
+    s = wallclock.score(_row(horizon=3), rule, adamw)
+    assert s["speedup"] == s["wall_speedup"] == 0.0
+    assert s["seconds_rule"] is s["seconds_adamw"] is None
+    r = {"rows": [s], "summary": wallclock.summarise([s]), "cache": "empty", "timing_seed": 0,
+         "threads": 1, "compile_after_seconds": 10.0, "source": "x.json", "wall_seconds": 60,
+         "command": "c", "date": "2026-12-03", "machine": "m", "torch": "t"}  # fmt: skip
+    assert "| a run diverged |" in render_wallclock(r)
+
+
 def test_rows_of_a_recorded_suite(tmp_path, monkeypatch):
     recorded = {"side": {"checkpoint": "adapt_init_2x"}, "single": [
         {"task": "a", "horizon": 200, "adamw_by_seed": [{"lr": 0.1, "schedule": "cosine"}],
