@@ -306,11 +306,10 @@ class ProcessGroupCommunicator(GroupCollectives):
     def _post_all(self, job: Inflight, send: Tensor, me: int, step: int) -> Inflight:
         """``step_deadline``: post an exchange to each neighbour with none in flight; the
         waits run in threads (none after :meth:`drain`, until its leftovers are mixed)."""
-        if self._draining:
-            self._deadline.sent_count = 0
-            return job
         m = self.membership
         order = [job.members[k] for k in self._schedule(job.graph, me, step)]
+        if self._draining:
+            order = []
         failed = self._deadline.post(m.group, m.local, send, order, step, _DATA_TAG)
         if failed is not None:
             peer = failed[0]
