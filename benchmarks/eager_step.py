@@ -1,5 +1,5 @@
-"""The eager reference step (what steps until the kernel is compiled), with and without
-reading the finite mask on the host, against AdamW.
+"""The eager reference step (what steps until the kernel is compiled): reading the finite
+mask on the host, and packing small tensors into one call, against AdamW.
 
 Run: ``OMP_NUM_THREADS=1 python -m benchmarks.eager_step`` (``--repeats``). Writes
 ``benchmarks/results/eager_step.json``.
@@ -8,18 +8,24 @@ Most runs on a small CPU end before their kernel is compiled, so the reference's
 their pace. The step leaves a tensor whose gradient or parameter holds NaN or Inf
 unchanged, which the reference writes as five ``torch.where`` passes over the elements. On
 CPU, outside tracing, ``learned_opt.kernel.step_tensors`` passes ``read_mask=True``: the
-host reads the tensor's finite flag and leaves the passes out where it is finite. Sides,
-each a ``LearnedOptimizer(compile=False)`` on its own copy of the model, taking turns with
-AdamW (``foreach=True``) round by round in one process at one thread:
+host reads the tensor's finite flag and leaves the passes out where it is finite. Each
+eager call also costs about 120 torch ops whatever the tensor's size, so the tensors of at
+most ``learned_opt.kernel.PACK_NUMEL`` elements are stepped together as the segments of
+one flat vector. Sides, each a ``LearnedOptimizer(compile=False)`` on its own copy of the
+model, taking turns with AdamW (``foreach=True``) round by round in one process at one
+thread:
 
-- ``masked``: every step masks (``read_mask=False``, the step before);
-- ``mask_read``: the default.
+- ``masked``: every step masks (``read_mask=False``), one call per tensor;
+- ``mask_read``: the mask read on the host, one call per tensor;
+- ``packed``: the default (the mask read, small tensors packed); ``--pack-numel`` adds a
+  side per other bound (``packed_4096``, ...), as measured to choose ``PACK_NUMEL``.
 
 The models: a 3-layer MLP (26k parameters), a 2-layer transformer encoder (0.4M, its
 matrices orthogonalised) and a wide MLP (1.9M, 1024-wide matrices, which take the Adam
 form). Every side starts from the same model and gradients, and the JSON records the
-largest relative difference of the parameters from ``masked`` after the timed steps
-(zero: the same step).
+largest relative difference of the parameters from ``masked`` after the timed steps: zero
+for ``mask_read`` (the same step), and the rounding of the per-tensor sums for the packed
+sides.
 """
 
 from __future__ import annotations
@@ -59,21 +65,25 @@ def _wide() -> nn.Module:
 
 #: name -> (model factory, optimizer steps per timed round)
 MODELS = {"mlp-26k": (_mlp, 20), "transformer-0.4M": (_transformer, 5), "wide-mlp-1.9M": (_wide, 4)}
-SIDES = ("masked", "mask_read")
+SIDES = ("masked", "mask_read", "packed")
 
 
 def _side(name: str):
     """Patch the step for side ``name``; returns a function that undoes it."""
-    tensor_step = kernel.tensor_step
+    tensor_step, pack_numel = kernel.tensor_step, kernel.PACK_NUMEL
     if name == "masked":
 
         def masked(*args, **kw):
             return tensor_step(*args, **{**kw, "read_mask": False})
 
         kernel.tensor_step = masked
+    if name in ("masked", "mask_read"):
+        kernel.PACK_NUMEL = 0
+    elif name.startswith("packed_"):
+        kernel.PACK_NUMEL = int(name.removeprefix("packed_"))
 
     def undo():
-        kernel.tensor_step = tensor_step
+        kernel.tensor_step, kernel.PACK_NUMEL = tensor_step, pack_numel
 
     return undo
 
@@ -87,16 +97,16 @@ def _model(factory) -> nn.Module:
     return model
 
 
-def measure(factory, steps: int, repeats: int) -> dict:
+def measure(factory, steps: int, repeats: int, sides=SIDES) -> dict:
     """Median ms per step of each side and of AdamW, taking turns for ``repeats`` rounds
     (the first is a warm-up)."""
-    models = {s: _model(factory) for s in SIDES}
+    models = {s: _model(factory) for s in sides}
     opts = {s: LearnedOptimizer(m.parameters(), compile=False) for s, m in models.items()}
     adamw_model = _model(factory)
     adamw = torch.optim.AdamW(adamw_model.parameters(), lr=1e-3, foreach=True)
-    times: dict[str, list[float]] = {s: [] for s in [*SIDES, "adamw"]}
+    times: dict[str, list[float]] = {s: [] for s in [*sides, "adamw"]}
     for _ in range(repeats + 1):
-        for side in SIDES:
+        for side in sides:
             undo = _side(side)
             try:
                 start = time.perf_counter()
@@ -116,13 +126,13 @@ def measure(factory, steps: int, repeats: int) -> dict:
             float(((p.detach() - r).abs() / (r.abs() + 1e-6)).max())
             for p, r in zip(models[s].parameters(), ref)
         )
-        for s in SIDES
+        for s in sides
     }
     return {
         "parameters": sum(p.numel() for p in adamw_model.parameters()),
         "ms": {k: round(v, 3) for k, v in ms.items()},
-        "x_adamw": {s: round(ms[s] / ms["adamw"], 2) for s in SIDES},
-        "speedup_vs_masked": {s: round(ms["masked"] / ms[s], 2) for s in SIDES},
+        "x_adamw": {s: round(ms[s] / ms["adamw"], 2) for s in sides},
+        "speedup_vs_masked": {s: round(ms["masked"] / ms[s], 2) for s in sides},
         "max_rel_diff_vs_masked": {s: float(f"{d:.2g}") for s, d in diff.items()},
     }
 
@@ -131,16 +141,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--pack-numel", type=int, nargs="*", default=[],
+                    help="other bounds on the packed tensors' size to measure, as more sides")
     ap.add_argument("--out", default="eager_step", help="result name under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    sides = (*SIDES, *(f"packed_{n}" for n in args.pack_numel))
     rows = {}
     for name in args.models:
         factory, steps = MODELS[name]
-        rows[name] = measure(factory, steps, args.repeats)
+        rows[name] = measure(factory, steps, args.repeats, sides)
         r = rows[name]
         print(f"{name}: " + ", ".join(f"{s} {r['ms'][s]} ms ({r['x_adamw'][s]}x AdamW)"
-                                      for s in SIDES) + f", AdamW {r['ms']['adamw']} ms",
+                                      for s in sides) + f", AdamW {r['ms']['adamw']} ms",
               flush=True)  # fmt: skip
     given = sys.argv[1:] if argv is None else argv
     payload = {
@@ -148,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
         **machine(),
         "load_average_end": round(os.getloadavg()[0], 1),
         "command": " ".join(["OMP_NUM_THREADS=1 python -m benchmarks.eager_step", *given]),
-        "sides": list(SIDES),
+        "sides": list(sides),
+        "pack_numel": kernel.PACK_NUMEL,
         "rows": rows,
     }
     write_json(args.out, payload)

@@ -459,21 +459,33 @@ def render_wallclock_compare(r: dict) -> str:
     )
 
 
+def _packed_label(side: str) -> str:
+    """``packed_N``: "packed up to N" (every tensor for a bound of a billion or more)."""
+    bound = int(side.removeprefix("packed_"))
+    return "every tensor packed" if bound >= 10**9 else f"packed up to {bound:,}"
+
+
 @section("eager_step")
 def render_eager_step(r: dict) -> str:
-    """The eager reference step with and without reading the finite mask on the host."""
+    """The eager reference step: masking every step, the mask read on the host, and small
+    tensors packed into one call (and any other packing bounds measured)."""
+    sides = [s for s in r.get("sides", ["masked", "mask_read"]) if s != "masked"]
+    default = "packed" if "packed" in sides else sides[-1]
     rows = [
         [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.2f}", _x(m["x_adamw"]["masked"]),
-         _x(m["x_adamw"]["mask_read"]), _x(m["speedup_vs_masked"]["mask_read"]),
-         f"{m['max_rel_diff_vs_masked']['mask_read']:.2g}"]
+         *(_x(m["x_adamw"][s]) for s in sides), _x(m["speedup_vs_masked"][default]),
+         f"{max(m['max_rel_diff_vs_masked'][s] for s in sides):.2g}"]
         for name, m in r["rows"].items()
     ]  # fmt: skip
+    names = {"mask_read": "mask read on the host", "packed": "mask read, small tensors packed"}
     header = ["model", "params", "AdamW step ms", "masking every step / AdamW",
-              "mask read on the host / AdamW", "faster", "largest parameter difference"]  # fmt: skip
+              *(f"{names.get(s) or _packed_label(s)} / AdamW" for s in sides),
+              "default vs masking", "largest parameter difference"]  # fmt: skip
+    bound = f" Small tensors: at most {r['pack_numel']:,} elements." if "pack_numel" in r else ""
     return (
         markdown_table(header, rows)
         + "\n\nEager reference step (`compile=False`), one thread, median of "
         "the timed rounds, each side on its own copy of the model, taking turns with AdamW "
-        f"(`foreach=True`). {_measured(r)} Load average {r['load_average_end']} at the end. "
+        f"(`foreach=True`).{bound} {_measured(r)} Load average {r['load_average_end']} at the end. "
         f"Command: `{r['command']}`."
     )

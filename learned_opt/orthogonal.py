@@ -64,6 +64,8 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
             gram = torch.bmm(torch.bmm(q, q), s)
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             q = torch.baddbmm(q, poly, q, beta=a)
+        if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
+            return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(x.shape)
         y = torch.bmm(q, y)
     else:
         for _ in range(steps):
@@ -115,8 +117,9 @@ def shape_direction(
     """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``.
 
     ``shapes`` are the segments' shapes (those of a :class:`~learned_opt.segments.FlatLayout`);
-    ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)``, ``m1`` the 0.9
-    momentum and ``d`` the MLP's direction output (None: zero), all ``[..., P]``.
+    ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)`` (None when every
+    segment is a matrix, which never reads it), ``m1`` the 0.9 momentum and ``d`` the MLP's
+    direction output (None: zero), all ``[..., P]``.
     ``matrices`` (one bool per segment; default :func:`is_matrix` of each shape) says which
     segments are orthogonalised. Matrices are replaced by
     their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the

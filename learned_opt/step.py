@@ -42,7 +42,7 @@ from .features import (
     update_moments,
 )
 from .network import Theta, element_bias, element_layers, element_mlp, tensor_head
-from .orthogonal import shape_direction
+from .orthogonal import is_matrix, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
 
@@ -305,10 +305,14 @@ def apply_update(
     segments' shapes and ``matrices`` which of them take the orthogonalised direction
     (:func:`~learned_opt.orthogonal.shape_direction`).
     """
-    direction = adam_direction(m1, v, step, cfg.eps)
-    if d is not None:
-        direction = direction + d
-    direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
+    if matrices is None:
+        matrices = tuple(is_matrix(tuple(s), cfg) for s in shapes)
+    direction = None  # a matrix's direction reads only m1 and d: no Adam form when all are
+    if not matrices or not all(matrices):
+        direction = adam_direction(m1, v, step, cfg.eps)
+        if d is not None:
+            direction = direction + d
+        direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
     direction = shape_direction(cfg, shapes, direction, m1, d, matrices)
     magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
     return torch.addcmul(p, direction, magnitude)

@@ -21,17 +21,21 @@ def _tiny() -> nn.Module:
 
 
 def test_sides_take_the_same_step_and_the_table_shows_them():
-    step = kernel.tensor_step
-    row = eager_step.measure(_tiny, steps=2, repeats=1)
-    assert kernel.tensor_step is step  # every side's patch undone
-    assert set(row["ms"]) == {"masked", "mask_read", "adamw"}
+    step, bound = kernel.tensor_step, kernel.PACK_NUMEL
+    sides = (*eager_step.SIDES, "packed_4")
+    row = eager_step.measure(_tiny, steps=2, repeats=1, sides=sides)
+    assert kernel.tensor_step is step and kernel.PACK_NUMEL == bound  # patches undone
+    assert set(row["ms"]) == {"masked", "mask_read", "packed", "packed_4", "adamw"}
     assert all(v > 0 for v in row["ms"].values())
-    assert row["max_rel_diff_vs_masked"] == {"masked": 0.0, "mask_read": 0.0}
+    diff = row["max_rel_diff_vs_masked"]
+    assert diff["masked"] == diff["mask_read"] == 0.0
+    assert diff["packed"] < 1e-5 and diff["packed_4"] < 1e-5  # the rounding of the sums
     assert row["parameters"] == sum(p.numel() for p in _tiny().parameters())
     r = {"rows": {"tiny": row}, "date": "2026-12-03", "machine": "m", "torch": "t",
-         "load_average_end": 0.1, "command": "c"}  # fmt: skip
+         "load_average_end": 0.1, "command": "c", "sides": list(sides), "pack_numel": 16}  # fmt: skip
     table = render_eager_step(r)
     assert table.startswith("| model |") and "| tiny | 83 |" in table
+    assert "packed up to 4 / AdamW" in table and "at most 16 elements" in table
 
 
 def test_a_masked_side_really_masks(monkeypatch):

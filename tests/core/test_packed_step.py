@@ -1,0 +1,101 @@
+"""Small tensors stepped together (``kernel.PACK_NUMEL``) take the step they take one by one.
+
+On CPU outside compiling, :func:`learned_opt.kernel.step_tensors` steps the tensors of at
+most ``PACK_NUMEL`` elements with the same dtypes and step count as the segments of one
+flat vector. Each case runs one model twice, packed (the default) and one tensor per call
+(``PACK_NUMEL = 0``), and compares every parameter and state tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from learned_opt import LearnedOptimizer, kernel
+
+
+class _Mixed(nn.Module):
+    """Biases, a bf16 vector, small matrices (orthogonalised), a conv kernel, an embedding
+    whose batches leave rows out, and one matrix too large to pack."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 16)
+        self.small = nn.Linear(16, 32)
+        self.conv = nn.Conv1d(4, 8, 3)
+        self.norm = nn.LayerNorm(32)
+        self.large = nn.Linear(32, kernel.PACK_NUMEL // 32 + 8, bias=False)
+        self.bf16 = nn.Parameter(torch.randn(24).to(torch.bfloat16))
+
+
+def _grads(model, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = 1e-2 * torch.randn(p.shape, generator=gen).to(p.dtype)
+    model.emb.weight.grad[step % 7 :: 3] = 0  # rows absent from the batch
+
+
+def _run(model, monkeypatch, pack: bool, steps: int = 4, bad=None, late=None) -> LearnedOptimizer:
+    """``steps`` steps; ``bad``: a parameter name whose gradient is NaN at step 2; ``late``:
+    a parameter that has no gradient at step 0 (so its step count trails the others)."""
+    monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
+    opt = LearnedOptimizer(model.parameters(), compile=False)
+    for step in range(steps):
+        _grads(model, step)
+        named = dict(model.named_parameters())
+        if bad is not None and step == 2:
+            named[bad].grad[0] = float("nan")
+        if late is not None and step == 0:
+            named[late].grad = None
+        opt.step()
+    return opt
+
+
+def _assert_same(a_model, a_opt, b_model, b_opt) -> None:
+    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters()):
+        tol = {"rtol": 1e-2, "atol": 1e-3} if p.dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(p, q, msg=name, **tol, **({} if tol else {"rtol": 1e-5, "atol": 1e-7}))
+        sa, sb = a_opt.state[p], b_opt.state[q]
+        assert sa.keys() == sb.keys(), name
+        for key, value in sa.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(value, sb[key], rtol=1e-5, atol=1e-8, msg=f"{name}.{key}")
+            else:
+                assert value == sb[key], f"{name}.{key}"
+
+
+@pytest.mark.parametrize(
+    "case", [{}, {"bad": "small.bias"}, {"bad": "bf16"}, {"late": "norm.weight"}],
+    ids=["plain", "nan-gradient", "nan-bf16-gradient", "trailing-step-count"],
+)  # fmt: skip
+def test_packed_tensors_take_their_own_step(monkeypatch, case):
+    model = _Mixed()
+    one_by_one = copy.deepcopy(model)
+    packed_opt = _run(model, monkeypatch, True, **case)
+    single_opt = _run(one_by_one, monkeypatch, False, **case)
+    _assert_same(model, packed_opt, one_by_one, single_opt)
+    if "bad" in case:  # the NaN tensor alone skipped its update; its neighbours did not
+        named = dict(model.named_parameters())
+        skips = {n: packed_opt.state[p]["nonfinite_skips"] for n, p in named.items()}
+        assert skips == {n: int(n == case["bad"]) for n in named}
+        assert all(torch.isfinite(p.float()).all() for p in model.parameters())
+    if "late" in case:
+        named = dict(model.named_parameters())
+        assert float(packed_opt.state[named[case["late"]]]["step"]) == 3
+        assert float(packed_opt.state[named["small.bias"]]["step"]) == 4
+
+
+def test_packed_step_moves_every_small_tensor(monkeypatch):
+    """Packing writes each tensor's new values back where they belong (a step that moved
+    the wrong slice, or none, would leave a tensor unchanged or change it by another's
+    update)."""
+    model = _Mixed()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _run(model, monkeypatch, True, steps=1)
+    for name, p in model.named_parameters():
+        moved = (p.detach().float() - before[name].float()).abs()
+        assert moved.max() > 0, name
