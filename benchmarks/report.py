@@ -76,6 +76,8 @@ STEP_COLUMNS = (
     ("training step / AdamW", "learned_default_train_ratio"),
     ("eager reference: step / AdamW", "learned_reference_step_ratio"),
     ("eager reference: training step / AdamW", "learned_reference_train_ratio"),
+    ("no orthogonalisation: step / AdamW", "learned_no_ortho_step_ratio"),
+    ("no orthogonalisation: training step / AdamW", "learned_no_ortho_train_ratio"),
     ("gossip rule: step / AdamW", "learned_gossip_rule_step_ratio"),
     ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
     ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),

@@ -12,7 +12,9 @@ take turns step by step, so a busy machine slows them alike: only ratios measure
 by side are reported. The learned optimizers: the shipped single-worker rule on its default
 path (``learned_default``: the kernel, ``torch.compile`` of the reference, timed once it is
 compiled) and the same rule with ``compile=False`` (``learned_reference``: the eager
-reference that steps while the kernel compiles). For scale, ``torch.optim.Muon`` on the
+reference that steps while the kernel compiles). With ``--no-ortho``, the same rule
+compiled with every tensor in the Adam form (``learned_no_ortho``: no Newton-Schulz), which
+shows what orthogonalising the matrices costs. For scale, ``torch.optim.Muon`` on the
 matrices the rule orthogonalises and AdamW on the rest (``muon_adamw``; see
 :func:`muon_adamw`): what an orthogonalised step costs in torch itself. AdamW runs with
 ``foreach=True`` (and ``fused=True`` on a GPU). The first ``step()`` in a fresh process
@@ -25,6 +27,7 @@ measured with two busy background processes (``python -c "while True: pass"``), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -144,7 +147,7 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
 NO_EAGER = ["shapes-100M"]
 
 
-def optimizers(params_of, device: str, eager: bool = True) -> dict:
+def optimizers(params_of, device: str, eager: bool = True, no_ortho: bool = False) -> dict:
     """Every optimizer compared, each on its own copy of the parameters (see the module)."""
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
@@ -152,8 +155,16 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
         opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
+    if no_ortho:
+        opts["learned_no_ortho"] = LearnedOptimizer(params_of())
+        opts["learned_no_ortho"].config_transform = _adam_form
     opts["muon_adamw"] = muon_adamw(params_of(), opts["learned_default"].config)
     return opts
+
+
+def _adam_form(cfg):
+    """The rule with every tensor in the Adam form (no Newton-Schulz): ``learned_no_ortho``."""
+    return dataclasses.replace(cfg, output="adam")
 
 
 def muon_adamw(params, cfg) -> MuonWithAdamW:
@@ -222,11 +233,13 @@ def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
     }
 
 
-def workload(name: str, device: str):
+def workload(name: str, device: str, no_ortho: bool = False):
     """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
     if name in SHAPES:
         shapes = transformer_shapes(*SHAPES[name])
-        opts = optimizers(lambda: make_params(shapes), device, eager=name not in NO_EAGER)
+        opts = optimizers(
+            lambda: make_params(shapes), device, eager=name not in NO_EAGER, no_ortho=no_ortho
+        )
 
         def opt_step(opt):
             def run():
@@ -246,7 +259,7 @@ def workload(name: str, device: str):
         models[len(models)] = model
         return model.parameters()
 
-    opts = optimizers(params_of, device)
+    opts = optimizers(params_of, device, no_ortho=no_ortho)
     gen = torch.Generator().manual_seed(0)
     batches = [models[0].batch(gen) for _ in range(4)]
 
@@ -271,11 +284,11 @@ def workload(name: str, device: str):
     return n, tensors, opts, steps
 
 
-def measure(names, device, warmup, repeats, label="", rows=None, save=None):
+def measure(names, device, warmup, repeats, label="", rows=None, save=None, no_ortho=False):
     """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
     rows = [] if rows is None else rows
     for name in names:
-        n, tensors, opts, steps = workload(name, device)
+        n, tensors, opts, steps = workload(name, device, no_ortho)
         waited = compile_kernels(steps, opts)
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
@@ -394,6 +407,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-contention", action="store_true")
+    ap.add_argument("--no-ortho", action="store_true",
+                    help="also time the rule without orthogonalisation (learned_no_ortho)")
     ap.add_argument(
         "--contention-blocks", type=int, default=3,
         help="blocks measured with two busy processes, each with fresh ones (the median is "
@@ -464,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
-    measure(names, device, args.warmup, args.repeats, "as is", rows, save)
+    measure(names, device, args.warmup, args.repeats, "as is", rows, save, args.no_ortho)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]
         blocks = []
