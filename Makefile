@@ -52,7 +52,7 @@ test-newest-torch:
 	test -x $(NEWEST)/bin/python || $(PY) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q torch==$(NEWEST_TORCH) numpy pytest pytest-timeout
 	$(NEWEST)/bin/python -m pip install -q --no-deps -e .
-	$(NEWEST)/bin/python -m pytest -q tests/core/test_kernel.py tests/core/test_golden.py
+	$(NEWEST)/bin/python -m pytest -q tests/core/test_kernel.py tests/core/test_golden.py tests/core/test_packed_step.py
 	$(NEWEST)/bin/python benchmarks/step_overhead.py --workloads transformer-0.5M shapes-10M \
 		--no-contention --out benchmarks/results/step_overhead_newest_torch.json
 
