@@ -141,8 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    ap.add_argument("--pack-numel", type=int, nargs="*", default=[],
-                    help="other bounds on the packed tensors' size to measure, as more sides")
+    ap.add_argument(
+        "--pack-numel",
+        type=int,
+        nargs="*",
+        default=[],
+        help="other bounds on the packed tensors' size to measure, as more sides",
+    )
     ap.add_argument("--out", default="eager_step", help="result name under benchmarks/results/")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -407,8 +407,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-contention", action="store_true")
-    ap.add_argument("--no-ortho", action="store_true",
-                    help="also time the rule without orthogonalisation (learned_no_ortho)")
+    ap.add_argument(
+        "--no-ortho",
+        action="store_true",
+        help="also time the rule without orthogonalisation (learned_no_ortho)",
+    )
     ap.add_argument(
         "--contention-blocks", type=int, default=3,
         help="blocks measured with two busy processes, each with fresh ones (the median is "

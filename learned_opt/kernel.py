@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from .config import NetConfig
-from .network import Theta
 from .features import compute_dtype
+from .network import Theta
 from .segments import FlatLayout
 from .step import Parts, flat_step, tensor_step
 

@@ -58,12 +58,16 @@ def _run(model, monkeypatch, pack: bool, steps: int = 4, bad=None, late=None) ->
 def _assert_same(a_model, a_opt, b_model, b_opt) -> None:
     for (name, p), q in zip(a_model.named_parameters(), b_model.parameters()):
         tol = {"rtol": 1e-2, "atol": 1e-3} if p.dtype == torch.bfloat16 else {}
-        torch.testing.assert_close(p, q, msg=name, **tol, **({} if tol else {"rtol": 1e-5, "atol": 1e-7}))
+        torch.testing.assert_close(
+            p, q, msg=name, **tol, **({} if tol else {"rtol": 1e-5, "atol": 1e-7})
+        )
         sa, sb = a_opt.state[p], b_opt.state[q]
         assert sa.keys() == sb.keys(), name
         for key, value in sa.items():
             if isinstance(value, torch.Tensor):
-                torch.testing.assert_close(value, sb[key], rtol=1e-5, atol=1e-8, msg=f"{name}.{key}")
+                torch.testing.assert_close(
+                    value, sb[key], rtol=1e-5, atol=1e-8, msg=f"{name}.{key}"
+                )
             else:
                 assert value == sb[key], f"{name}.{key}"
 
