@@ -70,10 +70,11 @@ COMPILE_ENV = "LEARNED_OPT_COMPILE"
 #: millisecond), which is most of a bias's or a small matrix's step, while packing costs a
 #: copy of each tensor in and out and gathers over the packed elements. Chosen with
 #: ``benchmarks/eager_step.py --pack-numel 4096 65536 1000000000`` (eager step at one
-#: thread; ``eager_step.json``): up to 16384 elements, the 26k MLP's step took 2.81 ms
-#: against 4.04 ms one call per tensor (3.16 ms up to 4096), the 0.4M transformer's 19.2 ms
-#: against 24.6 ms (18.9 up to 4096, 26.4 up to 65536), and the wide MLP's 35.9 ms
-#: against 38.4 ms (94.0 ms packing its 1M-element matrices too).
+#: thread; ``eager_step.json``): up to 16384 elements, the 26k MLP's step took 3.01 ms
+#: against 4.36 ms one call per tensor (3.18 ms up to 4096), the 0.4M transformer's 19.9 ms
+#: against 25.3 ms (19.5 up to 4096, 28.3 up to 65536), and the wide MLP's 36.0 ms
+#: against 36.9 ms (94.8 ms packing its 1M-element matrices too). A first run gave the
+#: same order.
 PACK_NUMEL = 16384
 
 
