@@ -70,6 +70,8 @@ SCHEDULE_PHRASES = {
 @section("validation_wsd")
 @section("validation_adapt2x_stage1")
 @section("validation_adapt2x_tensor_stage1")
+@section("validation_adapt2x_tensor_stage2")
+@section("validation_packed")
 @section("validation_shrink05")
 @section("validation_shrink02")
 @section("validation_noise10")
