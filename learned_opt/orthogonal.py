@@ -112,7 +112,7 @@ def needs_whole_tensor(cfg: NetConfig, shape) -> bool:
 
 
 def shape_direction(
-    cfg: NetConfig, shapes, direction: Tensor, m1: Tensor, d: Tensor | None, matrices=None
+    cfg: NetConfig, shapes, direction: Tensor | None, m1: Tensor, d: Tensor | None, matrices
 ) -> Tensor:
     """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``.
 
@@ -120,14 +120,12 @@ def shape_direction(
     ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)`` (None when every
     segment is a matrix, which never reads it), ``m1`` the 0.9 momentum and ``d`` the MLP's
     direction output (None: zero), all ``[..., P]``.
-    ``matrices`` (one bool per segment; default :func:`is_matrix` of each shape) says which
-    segments are orthogonalised. Matrices are replaced by
+    ``matrices`` (one bool per segment, :func:`is_matrix` of each shape or a layout's
+    :meth:`~learned_opt.segments.FlatLayout.matrices`) says which segments are orthogonalised. Matrices are replaced by
     their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the
     other segments are kept, or scaled to unit RMS with ``cfg.normalize``.
     """
     numels = [int(torch.Size(s).numel()) for s in shapes]
-    if matrices is None:
-        matrices = [is_matrix(tuple(s), cfg) for s in shapes]
     if not cfg.normalize and not any(matrices):
         return direction
     starts = [0, *itertools.accumulate(numels)]
