@@ -137,6 +137,16 @@ def _broad(rng: random.Random, name: str) -> TaskSpec:
     return _lm(rng, name)
 
 
+#: The share of char LMs that :func:`_broad_seq` draws before falling back to :func:`_broad`.
+SEQ_SHARE = 0.25
+
+
+def _broad_seq(rng: random.Random, name: str) -> TaskSpec:
+    if rng.random() < SEQ_SHARE:
+        return _lm(rng, name)
+    return _broad(rng, name)
+
+
 def _mixed(rng: random.Random, name: str) -> TaskSpec:
     u = rng.random()
     pick = _mlp if u < 0.45 else _regression if u < 0.75 else _cnn if u < 0.93 else _lm
@@ -213,6 +223,12 @@ FAMILIES: dict[str, TaskFamily] = {
             "batch norm), regression 15%, autoencoders 20% (not on digits), L2 logistic "
             "regression 15% (not on breast_cancer), cnns 20% (50% with batch norm), char LMs "
             "5%; widths 8-64",
+        ),
+        TaskFamily(
+            "broad_seq_family",
+            _broad_seq,
+            "broad_family with more sequence models: char LMs (transformers 70%, GRUs 30%) "
+            "drawn first at 25%, then broad_family (about 29% LMs in all)",
         ),
     ]
 }

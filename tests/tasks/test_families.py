@@ -122,6 +122,16 @@ def test_broad_family_samples_are_valid_and_cover_every_kind():
     assert any(s.l2 > 0 and s.batch_size == load_dataset(s.dataset).num_train for s in specs)
 
 
+def test_broad_seq_family_draws_more_sequence_models():
+    g = torch.Generator().manual_seed(0)
+    specs = [get_family("broad_seq_family").sample_spec(g) for _ in range(400)]
+    lm = [s for s in specs if _kind(s) == "lm"]
+    assert 0.2 < len(lm) / len(specs) < 0.4  # 0.25 + 0.75 * 0.05 expected
+    assert {s.model for s in lm} == {"transformer", "gru"}
+    assert {_kind(s) for s in specs} == set(BROAD_KINDS)  # the broad kinds stay
+    assert not any(is_held_out(s.name) for s in specs)
+
+
 def test_broad_family_kinds_train_with_sgd():
     """A few plain SGD steps on one sample of each kind lower the loss on a fixed batch,
     at one of a few learning rates (sampled init scales and widths need different ones)."""
