@@ -63,9 +63,11 @@ def stepped(g_sum_squares: Tensor, p_sum_squares: Tensor) -> Tensor:
 
 
 def update_moments(g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """New momenta ``m`` (``[..., 3, n]``, decays :data:`MOMENTUM_DECAYS`) and second moment
-    ``v`` (``[..., n]``) after gradient ``g`` (``[..., n]``)."""
-    weights = constant(tuple((1.0 - b,) for b in MOMENTUM_DECAYS), m.dtype, m.device)
+    """New momenta ``m`` (``[..., k, n]``: the first ``k`` of the decays
+    :data:`MOMENTUM_DECAYS`) and second moment ``v`` (``[..., n]``) after gradient ``g``
+    (``[..., n]``)."""
+    decays = MOMENTUM_DECAYS[: m.shape[-2]]
+    weights = constant(tuple((1.0 - b,) for b in decays), m.dtype, m.device)
     m_new = torch.lerp(m, g.unsqueeze(-2), weights)
     v_new = torch.addcmul(v * SECOND_MOMENT_DECAY, g, g, value=1.0 - SECOND_MOMENT_DECAY)
     return m_new, v_new

@@ -44,7 +44,7 @@ from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
 from .segments import FlatLayout
-from .step import Parts, flat_step, tensor_step
+from .step import Parts, flat_step, moment_rows, tensor_step
 
 #: A kind of bucket is compiled once it has stepped eagerly at least this many times and
 #: for at least :data:`COMPILE_AFTER_SECONDS` in all: a short-lived optimizer (a quick
@@ -128,7 +128,7 @@ def step_tensors(
             sparse_rows=s.get("sparse_rows", False), read_mask=eager_cpu,
         )  # fmt: skip
         p.copy_(out[0])
-        s["m"].copy_(out[1])
+        s["m"][: len(out[1])].copy_(out[1])  # the momenta the step reads (moment_rows)
         s["v"].copy_(out[2])
         if log_lr is not None:
             s["log_lr"].copy_(out[3])
@@ -148,7 +148,8 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     dtype = compute_dtype(params[0])
     p = torch.cat([t.reshape(-1) for t in params]).to(dtype).unsqueeze(0)
     g = torch.cat([t.reshape(-1) for t in grads]).to(dtype).unsqueeze(0)
-    m = torch.cat([s["m"].reshape(3, -1) for s in states], dim=1).unsqueeze(0)
+    rows = moment_rows(parts)
+    m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1).unsqueeze(0)
     v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
     log_lr = torch.stack([s["log_lr"] for s in states]).unsqueeze(0) if cfg.adapts_lr else None
     out = flat_step(
@@ -159,7 +160,7 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     for t, new in zip(params, out[0][0].split(numels)):
         t.copy_(new.view(t.shape))
     for s, new_m, new_v in zip(states, out[1][0].split(numels, -1), out[2][0].split(numels)):
-        s["m"].copy_(new_m.view(s["m"].shape))
+        s["m"][:rows].copy_(new_m.view(rows, *s["m"].shape[1:]))
         s["v"].copy_(new_v.view(s["v"].shape))
     ok = out[-1][0]
     for i, s in enumerate(states):

@@ -91,7 +91,9 @@ class LearnedOptimizer(Optimizer):
             kernel (see :mod:`learned_opt.kernel`), and the steps after that run it. If
             compiling fails, one warning says why and the reference keeps stepping.
 
-    Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays) and second moment
+    Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays; a rule that evaluates
+    no network, like the shipped single-worker rule, reads and updates only the first, and
+    the other two stay zero: see :func:`~learned_opt.step.moment_rows`) and second moment
     ``v`` in float32 (float64 for float64 parameters), the adapted log step multiplier
     ``log_lr``, the tensor's own step count ``step`` (its bias correction counts its own
     steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal

@@ -62,6 +62,16 @@ class Parts(NamedTuple):
 ALL_PARTS = Parts()
 
 
+def moment_rows(parts: Parts) -> int:
+    """How many of the momenta (``m``'s rows, decays
+    :data:`~learned_opt.config.MOMENTUM_DECAYS`) the step under ``parts`` reads: all three
+    when a network is evaluated (its features read them), else only the 0.9 momentum,
+    which the update and the step-size adaptation read. The rows past these are neither
+    read nor updated: two of every three momentum passes are work that cannot change the
+    result of a rule whose heads are zero."""
+    return 3 if parts.tensor_net or parts.element_net else 1
+
+
 def active_parts(theta: Theta) -> Parts:
     """The :class:`Parts` of ``theta`` whose output heads hold a non-zero value (one look at
     theta; call again after changing it)."""
@@ -138,7 +148,8 @@ def flat_step(
     """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, 3, P]``); returns
     ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
     ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
-    1-based step count after this update.
+    1-based step count after this update. ``new_m`` holds the first
+    :func:`moment_rows` rows of ``m`` (``[B, k, P]``): the rows after them are unchanged.
 
     ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
     (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and
@@ -161,6 +172,7 @@ def flat_step(
         keep = segment_expand(ok, layout)
         zero = torch.zeros((), dtype=p.dtype, device=p.device)
         g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
+    m = m[..., : moment_rows(parts), :]  # the rows no evaluated part reads stay as they are
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
     matrices = layout.matrices(cfg)
@@ -220,7 +232,7 @@ def tensor_step(
     (``sparse_rows``: a row-sparse matrix, see :class:`~learned_opt.segments.FlatLayout`).
 
     ``m`` is ``(3, *p.shape)``; computes in :func:`~learned_opt.features.compute_dtype`.
-    Returns ``(new_p, new_m, new_v)``, and the new ``log_lr`` (a scalar) after them if
+    Returns ``(new_p, new_m, new_v)`` (``new_m``: the first :func:`moment_rows` rows), and the new ``log_lr`` (a scalar) after them if
     ``log_lr`` is given (a config that adapts step sizes needs it), then whether the
     tensor was stepped if ``return_finite``; differentiable in theta, p, g, m and v, and
     works under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN
@@ -236,7 +248,8 @@ def tensor_step(
         return_finite=True, parts=parts, read_mask=read_mask,
     )  # fmt: skip
     new_p, new_m, new_v = out[:3]
-    new = (new_p.reshape(p.shape).to(p.dtype), new_m.reshape(m.shape), new_v.reshape(v.shape))
+    new_m = new_m.reshape(-1, *p.shape)
+    new = (new_p.reshape(p.shape).to(p.dtype), new_m, new_v.reshape(v.shape))
     if log_lr is not None:
         new = (*new, out[3].reshape(log_lr.shape))
     return (*new, out[-1].reshape(())) if return_finite else new

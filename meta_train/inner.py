@@ -89,7 +89,10 @@ class InnerOptimizer:
                 self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
                 log_lr=state.get("log_lr"), parts=self.parts,
             )  # fmt: skip
-            new = {"m": out[1], "v": out[2]}
+            m = out[1]  # the momenta this step read; the rest stay (moment_rows)
+            if m.shape[-2] < state["m"].shape[-2]:
+                m = torch.cat([m, state["m"][..., m.shape[-2] :, :]], dim=-2)
+            new = {"m": m, "v": out[2]}
             if "log_lr" in state:
                 new["log_lr"] = out[3]
             return out[0], new

@@ -21,6 +21,7 @@ from test_golden import check_recorded
 from learned_opt import LearnedOptimizer, kernel
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
+from learned_opt.step import active_parts, moment_rows
 
 #: generous: a cold compile of the golden tensors takes tens of seconds on a loaded machine
 COMPILE_TIMEOUT = 600
@@ -123,7 +124,8 @@ def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
     opt.step()
     assert [e.eager_steps for e in entries] == eager_steps, "a bucket ran the reference"
     got = {name: {"p": p.detach(), **opt.state[p]} for name, p in zip(inputs, params)}
-    check_recorded(DEFAULT_CHECKPOINT, got, inputs, opt.config.adapts_lr)
+    rows = moment_rows(active_parts(opt.net.theta()))
+    check_recorded(DEFAULT_CHECKPOINT, got, inputs, opt.config.adapts_lr, rows)
 
 
 def test_kernel_continues_the_reference_run(compiled, monkeypatch):

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from learned_opt import LearnedOptimizer, kernel
+from learned_opt import LearnedOptimizer, kernel, load_checkpoint
+from learned_opt.step import Parts, active_parts
 
 
 class _Mixed(nn.Module):
@@ -102,3 +103,27 @@ def test_packed_step_moves_every_small_tensor(monkeypatch):
     for name, p in model.named_parameters():
         moved = (p.detach().float() - before[name].float()).abs()
         assert moved.max() > 0, name
+
+
+@pytest.mark.parametrize("pack", [True, False], ids=["packed", "one-by-one"])
+def test_a_zero_head_rule_updates_only_the_momentum_it_reads(monkeypatch, pack):
+    """The shipped rule evaluates no network, so only the 0.9 momentum (``moment_rows``) is
+    read and written; the two slower momenta stay as they were (zero), in both layouts."""
+    model = _Mixed()
+    opt = _run(model, monkeypatch, pack, steps=2)
+    assert active_parts(opt.net.theta()) == Parts(tensor_net=False, element_net=False)
+    for name, p in model.named_parameters():
+        m = opt.state[p]["m"]
+        assert m.shape == (3, *p.shape), name
+        assert m[0].abs().max() > 0 and not m[1:].any(), name
+
+
+def test_a_rule_with_networks_updates_every_momentum(monkeypatch):
+    model = _Mixed()
+    net, _ = load_checkpoint("default")
+    assert active_parts(net.theta()) != Parts(tensor_net=False, element_net=False)
+    opt = LearnedOptimizer(model.parameters(), net=net, compile=False)
+    _grads(model, 0)
+    opt.step()
+    for name, p in model.named_parameters():
+        assert (opt.state[p]["m"].reshape(3, -1).abs().amax(dim=1) > 0).all(), name

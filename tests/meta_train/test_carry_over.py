@@ -18,6 +18,7 @@ from learned_opt.meta_train.module import MetaTrainModule, trainable_names
 from learned_opt.meta_train.settings import PART_MODULES, validate_settings
 from learned_opt.meta_train.slots import AugmentedTask, SlotSampler, restore_slots, serialise_slots
 from learned_opt.network import LearnedOptimizerNet
+from learned_opt.segments import FlatLayout
 from learned_opt.step import Parts, active_parts
 from learned_opt.tasks import get_family, get_task
 
@@ -168,3 +169,18 @@ def test_sampler_augments_tasks_and_slots_keep_their_augmentation():
     params = first.layout.unflatten(first.params)
     one = (tuple(t[0] for t in batch), {k: v[0] for k, v in params.items()})
     assert torch.allclose(restored[0].task.loss(one[1], one[0]), first.task.loss(one[1], one[0]))
+
+
+def test_inner_step_without_networks_keeps_the_momenta_it_does_not_read():
+    """An inner learned step that evaluates no network updates the 0.9 momentum and hands
+    the other two rows back unchanged, so the unroll's state keeps its shape."""
+    net, _ = load_checkpoint("adapt_init_2x")
+    inner = make_inner_optimizer("learned", net=net, parts=Parts(False, False))
+    layout = FlatLayout(("w", "b"), ((4, 3), (4,)))
+    p = torch.randn(2, 16)
+    state = inner.init(p, layout)
+    state["m"][:, 1:] = 0.5
+    new_p, new = inner.update(layout, p, torch.randn(2, 16), state, 1)
+    assert new["m"].shape == state["m"].shape
+    assert torch.equal(new["m"][:, 1:], state["m"][:, 1:]) and new["m"][:, 0].abs().max() > 0
+    assert not torch.equal(new_p, p)
