@@ -14,13 +14,27 @@ from learned_opt.step import ALL_PARTS, flat_step, init_flat_state
 ORTHO = NetConfig(output="ortho")
 
 
-@pytest.mark.parametrize("shape", [(16, 16), (8, 40), (40, 8), (3, 5, 7)])
+@pytest.mark.parametrize("shape", [(16, 16), (8, 16), (8, 40), (40, 8), (3, 5, 7)])
 def test_newton_schulz_brings_singular_values_near_one(shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     x = x * torch.logspace(0, -1, shape[-1], dtype=torch.float64)  # condition number 10
     s = torch.linalg.svdvals(newton_schulz(x, 5))
     assert s.min() > 0.5 and s.max() < 1.3, s
     assert torch.equal(newton_schulz(torch.zeros(shape), 5), torch.zeros(shape))
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (12, 40), (40, 12)])
+def test_the_gram_iteration_gives_the_plain_iteration(shape):
+    """A wide (or tall) matrix iterates on its Gram matrix: the same values, up to rounding,
+    as the iteration on the matrix itself, written out here."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = x if shape[0] <= shape[1] else x.T
+    y = y / (torch.linalg.vector_norm(y) + 1e-7)  # as newton_schulz scales it
+    for _ in range(5):
+        gram = y @ y.T
+        y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
+    expect = y if shape[0] <= shape[1] else y.T
+    torch.testing.assert_close(newton_schulz(x, 5), expect, rtol=1e-9, atol=1e-10)
 
 
 def test_which_tensors_are_matrices():
