@@ -23,7 +23,7 @@ def test_newton_schulz_brings_singular_values_near_one(shape):
     assert torch.equal(newton_schulz(torch.zeros(shape), 5), torch.zeros(shape))
 
 
-@pytest.mark.parametrize("shape", [(8, 16), (12, 40), (40, 12)])
+@pytest.mark.parametrize("shape", [(8, 24), (12, 40), (40, 12)])
 def test_the_gram_iteration_gives_the_plain_iteration(shape):
     """A wide (or tall) matrix iterates on its Gram matrix: the same values, up to rounding,
     as the iteration on the matrix itself, written out here."""
