@@ -128,7 +128,8 @@ class GossipOptimizer:
             neighbour sending bad finite values moves this rank by a bounded step (default
             communicator only; see :mod:`.mixing`).
         share_state: mix the local optimizer's ``shared_state()`` (a
-            :class:`~learned_opt.LearnedOptimizer`'s second moments and three momenta) in
+            :class:`~learned_opt.LearnedOptimizer`'s second moments and the momenta its
+            rule reads) in
             the same exchange as the parameters, with Metropolis weights, so every worker
             normalises and steps alike (see :meth:`LearnedLocal.shared_state
             <learned_opt.distributed.local.LearnedLocal.shared_state>`); an exchange that

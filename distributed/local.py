@@ -34,6 +34,7 @@ from learned_opt.config import NetConfig
 from learned_opt.features import init_state
 from learned_opt.network import LearnedOptimizerNet, Theta
 from learned_opt.optimizer import LearnedOptimizer
+from learned_opt.step import moment_rows
 
 
 @runtime_checkable
@@ -139,7 +140,7 @@ class LearnedLocal(TorchLocal):
 
     def shared_state(self) -> list[Tensor]:
         """Each parameter's second moment ``v``, then each parameter's momenta ``m``
-        (``[3, *shape]``), in param-group order (the tensors themselves, mixed in place).
+        (``[k, *shape]``: the rows the rule reads), in param-group order (the tensors themselves, mixed in place).
 
         Under label-skewed data each worker's state differs. With its own ``v``, the
         average of the workers' normalised updates ``m_i / sqrt(v_i)`` is not the
@@ -153,7 +154,9 @@ class LearnedLocal(TorchLocal):
         opt, vs, ms = self.optimizer, [], []
         for group in opt.param_groups:
             for p in group["params"]:
-                state = opt.state[p] if "v" in opt.state.get(p, {}) else init_state(p)
+                state = opt.state.get(p, {})
+                if "v" not in state:
+                    state = init_state(p, moment_rows(opt.parts))
                 vs.append(state["v"])
                 ms.append(state["m"])
         return vs + ms

@@ -42,12 +42,13 @@ def _check_entry(index: int, p: Tensor, entry: dict) -> None:
             f"{where}: saved state has keys {sorted(entry)}, a LearnedOptimizer's has "
             f"{list(REQUIRED_STATE + OPTIONAL_STATE)}: a state dict of another optimizer?"
         )
-    expected = {"m": (3, *_shape(p)), "v": _shape(p)}
-    for key, shape in expected.items():
+    expected = {"m": [(k, *_shape(p)) for k in (1, 3)], "v": [_shape(p)]}
+    for key, shapes in expected.items():
         value = entry[key]
         if not isinstance(value, Tensor) or not value.is_floating_point():
             raise StateDictError(f"{where}: saved {key} is not a floating-point tensor")
-        if _shape(value) != shape:
+        if _shape(value) not in shapes:
+            shape = " or ".join(str(s) for s in shapes)
             raise StateDictError(
                 f"{where}: saved {key} has shape {_shape(value)}, expected {shape}: "
                 "state saved for other parameters, or in another order?"

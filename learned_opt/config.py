@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import asdict, dataclass, field, fields, replace
 
-#: Momentum decays of the per-parameter state (three momenta, one second moment).
+#: Momentum decays of the per-parameter state (up to three momenta: those the rule reads,
+#: see :func:`learned_opt.step.moment_rows`; and one second moment).
 MOMENTUM_DECAYS = (0.9, 0.99, 0.999)
 SECOND_MOMENT_DECAY = 0.999
 

@@ -43,13 +43,15 @@ def compute_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def init_state(p: Tensor) -> dict[str, Tensor]:
-    """Zero state for parameter ``p``: momenta ``m`` of shape ``(3, *p.shape)`` and ``v``,
-    contiguous, and the tensor's adapted log step multiplier ``log_lr`` (a scalar; see
-    :func:`adapt_log_lr`), in :func:`compute_dtype`."""
+def init_state(p: Tensor, rows: int = 3) -> dict[str, Tensor]:
+    """Zero state for parameter ``p``: momenta ``m`` of shape ``(rows, *p.shape)`` (the
+    first ``rows`` of :data:`MOMENTUM_DECAYS`: those the step reads, see
+    :func:`~learned_opt.step.moment_rows`) and ``v``, contiguous, and the tensor's adapted
+    log step multiplier ``log_lr`` (a scalar; see :func:`adapt_log_lr`), in
+    :func:`compute_dtype`."""
     dtype = compute_dtype(p)
     return {
-        "m": torch.zeros((3,) + tuple(p.shape), dtype=dtype, device=p.device),
+        "m": torch.zeros((rows,) + tuple(p.shape), dtype=dtype, device=p.device),
         "v": torch.zeros(p.shape, dtype=dtype, device=p.device),
         "log_lr": torch.zeros((), dtype=dtype, device=p.device),
     }

@@ -22,7 +22,7 @@ from .config import NetConfig
 from .features import compute_dtype, init_state
 from .kernel import Kernels
 from .network import LearnedOptimizerNet, Theta
-from .step import Parts, active_parts
+from .step import Parts, active_parts, moment_rows
 
 
 def checked_lr(lr, where: str = "lr") -> float:
@@ -91,9 +91,11 @@ class LearnedOptimizer(Optimizer):
             kernel (see :mod:`learned_opt.kernel`), and the steps after that run it. If
             compiling fails, one warning says why and the reference keeps stepping.
 
-    Per-parameter state (``self.state[p]``): momenta ``m`` (3 decays; a rule that evaluates
-    no network, like the shipped single-worker rule, reads and updates only the first, and
-    the other two stay zero: see :func:`~learned_opt.step.moment_rows`) and second moment
+    Per-parameter state (``self.state[p]``): momenta ``m`` (``[k, *p.shape]``: the first
+    ``k`` of the decays 0.9, 0.99 and 0.999, those the rule reads; a rule that evaluates no
+    network, like the shipped single-worker rule, reads only the first, so that its state
+    is 8 bytes per float32 parameter, as AdamW's: see
+    :func:`~learned_opt.step.moment_rows`) and second moment
     ``v`` in float32 (float64 for float64 parameters), the adapted log step multiplier
     ``log_lr``, the tensor's own step count ``step`` (its bias correction counts its own
     steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal
@@ -258,7 +260,7 @@ class LearnedOptimizer(Optimizer):
         without this a parameter that has seen no signal yet would drift. (Not named
         ``_init_group``: torch.compile treats a method of that name specially.)
         """
-        items = []
+        items, rows = [], moment_rows(self.parts)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -271,10 +273,12 @@ class LearnedOptimizer(Optimizer):
             if len(state) == 0:
                 if p.numel() and not p.grad.any():
                     continue
-                state.update(init_state(p))
+                state.update(init_state(p, rows))
                 state["nonfinite_skips"] = 0
                 state["sparse_rows"] = has_empty_rows(p.grad)
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
+            if state["m"].shape[0] != rows:  # saved, or kept, for a rule reading other rows
+                state["m"] = _moment_rows(state["m"], rows)
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
@@ -362,3 +366,13 @@ class LearnedOptimizer(Optimizer):
     def load(cls, params, path: str | os.PathLike, **kwargs) -> LearnedOptimizer:
         """Build an optimizer for ``params`` from a checkpoint file or shipped name."""
         return cls(params, checkpoint=path, **kwargs)
+
+
+def _moment_rows(m: Tensor, rows: int) -> Tensor:
+    """Momenta ``m`` (``[k, *shape]``) as the first ``rows`` of them: the rows past ``k``
+    start at zero (a rule that now reads the slower momenta, after a change of theta or
+    loading a rule without networks' state), the rows past ``rows`` are dropped (a rule
+    that no longer reads them)."""
+    if m.shape[0] >= rows:
+        return m[:rows].clone()
+    return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])

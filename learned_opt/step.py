@@ -68,7 +68,8 @@ def moment_rows(parts: Parts) -> int:
     when a network is evaluated (its features read them), else only the 0.9 momentum,
     which the update and the step-size adaptation read. The rows past these are neither
     read nor updated: two of every three momentum passes are work that cannot change the
-    result of a rule whose heads are zero."""
+    result of a rule whose heads are zero, and the optimizer keeps only these rows, so
+    that such a rule's state is 8 bytes per float32 parameter, as AdamW's."""
     return 3 if parts.tensor_net or parts.element_net else 1
 
 
@@ -145,7 +146,8 @@ def flat_step(
     parts: Parts = ALL_PARTS,
     read_mask: bool = False,
 ) -> tuple[Tensor, ...]:
-    """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, 3, P]``); returns
+    """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, k, P]``, ``k`` at
+    least :func:`moment_rows`); returns
     ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
     ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
     1-based step count after this update. ``new_m`` holds the first
@@ -172,7 +174,10 @@ def flat_step(
         keep = segment_expand(ok, layout)
         zero = torch.zeros((), dtype=p.dtype, device=p.device)
         g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
-    m = m[..., : moment_rows(parts), :]  # the rows no evaluated part reads stay as they are
+    rows = moment_rows(parts)
+    if m.shape[-2] < rows:
+        raise ValueError(f"this step reads {rows} momenta, m holds {m.shape[-2]}")
+    m = m[..., :rows, :]  # the rows no evaluated part reads stay as they are
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
     matrices = layout.matrices(cfg)
@@ -231,7 +236,7 @@ def tensor_step(
     """Pure learned step of one tensor: :func:`flat_step` on a one-segment view
     (``sparse_rows``: a row-sparse matrix, see :class:`~learned_opt.segments.FlatLayout`).
 
-    ``m`` is ``(3, *p.shape)``; computes in :func:`~learned_opt.features.compute_dtype`.
+    ``m`` is ``(k, *p.shape)``, ``k`` at least :func:`moment_rows`; computes in :func:`~learned_opt.features.compute_dtype`.
     Returns ``(new_p, new_m, new_v)`` (``new_m``: the first :func:`moment_rows` rows), and the new ``log_lr`` (a scalar) after them if
     ``log_lr`` is given (a config that adapts step sizes needs it), then whether the
     tensor was stepped if ``return_finite``; differentiable in theta, p, g, m and v, and
@@ -243,7 +248,7 @@ def tensor_step(
     out = flat_step(
         theta, cfg, one_segment(p.shape, sparse_rows),
         p.to(dtype).reshape(1, -1), g.to(dtype).reshape(1, -1),
-        m.reshape(1, 3, -1), v.reshape(1, -1), step, lr,
+        m.reshape(1, m.shape[0], -1), v.reshape(1, -1), step, lr,
         log_lr=None if log_lr is None else log_lr.reshape(1, 1),
         return_finite=True, parts=parts, read_mask=read_mask,
     )  # fmt: skip

@@ -60,7 +60,7 @@ def _other_shapes_state(params):
         ),
         (
             _other_shapes_state,
-            "parameter 0 (shape (7, 5)): saved m has shape (3, 8, 5), expected (3, 7, 5)",
+            "parameter 0 (shape (7, 5)): saved m has shape (3, 8, 5), expected (1, 7, 5) or (3, 7, 5)",
         ),
         (lambda params: {"state": {}}, "not an optimizer state dict"),
     ],

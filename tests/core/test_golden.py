@@ -81,7 +81,7 @@ def check_recorded(
         err = (new["p"] - ref["p"]).abs().max()
         assert err <= 1e-5 * update + 1e-9, f"{name}: {err:.2e} of update {update:.2e}"
         torch.testing.assert_close(new["m"][:rows], ref["m"][:rows], rtol=1e-5, atol=1e-8)
-        assert torch.equal(new["m"][rows:], inputs[name]["m"][rows:])
+        assert torch.equal(new["m"][rows:], inputs[name]["m"][rows : len(new["m"])])
         torch.testing.assert_close(new["v"], ref["v"], rtol=1e-5, atol=1e-10)
         if adapts_lr:
             torch.testing.assert_close(new["log_lr"], ref["log_lr"], rtol=1e-5, atol=1e-7)

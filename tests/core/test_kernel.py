@@ -46,7 +46,7 @@ def _set_golden_state(opt, params, inputs) -> None:
         p.grad = t["g"].clone()
         state = opt.state[p]
         for key in ("m", "v", "log_lr"):
-            state[key].copy_(t[key])
+            state[key].copy_(t[key][: len(state[key])] if key == "m" else t[key])
         state["step"].fill_(STEP - 1)
 
 

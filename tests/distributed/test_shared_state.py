@@ -97,7 +97,9 @@ def test_state_without_a_step_yet_is_sent_as_discarded_zeros():
     params = list(model.parameters())
     local = LearnedOptimizer(params)
     sent = gossip_local(local).shared_state()  # before any step: no state
-    assert [s.shape for s in sent] == [p.shape for p in params] + [(3, *p.shape) for p in params]
+    assert [s.shape for s in sent] == [p.shape for p in params] + [
+        (1, *p.shape) for p in params
+    ]  # the rows the rule reads
     assert all(not s.any() for s in sent) and not local.state
 
 
