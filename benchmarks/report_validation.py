@@ -73,6 +73,8 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage2")
 @section("validation_packed")
 @section("validation_rate05")
+@section("validation_floor6")
+@section("validation_floor8")
 @section("validation_shrink05")
 @section("validation_shrink02")
 @section("validation_noise10")
