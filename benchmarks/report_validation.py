@@ -71,6 +71,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_stage1")
 @section("validation_adapt2x_tensor_stage1")
 @section("validation_adapt2x_tensor_stage2")
+@section("validation_adapt2x_tensor_stage3")
 @section("validation_packed")
 @section("validation_rate05")
 @section("validation_floor6")
