@@ -48,7 +48,10 @@ def test_survivors_finish_and_report_the_lost_ranks(kill_freeze):
         assert 5 <= lost[0][1] <= 6 and 12 <= lost[1][1] <= 13
         assert out["metrics"]["gossip/excluded_ranks"] == 2.0
         assert out["metrics"]["gossip/world_size"] == 2.0
-        assert "rank 3" in out["failures"][0]["cause"]  # what the first survivor saw
+        # what the first survivor saw: rank 3's death, or, on a loaded machine where another
+        # survivor's report arrives first, the exchange that failed at that step
+        cause = out["failures"][0]["cause"]
+        assert "rank 3" in cause or f"failed at step {lost[0][1]}" in cause, cause
 
 
 @pytest.mark.timeout(LAUNCH + 30)
