@@ -140,7 +140,8 @@ class LearnedLocal(TorchLocal):
 
     def shared_state(self) -> list[Tensor]:
         """Each parameter's second moment ``v``, then each parameter's momenta ``m``
-        (``[k, *shape]``: the rows the rule reads), in param-group order (the tensors themselves, mixed in place).
+        (``[k, *shape]``: the rows the rule reads), in param-group order (the tensors
+        themselves, mixed in place).
 
         Under label-skewed data each worker's state differs. With its own ``v``, the
         average of the workers' normalised updates ``m_i / sqrt(v_i)`` is not the

@@ -236,11 +236,12 @@ def tensor_step(
     """Pure learned step of one tensor: :func:`flat_step` on a one-segment view
     (``sparse_rows``: a row-sparse matrix, see :class:`~learned_opt.segments.FlatLayout`).
 
-    ``m`` is ``(k, *p.shape)``, ``k`` at least :func:`moment_rows`; computes in :func:`~learned_opt.features.compute_dtype`.
-    Returns ``(new_p, new_m, new_v)`` (``new_m``: the first :func:`moment_rows` rows), and the new ``log_lr`` (a scalar) after them if
-    ``log_lr`` is given (a config that adapts step sizes needs it), then whether the
-    tensor was stepped if ``return_finite``; differentiable in theta, p, g, m and v, and
-    works under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN
+    ``m`` is ``(k, *p.shape)``, ``k`` at least :func:`moment_rows`; computes in
+    :func:`~learned_opt.features.compute_dtype`. Returns ``(new_p, new_m, new_v)``
+    (``new_m``: the first :func:`moment_rows` rows), and the new ``log_lr`` (a scalar)
+    after them if ``log_lr`` is given (a config that adapts step sizes needs it), then
+    whether the tensor was stepped if ``return_finite``; differentiable in theta, p, g, m
+    and v, and works under ``torch.func.vmap`` (stacked workers). A gradient or parameter holding NaN
     or Inf leaves ``p``, ``m``, ``v`` and ``log_lr`` unchanged. ``read_mask``: see
     :func:`flat_step`.
     """
