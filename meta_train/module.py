@@ -29,6 +29,19 @@ from .settings import PART_MODULES, validate_settings
 from .slots import SlotSampler, restore_slots, serialise_slots
 
 
+def with_config(net: LearnedOptimizerNet, fields: dict) -> LearnedOptimizerNet:
+    """``net`` with ``fields`` of its config replaced and its parameters kept; a field
+    that is unknown, invalid or changes the network's shape raises ``ValueError``."""
+    try:
+        config = NetConfig.from_dict({**net.config.to_dict(), **dict(fields)})
+        new = LearnedOptimizerNet(config)
+        new.load_state_dict(net.state_dict())
+    except (TypeError, ValueError, RuntimeError) as exc:
+        message = str(exc).splitlines()[0]
+        raise ValueError(f"init_config: {message}") from None
+    return new
+
+
 class MetaTrainModule(L.LightningModule):
     """Holds theta (``self.net``) and meta-trains it.
 
@@ -59,6 +72,9 @@ class MetaTrainModule(L.LightningModule):
         outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
         val_*: validation tasks, horizon and the decentralized validation setting.
         init_checkpoint: start from a saved learned-optimizer checkpoint.
+        init_config: fields of the starting network's ``NetConfig`` to replace, e.g.
+            ``{"lr_adapt_min": -6.0}`` to train on a floor chosen after that checkpoint
+            was saved (the exported checkpoint keeps them).
         baseline_cache: JSON file caching the tuned-baseline curves (None: memory only).
         histogram_every: log update/mixing histograms every this many meta-steps.
     """
@@ -94,6 +110,7 @@ class MetaTrainModule(L.LightningModule):
         val_alpha: float = 0.1,
         val_seed: int = 0,
         init_checkpoint: str | None = None,
+        init_config: dict | None = None,
         baseline_cache: str | None = "runs/meta/baseline_cache.json",
         histogram_every: int = 50,
     ):
@@ -108,6 +125,8 @@ class MetaTrainModule(L.LightningModule):
                 )
         else:
             self.net = LearnedOptimizerNet(NetConfig(width=width))
+        if init_config:
+            self.net = with_config(self.net, init_config)
         self.automatic_optimization = False
         s = self.settings
         self.trainable = trainable_names(self.net, s.train_parts)

@@ -166,3 +166,30 @@ def test_config_that_samples_held_out_work_fails(monkeypatch):
     monkeypatch.setattr(get_family("mlp_family"), "held_out", True)
     with pytest.raises(ValueError, match="family.*held out"):
         MetaTrainModule(**{**SMALL, "family": "mlp_family"})
+
+
+def test_init_config_replaces_fields_and_keeps_the_parameters():
+    from learned_opt.checkpoint import load_checkpoint
+
+    start, _ = load_checkpoint("adapt_init_2x")
+    module = MetaTrainModule(
+        **{**SMALL, "worker_counts": [1]}, init_checkpoint="adapt_init_2x",
+        init_config={"lr_adapt_min": -7.5},
+    )  # fmt: skip
+    assert module.net.config.lr_adapt_min == -7.5
+    assert module.net.config.width == start.config.width
+    for (name, a), (_, b) in zip(module.net.named_parameters(), start.named_parameters()):
+        assert torch.equal(a, b), name
+    saved = {}
+    module.on_save_checkpoint(saved)
+    assert NetConfig.from_dict(saved["meta_state"]["net_config"]).lr_adapt_min == -7.5
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [({"no_such_field": 1.0}, "unknown NetConfig fields"), ({"width": 16}, "init_config")],
+)
+def test_bad_init_config_is_a_one_line_error(fields, message):
+    with pytest.raises(ValueError, match=message) as info:
+        MetaTrainModule(**SMALL, init_checkpoint="adapt_init_2x", init_config=fields)
+    assert "init_config" in str(info.value) and "\n" not in str(info.value)
