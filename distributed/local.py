@@ -34,7 +34,7 @@ from learned_opt.config import NetConfig
 from learned_opt.features import init_state
 from learned_opt.network import LearnedOptimizerNet, Theta
 from learned_opt.optimizer import LearnedOptimizer
-from learned_opt.step import moment_rows
+from learned_opt.step import fit_moment_rows, moment_rows
 
 
 @runtime_checkable
@@ -153,11 +153,14 @@ class LearnedLocal(TorchLocal):
         on the decentralized validation and held-out suites (3 seeds): see the README. A
         parameter with no state yet sends zeros, which are discarded."""
         opt, vs, ms = self.optimizer, [], []
+        rows = moment_rows(opt.parts)
         for group in opt.param_groups:
             for p in group["params"]:
                 state = opt.state.get(p, {})
                 if "v" not in state:
-                    state = init_state(p, moment_rows(opt.parts))
+                    state = init_state(p, rows)
+                elif state["m"].shape[0] != rows:  # kept for a rule that read other rows
+                    state["m"] = fit_moment_rows(state["m"], rows)
                 vs.append(state["v"])
                 ms.append(state["m"])
         return vs + ms

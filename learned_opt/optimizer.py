@@ -22,7 +22,7 @@ from .config import NetConfig
 from .features import compute_dtype, init_state
 from .kernel import Kernels
 from .network import LearnedOptimizerNet, Theta
-from .step import Parts, active_parts, moment_rows
+from .step import Parts, active_parts, fit_moment_rows, moment_rows
 
 
 def checked_lr(lr, where: str = "lr") -> float:
@@ -278,7 +278,7 @@ class LearnedOptimizer(Optimizer):
                 state["sparse_rows"] = has_empty_rows(p.grad)
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
             if state["m"].shape[0] != rows:  # saved, or kept, for a rule reading other rows
-                state["m"] = _moment_rows(state["m"], rows)
+                state["m"] = fit_moment_rows(state["m"], rows)
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
@@ -357,6 +357,8 @@ class LearnedOptimizer(Optimizer):
                     self.state[p][key] = value.to(p.device, compute_dtype(p), copy=True)
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True)
+            if "m" in self.state[p]:  # saved by a rule that read other momenta
+                self.state[p]["m"] = fit_moment_rows(self.state[p]["m"], moment_rows(self.parts))
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""
@@ -366,13 +368,3 @@ class LearnedOptimizer(Optimizer):
     def load(cls, params, path: str | os.PathLike, **kwargs) -> LearnedOptimizer:
         """Build an optimizer for ``params`` from a checkpoint file or shipped name."""
         return cls(params, checkpoint=path, **kwargs)
-
-
-def _moment_rows(m: Tensor, rows: int) -> Tensor:
-    """Momenta ``m`` (``[k, *shape]``) as the first ``rows`` of them: the rows past ``k``
-    start at zero (a rule that now reads the slower momenta, after a change of theta or
-    loading a rule without networks' state), the rows past ``rows`` are dropped (a rule
-    that no longer reads them)."""
-    if m.shape[0] >= rows:
-        return m[:rows].clone()
-    return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])

@@ -73,6 +73,16 @@ def moment_rows(parts: Parts) -> int:
     return 3 if parts.tensor_net or parts.element_net else 1
 
 
+def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
+    """Momenta ``m`` (``[k, *shape]``) as the first ``rows`` of them: the rows past ``k``
+    start at zero (a rule that now reads the slower momenta, after a change of theta or
+    loading a rule without networks' state), the rows past ``rows`` are dropped (a rule
+    that no longer reads them)."""
+    if m.shape[0] >= rows:
+        return m[:rows].clone()
+    return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])
+
+
 def active_parts(theta: Theta) -> Parts:
     """The :class:`Parts` of ``theta`` whose output heads hold a non-zero value (one look at
     theta; call again after changing it)."""

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from learned_opt import LearnedOptimizer, kernel, load_checkpoint
+from learned_opt.distributed.local import gossip_local
 from learned_opt.step import Parts, active_parts
 
 
@@ -131,6 +132,8 @@ def test_the_momenta_follow_the_rule_across_theta_changes_and_state_dicts(monkey
         assert (opt.state[p]["m"].reshape(3, -1).abs().amax(dim=1) > 0).all(), name
     shipped = LearnedOptimizer(model.parameters(), compile=False)
     shipped.load_state_dict(opt.state_dict())
+    for name, p in model.named_parameters():  # converted on loading, before any step
+        assert shipped.state[p]["m"].shape == (1, *p.shape), name
     first = {n: opt.state[p]["m"][0].clone() for n, p in model.named_parameters()}
     _grads(model, 1)
     shipped.step()
@@ -138,9 +141,14 @@ def test_the_momenta_follow_the_rule_across_theta_changes_and_state_dicts(monkey
         m = shipped.state[p]["m"]
         assert m.shape == (1, *p.shape), name
         torch.testing.assert_close(m[0], 0.9 * first[name] + 0.1 * p.grad.float(), msg=name)
-    # theta that reads the slower momenta again: they start at zero, then move
+    # theta that reads the slower momenta again: they start at zero, then move; state
+    # shared for gossip before that step already has the rows the rule reads
     shipped.net = net
     shipped.refresh_theta()
+    shared = gossip_local(shipped).shared_state()
+    assert [tuple(t.shape) for t in shared[len(shared) // 2 :]] == [
+        (3, *p.shape) for p in model.parameters()
+    ]
     _grads(model, 2)
     shipped.step()
     for name, p in model.named_parameters():
