@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from learned_opt import allocator
 from learned_opt.meta_train.evaluation import final_loss, smooth, speedup, tune_baseline
 from learned_opt.meta_train.inner import InnerOptimizer
 
@@ -25,6 +26,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "malloc_tuned": bool(allocator._tuned),  # every side alike (benchmarks/__init__)
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from benchmarks.report import markdown_table, section
@@ -486,4 +487,34 @@ def render_eager_step(r: dict) -> str:
         "the timed rounds, each side on its own copy of the model, taking turns with AdamW "
         f"(`foreach=True`). Small tensors: at most {r['pack_numel']:,} elements. {_measured(r)} Load average {r['load_average_end']} at the end. "
         f"Command: `{r['command']}`."
+    )
+
+
+@section("eager_step_malloc_on")
+def render_eager_step_malloc(r: dict) -> str:
+    """The eager step with glibc's thresholds raised (``learned_opt.allocator``) beside the
+    same benchmark run with them left alone (``eager_step_malloc_off.json``)."""
+    from benchmarks.report import RESULTS
+
+    off = json.loads((RESULTS / "eager_step_malloc_off.json").read_text())
+    rows = []
+    for name, on in r["rows"].items():
+        before = off["rows"][name]
+        rows.append([
+            name, f"{on['parameters']:,}",
+            f"{before['ms']['packed']:.2f} / {on['ms']['packed']:.2f}",
+            f"{before['ms']['adamw']:.2f} / {on['ms']['adamw']:.2f}",
+            f"{_x(before['x_adamw']['packed'])} / {_x(on['x_adamw']['packed'])}",
+            _x(before["ms"]["packed"] / on["ms"]["packed"]),
+        ])  # fmt: skip
+    header = ["model", "params", "rule step ms, defaults / raised", "AdamW step ms",
+              "rule / AdamW", "rule's step time, defaults ÷ raised"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + "\n\nEager reference step (the default packing), one thread, each side on its own "
+        "copy of the model taking turns with AdamW; the first of each pair with glibc's "
+        "allocator defaults (`LEARNED_OPT_TUNE_MALLOC=0`), the second with its thresholds "
+        f"raised for every side, as `LearnedOptimizer` sets them on CPU. {_measured(r)} "
+        f"Load average {off['load_average_end']} and {r['load_average_end']} at the ends. "
+        f"Commands: `LEARNED_OPT_TUNE_MALLOC=0 {off['command']}` and `{r['command']}`."
     )

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .allocator import tune_malloc
 from .checkpoint import (
     DEFAULT_CHECKPOINT,
     load_checkpoint,
@@ -91,6 +92,11 @@ class LearnedOptimizer(Optimizer):
             kernel (see :mod:`learned_opt.kernel`), and the steps after that run it. If
             compiling fails, one warning says why and the reference keeps stepping.
 
+    With parameters on CPU the optimizer raises glibc's mmap and trim thresholds once per
+    process, so that the eager step's temporaries reuse memory instead of being faulted in
+    afresh every step (process-wide; ``LEARNED_OPT_TUNE_MALLOC=0`` leaves the allocator
+    alone; see :mod:`learned_opt.allocator`).
+
     Per-parameter state (``self.state[p]``): momenta ``m`` (``[k, *p.shape]``: the first
     ``k`` of the decays 0.9, 0.99 and 0.999, those the rule reads; a rule that evaluates no
     network, like the shipped single-worker rule, reads only the first, so that its state
@@ -151,6 +157,8 @@ class LearnedOptimizer(Optimizer):
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
         super().__init__(params, dict(lr=lr, step=0))
+        if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
+            tune_malloc()  # the eager step's temporaries reuse memory (see .allocator)
 
     #: Attributes carried by ``pickle`` and ``copy.deepcopy`` besides torch's (defaults,
     #: state, param groups). Theta (``net``) is small; caches and kernels are rebuilt.
