@@ -466,6 +466,7 @@ def _packed_label(side: str) -> str:
     return "every tensor packed" if bound >= 10**9 else f"packed up to {bound:,}"
 
 
+@section("eager_step_split")
 @section("eager_step")
 def render_eager_step(r: dict) -> str:
     """The eager reference step: masking every step, the mask read on the host, and small

@@ -140,7 +140,9 @@ def step_tensors(
 def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> Tensor:
     """:func:`step_tensors` of tensors of one dtype and step count, as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
-    step as one call each, up to the rounding of the sums). Returns their stepped flags."""
+    step as one call each: the same sums, bitwise, where the tensors average at least
+    :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding).
+    Returns their stepped flags."""
     layout = FlatLayout(
         tuple(str(i) for i in range(len(params))), tuple(tuple(p.shape) for p in params),
         tuple(bool(s.get("sparse_rows", False)) for s in states),

@@ -155,3 +155,30 @@ def test_the_momenta_follow_the_rule_across_theta_changes_and_state_dicts(monkey
         m = shipped.state[p]["m"]
         assert m.shape == (3, *p.shape), name
         torch.testing.assert_close(m[2], 1e-3 * p.grad.float(), msg=name)  # (1 - 0.999) g
+
+
+def test_a_pack_of_tensors_averaging_split_min_mean_steps_bitwise_as_one_by_one(monkeypatch):
+    """Packed tensors that average at least ``SPLIT_MIN_MEAN`` elements are summed one at a
+    time, as each tensor's own step sums them: the packed step is the same, bitwise."""
+    from learned_opt.segments import SPLIT_MIN_MEAN
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48))
+    numels = [p.numel() for p in model.parameters()]
+    assert sum(numels) >= SPLIT_MIN_MEAN * len(numels)
+    assert max(numels) <= kernel.PACK_NUMEL
+    one_by_one = copy.deepcopy(model)
+    opts = []
+    for pack, net in ((True, model), (False, one_by_one)):
+        monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
+        opts.append(LearnedOptimizer(net.parameters(), compile=False))
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            for p in net.parameters():
+                p.grad = 1e-2 * torch.randn(p.shape, generator=gen)
+            opts[-1].step()
+    packed_opt, single_opt = opts
+    for (name, p), q in zip(model.named_parameters(), one_by_one.parameters()):
+        assert torch.equal(p, q), name
+        for key in ("m", "v", "log_lr"):
+            assert torch.equal(packed_opt.state[p][key], single_opt.state[q][key]), name
