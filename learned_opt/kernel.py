@@ -165,10 +165,12 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
         s["m"][:rows].copy_(new_m.view(rows, *s["m"].shape[1:]))
         s["v"].copy_(new_v.view(s["v"].shape))
     ok = out[-1][0]
-    for i, s in enumerate(states):
-        if log_lr is not None:
-            s["log_lr"].copy_(out[3][0, i])
-        s["step"].add_(ok[i].to(s["step"].dtype))
+    stepped = ok.to(states[0]["step"].dtype).unbind()  # one conversion, one split
+    for s, add in zip(states, stepped):
+        s["step"].add_(add)
+    if log_lr is not None:
+        for s, new in zip(states, out[3][0].unbind()):
+            s["log_lr"].copy_(new)
     return ok
 
 

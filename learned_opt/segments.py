@@ -160,7 +160,13 @@ def segment_expand(t: Tensor, layout: FlatLayout) -> Tensor:
     ``[..., P]`` (a view without copying when there is one segment)."""
     if len(layout.shapes) == 1:
         return t.expand(*t.shape[:-1], layout.size)
-    return t[..., layout.segments(t.device)]
+    if math.prod(t.shape[:-1]) == 1:  # one row: index_select (21 us against 58 us on CPU)
+        return (
+            t.reshape(-1)
+            .index_select(0, layout.segments(t.device))
+            .view(*t.shape[:-1], layout.size)
+        )
+    return t[..., layout.segments(t.device)]  # rows: index_select along dim -1 is 7x slower
 
 
 def segment_mean(x: Tensor, layout: FlatLayout) -> Tensor:
