@@ -31,8 +31,9 @@ from learned_opt.tasks import get_task
 Factory = Callable[..., torch.optim.Optimizer]  # (params, lr_mult) -> optimizer
 SCHEDULES = ("constant", "cosine")
 #: The schedules a rule may run under (``--schedule``): the baselines' and ``"wsd"``
-#: (:func:`learned_opt.wsd_schedule`: held, then decayed linearly to 0 at the end).
-RULE_SCHEDULES = (*SCHEDULES, "wsd")
+#: (:func:`learned_opt.wsd_schedule`: held, then decayed linearly to 0 over the last
+#: fifth), ``"wsd_half"`` (the same over the last half).
+RULE_SCHEDULES = (*SCHEDULES, "wsd", "wsd_half")
 #: AdamW's learning-rate grid (6 points, half-decades); extended at an edge when the best
 #: rate sits there. ``QUICK_GRID`` is the --quick subset.
 ADAMW_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
@@ -124,7 +125,8 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
     given, receives the seconds from the optimizer's construction to the end of each step
     (its compile, if any, included). ``schedule``
     "cosine" anneals the learning rate to 0 over ``steps``; "wsd" holds it, then decays it
-    linearly to 0 over the last fifth of ``steps`` (:func:`learned_opt.wsd_schedule`). A non-finite loss
+    linearly to 0 over the last fifth of ``steps`` (:func:`learned_opt.wsd_schedule`),
+    "wsd_half" over the last half. A non-finite loss
     ends the run, and the rest of the curve is ``inf``.
     """
     if schedule not in RULE_SCHEDULES:
@@ -138,6 +140,8 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     elif schedule == "wsd":
         sched = wsd_schedule(opt, steps)
+    elif schedule == "wsd_half":
+        sched = wsd_schedule(opt, steps, decay_fraction=0.5)
     curve: list[float] = []
     for _, batch in zip(range(steps), batches):
         loss = loss_fn(batch)

@@ -56,6 +56,7 @@ def _decentralized(r: dict) -> str:
 SCHEDULE_PHRASES = {
     "cosine": ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run",
     "wsd": ", its learning rate held, then decayed linearly to 0 over the last fifth of each run",
+    "wsd_half": ", its learning rate held, then decayed linearly to 0 over the last half of each run",
 }
 
 
@@ -80,6 +81,9 @@ SCHEDULE_PHRASES = {
 @section("validation_shrink02")
 @section("validation_noise10")
 @section("validation_sparse_active")
+@section("validation_floor6_wsd")
+@section("validation_floor6_wsd_half")
+@section("validation_adapt2x_tensor_stage4")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]

@@ -341,7 +341,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
                         help="the rule's learning-rate schedule over each run (cosine: "
                         "torch's CosineAnnealingLR to 0 at the horizon; wsd: held, then "
-                        "linear to 0 over the last fifth)")  # fmt: skip
+                        "linear to 0 over the last fifth; wsd_half: over the last half)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     return parser

@@ -27,7 +27,9 @@ def _child(code: str, **env) -> str:
 def test_the_optimizer_sets_the_thresholds_on_cpu_and_the_blocks_stay_mapped():
     """After a LearnedOptimizer on CPU parameters, ten 8 MB temporaries alive at once and
     then freed, as a step's are, are not returned to the system: the next rounds fault
-    no new pages. With the setting off each round faults them in again."""
+    no new pages (with glibc's defaults they usually fault all 20,480 pages of each round
+    again; not asserted, as glibc's dynamic thresholds sometimes keep them). With
+    ``LEARNED_OPT_TUNE_MALLOC=0`` the thresholds are left alone."""
     code = (
         "import resource, torch\n"
         "from learned_opt import LearnedOptimizer, allocator\n"
@@ -42,8 +44,7 @@ def test_the_optimizer_sets_the_thresholds_on_cpu_and_the_blocks_stay_mapped():
     tuned, faults = _child(code).split()
     assert tuned == "True"
     assert int(faults) < 2048  # 4 KiB pages: one round's blocks are 20,480 pages
-    off = _child(code, LEARNED_OPT_TUNE_MALLOC="0").split()
-    assert off[0] == "False" and int(off[1]) > 5 * 20480
+    assert _child(code, LEARNED_OPT_TUNE_MALLOC="0").split()[0] == "False"
 
 
 def test_a_bad_setting_is_a_one_line_error(monkeypatch):
