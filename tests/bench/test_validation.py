@@ -104,8 +104,10 @@ def test_the_rule_under_an_annealing_schedule_takes_smaller_late_steps():
     const = val.learned_job("val_blobs_softmax", side, 40, 0)["curve"]
     cosine = val.learned_job("val_blobs_softmax", side, 40, 0, "cosine")["curve"]
     wsd = val.learned_job("val_blobs_softmax", side, 40, 0, "wsd")["curve"]
+    half = val.learned_job("val_blobs_softmax", side, 40, 0, "wsd_half")["curve"]
     assert const[:2] == cosine[:2]  # the same start: the schedule is at its peak
     assert const[:33] == wsd[:33] and wsd[33:] != const[33:]  # held for 32 steps, then decayed
+    assert const[:21] == half[:21] and half[21:] != const[21:]  # held for 20 steps
     late = lambda c: sum(abs(a - b) for a, b in zip(c[-10:], c[-9:]))  # noqa: E731
     assert cosine != const and late(cosine) < late(const) and late(wsd) < late(const)
 
