@@ -139,7 +139,7 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
     if schedule == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     elif schedule == "wsd":
-        sched = wsd_schedule(opt, steps)
+        sched = wsd_schedule(opt, steps, decay_fraction=0.2)
     elif schedule == "wsd_half":
         sched = wsd_schedule(opt, steps, decay_fraction=0.5)
     curve: list[float] = []

@@ -1,4 +1,4 @@
-"""learned_opt.wsd_schedule: held, then linear to zero over the last fifth."""
+"""learned_opt.wsd_schedule: held, then linear to zero over the last half."""
 
 import pickle
 
@@ -22,20 +22,20 @@ def _multipliers(total, steps, **kw):
 
 def test_holds_then_decays_linearly_to_zero_at_the_end():
     lrs, _ = _multipliers(10, 12)
-    # the user's multiplier until the last fifth (2 of 10 steps), then a straight line
+    # the user's multiplier until the last half (5 of 10 steps), then a straight line
     # that reaches 0 at step 10, and 0 after it
-    assert lrs == pytest.approx([2.0] * 9 + [1.0, 0.0, 0.0])
+    assert lrs == pytest.approx([2.0] * 6 + [1.6, 1.2, 0.8, 0.4, 0.0, 0.0])
 
 
 def test_decay_fraction_sets_where_the_decay_starts():
-    lrs, _ = _multipliers(10, 10, decay_fraction=0.5)
-    assert lrs[:6] == [2.0] * 6 and lrs[6:] == pytest.approx([1.6, 1.2, 0.8, 0.4])
+    lrs, _ = _multipliers(10, 10, decay_fraction=0.2)
+    assert lrs[:9] == [2.0] * 9 and lrs[9:] == pytest.approx([1.0])
 
 
 def test_its_state_dict_resumes_the_same_schedule():
     _, sched = _multipliers(10, 9)
     state = pickle.loads(pickle.dumps(sched.state_dict()))
-    assert state["lr_lambdas"][0] == {"total_steps": 10, "decay": 2.0}
+    assert state["lr_lambdas"][0] == {"total_steps": 10, "decay": 5.0}
 
 
 @pytest.mark.parametrize(
