@@ -1,8 +1,11 @@
 """benchmarks/heldout_anchors.py: anchors scored against the held-out suite's tuned AdamW."""
 
+import json
+
 import pytest
 
 from benchmarks import heldout_anchors as ha
+from benchmarks import report_heldout
 from benchmarks.report_heldout import render_anchors_headline, render_heldout_anchors
 
 CURVE_FAST = [1.0 / (t + 1) for t in range(200)]
@@ -29,7 +32,8 @@ def test_a_missing_tuned_run_stops_with_one_line():
         ha.score(CACHE, "task_c", 200, 0, CURVE_FAST)
 
 
-def test_the_table_and_the_headline_line_name_every_anchor():
+def test_the_table_and_the_headline_line_name_every_anchor(tmp_path, monkeypatch):
+    monkeypatch.setattr(report_heldout, "RESULTS", tmp_path)  # no suite results: as saved
     anchors = {"schedulefree_adamw": 0.5, "prodigy_constant": 0.8, "muon_adamw": 0.4}
     r = {
         "rows": [{"task": "heldout_char_lm", "horizon": 200, "learned": 2.0, "anchors": anchors}],
@@ -41,6 +45,15 @@ def test_the_table_and_the_headline_line_name_every_anchor():
     table, line = render_heldout_anchors(r), render_anchors_headline(r)
     assert "| char_lm | 200 | 2.00x | 0.50x | 0.80x | 0.40x |" in table
     assert "schedule-free AdamW 0.50x" in line and "`adapt_init_2x` 2.00x" in line
+    # the rule's column follows the suite's latest results, the anchors stay
+    suite = {"date": "2026-12-04", "single": [
+        {"task": "heldout_char_lm", "horizon": 200, "side": "adapt_init_2x", "speedup": 3.0},
+        {"task": "heldout_char_lm", "horizon": 200, "side": "other", "speedup": 9.0},
+    ]}  # fmt: skip
+    (tmp_path / "quality_heldout.json").write_text(json.dumps(suite))
+    table, line = render_heldout_anchors(r), render_anchors_headline(r)
+    assert "| char_lm | 200 | 3.00x | 0.50x | 0.80x | 0.40x |" in table
+    assert "measured 2026-12-04" in table and "`adapt_init_2x` 3.00x" in line
 
 
 def test_without_the_suites_results_it_stops_with_one_line(tmp_path, monkeypatch, capsys):
