@@ -110,6 +110,11 @@ def render_quality_heldout_wsd(r: dict) -> str:
     return _render(r, "quality_heldout_wsd")
 
 
+@section("quality_heldout_wsd_half")
+def render_quality_heldout_wsd_half(r: dict) -> str:
+    return _render(r, "quality_heldout_wsd_half")
+
+
 def _seeds(r: dict) -> str:
     """How the rows were taken over seeds: every row over ``seeds`` (a result of before
     single-worker rows had seeds: those at ``seed``, decentralized ones at
@@ -220,6 +225,7 @@ def render_headline(r: dict) -> str:
     )
 
 
+@section("quality_heldout_wsd_half:headline")
 @section("quality_heldout_wsd:headline")
 def render_wsd_headline(r: dict) -> str:
     """One line under the headline: the single-worker rule paired with its schedule."""
