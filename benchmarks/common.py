@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from learned_opt import allocator
+from learned_opt.allocator import tune_malloc
 from learned_opt.meta_train.evaluation import final_loss, smooth, speedup, tune_baseline
 from learned_opt.meta_train.inner import InnerOptimizer
 
@@ -26,7 +26,7 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "malloc_tuned": bool(allocator._tuned),  # every side alike (benchmarks/__init__)
+        "malloc_tuned": tune_malloc(),  # set already for every side (benchmarks/__init__)
     }
 
 

@@ -33,7 +33,8 @@ SCHEDULES = ("constant", "cosine")
 #: The schedules a rule may run under (``--schedule``): the baselines' and ``"wsd"``
 #: (:func:`learned_opt.wsd_schedule`: held, then decayed linearly to 0 over the last
 #: fifth), ``"wsd_half"`` (the same over the last half).
-RULE_SCHEDULES = (*SCHEDULES, "wsd", "wsd_half")
+WSD_DECAY = {"wsd": 0.2, "wsd_half": 0.5}  # decay_fraction of each wsd schedule
+RULE_SCHEDULES = (*SCHEDULES, *WSD_DECAY)
 #: AdamW's learning-rate grid (6 points, half-decades); extended at an edge when the best
 #: rate sits there. ``QUICK_GRID`` is the --quick subset.
 ADAMW_GRID = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
@@ -138,10 +139,8 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
     sched = None
     if schedule == "cosine":
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    elif schedule == "wsd":
-        sched = wsd_schedule(opt, steps, decay_fraction=0.2)
-    elif schedule == "wsd_half":
-        sched = wsd_schedule(opt, steps, decay_fraction=0.5)
+    elif schedule in WSD_DECAY:
+        sched = wsd_schedule(opt, steps, decay_fraction=WSD_DECAY[schedule])
     curve: list[float] = []
     for _, batch in zip(range(steps), batches):
         loss = loss_fn(batch)

@@ -28,7 +28,6 @@ rewritten as results come in.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ from benchmarks.job_queue import run_jobs
 from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.meta_train.evaluation import BaselineCache
-from learned_opt.network import LearnedOptimizerNet
+from learned_opt.network import with_config
 from learned_opt.tasks.validation import DECENTRALIZED_PROBLEMS, SINGLE_PROBLEMS
 
 CACHE = RESULTS / "validation_baselines.json"
@@ -60,9 +59,7 @@ def side_factory(checkpoint: str, fields: dict) -> single.Factory:
     config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
     if not config:
         return single.resolve_side(checkpoint)
-    net, _ = load_checkpoint(checkpoint)
-    replaced = LearnedOptimizerNet(dataclasses.replace(net.config, **config))
-    replaced.load_state_dict(net.state_dict())
+    replaced = with_config(load_checkpoint(checkpoint)[0], config)
     return lambda params, lr_mult=1.0: LearnedOptimizer(params, net=replaced, lr=lr_mult)
 
 

@@ -159,7 +159,7 @@ class LearnedLocal(TorchLocal):
                 state = opt.state.get(p, {})
                 if "v" not in state:
                     state = init_state(p, rows)
-                elif state["m"].shape[0] != rows:  # kept for a rule that read other rows
+                else:  # kept for a rule that read other rows: converted in place
                     state["m"] = fit_moment_rows(state["m"], rows)
                 vs.append(state["v"])
                 ms.append(state["m"])

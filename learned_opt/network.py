@@ -155,3 +155,15 @@ def edge_weight(
     z = _linear(theta, "edge_out", h)[0]
     deg = torch.as_tensor(max_degree, dtype=x.dtype, device=x.device)
     return torch.sigmoid(torch.log(deg) + z) / deg
+
+
+def with_config(net: LearnedOptimizerNet, fields: dict) -> LearnedOptimizerNet:
+    """A copy of ``net`` with ``fields`` of its config replaced and its parameters kept; a
+    field that is unknown, invalid or changes the network's shape raises a one-line
+    ``ValueError``."""
+    try:
+        new = LearnedOptimizerNet(NetConfig.from_dict({**net.config.to_dict(), **dict(fields)}))
+        new.load_state_dict(net.state_dict())
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
+    return new

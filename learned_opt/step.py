@@ -77,8 +77,10 @@ def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
     """Momenta ``m`` (``[k, *shape]``) as the first ``rows`` of them: the rows past ``k``
     start at zero (a rule that now reads the slower momenta, after a change of theta or
     loading a rule without networks' state), the rows past ``rows`` are dropped (a rule
-    that no longer reads them)."""
-    if m.shape[0] >= rows:
+    that no longer reads them); ``m`` itself when it holds ``rows`` already."""
+    if m.shape[0] == rows:
+        return m
+    if m.shape[0] > rows:
         return m[:rows].clone()
     return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])
 

@@ -18,7 +18,7 @@ import torch
 
 from learned_opt.checkpoint import load_checkpoint
 from learned_opt.config import NetConfig
-from learned_opt.network import LearnedOptimizerNet
+from learned_opt.network import LearnedOptimizerNet, with_config
 from learned_opt.step import Parts, active_parts
 from learned_opt.tasks import get_family, get_task
 
@@ -27,19 +27,6 @@ from .evaluation import BaselineCache, compare
 from .inner import make_inner_optimizer
 from .settings import PART_MODULES, validate_settings
 from .slots import SlotSampler, restore_slots, serialise_slots
-
-
-def with_config(net: LearnedOptimizerNet, fields: dict) -> LearnedOptimizerNet:
-    """``net`` with ``fields`` of its config replaced and its parameters kept; a field
-    that is unknown, invalid or changes the network's shape raises ``ValueError``."""
-    try:
-        config = NetConfig.from_dict({**net.config.to_dict(), **dict(fields)})
-        new = LearnedOptimizerNet(config)
-        new.load_state_dict(net.state_dict())
-    except (TypeError, ValueError, RuntimeError) as exc:
-        message = str(exc).splitlines()[0]
-        raise ValueError(f"init_config: {message}") from None
-    return new
 
 
 class MetaTrainModule(L.LightningModule):
@@ -126,7 +113,10 @@ class MetaTrainModule(L.LightningModule):
         else:
             self.net = LearnedOptimizerNet(NetConfig(width=width))
         if init_config:
-            self.net = with_config(self.net, init_config)
+            try:
+                self.net = with_config(self.net, init_config)
+            except ValueError as exc:
+                raise ValueError(f"init_config: {exc}") from None
         self.automatic_optimization = False
         s = self.settings
         self.trainable = trainable_names(self.net, s.train_parts)
