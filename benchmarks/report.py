@@ -108,7 +108,14 @@ def _first_steps(result: dict) -> str:
     where = f"{cold.get('workload', 'the first workload')}, {cold.get('threads', '?')} threads"
     if cold.get("command"):  # measured again on its own, after the table
         where += f"; measured {cold['date'][:10]} by `{cold['command']}`"
-    return f" In a new process with an empty compile cache ({where}), " + " and ".join(parts) + "."
+    text = f" In a new process with an empty compile cache ({where}), " + " and ".join(parts) + "."
+    if cold.get("warm_kernel_ready_seconds") is not None:  # a second process on that cache
+        text += (
+            f" A second process on that cache (a later run, another rank) loaded the kernel "
+            f"after {cold['warm_kernel_ready_seconds']:.1f} s "
+            f"({cold['warm_steps_until_ready']} steps)."
+        )
+    return text
 
 
 @section("step_overhead")

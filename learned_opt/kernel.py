@@ -1,29 +1,35 @@
-"""The compiled path of the learned step: :func:`step_tensors`, compiled in the background.
+"""The compiled path of the learned step: :func:`step_tensors`, compiled ahead of time.
 
 :func:`step_tensors` steps a list of tensors in place with :func:`learned_opt.step.tensor_step`,
-the differentiable reference. Eagerly it is the reference itself; compiled by the public
-``torch.compile`` (one graph per bucket of tensors, on CPU and GPU alike) it is the
-kernel, whose elementwise work inductor fuses into a few loops over each tensor.
+the differentiable reference. Eagerly it is the reference itself; exported by the public
+``torch.export`` and compiled ahead of time by AOTInductor (one package per kind of
+bucket of tensors, on CPU and GPU alike) it is the kernel, whose elementwise work
+inductor fuses into a few loops over each tensor.
 
 ``step()`` never waits for a compile. A :class:`Kernels` steps the tensors in buckets of
-one shape and holds one compiled function per kind of bucket (device, dtypes, shapes); the
+one shape and holds one kernel per kind of bucket (device, dtypes, shapes, strides); the
 first steps of a new kind run the reference, and once they have taken
 :data:`COMPILE_AFTER_SECONDS` (and at least :data:`COMPILE_AFTER` steps) one process-wide
-worker thread compiles the kernel on copies of the tensors, one kind at a time: first in
-a child process at low priority, which fills the on-disk compile caches, then in this
-process, where it finds them. The steps after that run the kernel. If compiling fails,
-one warning says why and the reference keeps stepping that kind.
+worker thread has the kernel built on copies of the tensors, one kind at a time, by a
+child process at low priority, which writes the package to :func:`kernel_dir`. The
+worker thread then loads it (milliseconds: nothing is traced in this process), and the
+steps after that run the kernel. If building fails, one warning says why and the
+reference keeps stepping that kind.
 
-Processes on one host share one compile: the worker holds a file lock in the compile
-cache's folder while it compiles, so the other ranks of a ``torchrun`` job wait (stepping
-eagerly meanwhile) and then find the compiled code in inductor's cache.
+A package is built once per host and user: the worker holds a file lock while it builds,
+so the other ranks of a ``torchrun`` job wait (stepping eagerly meanwhile) and then load
+the same file, and a later run of the same model loads it after :data:`COMPILE_AFTER`
+steps, without waiting for :data:`COMPILE_AFTER_SECONDS`. The file's name hashes all the
+kernel depends on (:func:`package_path`), so new code, another torch or other shapes
+build another.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
+import functools
+import hashlib
 import os
 import queue
 import subprocess
@@ -31,7 +37,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -195,42 +200,6 @@ def compiling_enabled() -> bool:
     return value not in ("0", "false")
 
 
-#: The oldest torch whose compiler may run in a background thread while the training thread
-#: steps. On torch 2.11 it may not: its tracing state is shared by all threads, so a kernel
-#: called while another compiles raises ("Detected that you are using FX to symbolically
-#: trace a dynamo-optimized function"), and the process can crash with a segmentation
-#: fault. Measured: 2.11 fails that way, 2.13 and 2.14.1 pass (``make test-newest-torch``).
-BACKGROUND_COMPILE_TORCH = (2, 13)
-
-
-def compiles_in_background(version: str) -> bool:
-    """Whether torch ``version`` (such as ``"2.14.1+cpu"``) can compile the kernel in the
-    background while training steps (:data:`BACKGROUND_COMPILE_TORCH`)."""
-    return tuple(int(x) for x in version.split("+")[0].split(".")[:2]) >= BACKGROUND_COMPILE_TORCH
-
-
-#: Whether the installed torch compiles in the background (read once, at import).
-BACKGROUND_COMPILE = compiles_in_background(torch.__version__)
-_warned_old_torch = False
-
-
-def _background_compile() -> bool:
-    """:data:`BACKGROUND_COMPILE`, warning once where it is False: the eager reference then
-    steps (correct, slower)."""
-    global _warned_old_torch
-    if not BACKGROUND_COMPILE and not _warned_old_torch:
-        _warned_old_torch = True
-        want = ".".join(map(str, BACKGROUND_COMPILE_TORCH))
-        warnings.warn(
-            f"learned_opt: torch {torch.__version__} cannot compile the step kernel in the "
-            f"background while training steps; the eager reference steps instead (correct, "
-            f"slower). torch >= {want} runs the compiled kernel.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return BACKGROUND_COMPILE
-
-
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
@@ -252,7 +221,7 @@ class Kernels:
         # plain tensors sharing the parameters' memory: the kernel's guards then match the
         # copies it was compiled on (a Parameter requires grad, a copy does not)
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-        if not (self.compile and compiling_enabled() and _background_compile()):
+        if not (self.compile and compiling_enabled()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         device = params[0].device.type
         # the kernel was compiled outside autocast: a step() called inside it would fail
@@ -281,8 +250,10 @@ class Kernels:
         if entry.fn is not None:
             return entry.fn(*args)
         entry.eager_steps += 1
+        if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
+            entry.built = _is_built(args)
         if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
-                and entry.eager_seconds >= COMPILE_AFTER_SECONDS):  # fmt: skip
+                and (entry.built or entry.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
             entry.queued = True
             _worker().submit(entry, args)
         start = time.perf_counter()
@@ -336,6 +307,7 @@ class _Entry:
         self.eager_steps = 0
         self.eager_seconds = 0.0  # host time of the eager steps (not synchronised on CUDA)
         self.queued = False
+        self.built = False  # its package was on disk at its first step
         self.done = threading.Event()
 
 
@@ -350,33 +322,24 @@ def _signature(cfg, parts, params, grads, states) -> tuple:
     return cfg, parts, tensors, torch.get_num_threads()
 
 
-_COUNTER = itertools.count()
-
-
-def _fresh_function(fn: Callable) -> Callable:
-    """A copy of ``fn`` with its own code object: ``torch.compile`` keeps its compiled
-    graphs and its recompile limit per code object, so each set of tensors gets its own
-    instead of sharing one limit across every model in a process."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COUNTER)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 class _Worker:
-    """The process-wide compiler: one thread compiles the queued sets of tensors one at a
-    time, and exits once the queue is empty (a later job starts a fresh thread).
+    """The process-wide compiler: one thread builds or finds the kernels of the queued sets
+    of tensors, one at a time, and exits once the queue is empty (a later job starts a fresh
+    thread).
 
-    The thread must not outlive its work. Its first call of each kernel runs the kernel's
-    OpenMP loops, which gives the thread an OpenMP team of its own; while the thread lives,
-    the runtime counts more threads than cores and stops spinning between parallel
-    regions, so every torch op of the training thread waits on a futex wake-up (measured:
-    AdamW's step 5x slower, a transformer's training step 2.5x, about 400 context switches
-    per step; ``benchmarks/step_overhead.py``)."""
+    The thread never traces or runs a kernel: a child process builds the package
+    (:func:`build_package`) and the thread loads it (:func:`load_package`). Tracing in
+    this process would hold the interpreter lock between the training thread's eager ops
+    (an eager step 10-15 times slower for as long as it took), and a kernel's first call on
+    this thread would give the thread an OpenMP team of its own, after which the runtime
+    counts more threads than cores and every torch op of the training thread waits on a
+    futex wake-up (measured: AdamW's step 5x slower)."""
 
     def __init__(self):
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.child: subprocess.Popen | None = None  # see _compile_in_child
+        self.child: subprocess.Popen | None = None  # see _build_in_child
         self.closed = False
 
     def submit(self, entry: _Entry, args: tuple) -> None:
@@ -384,8 +347,8 @@ class _Worker:
         # to the entry, so a dropped optimizer's compile is skipped
         theta, cfg, parts, params, grads, states, lr = args
         copies = (
-            theta, cfg, parts, [p.detach().clone() for p in params],
-            [g.detach().clone() for g in grads],
+            theta, cfg, parts,
+            [p.detach().clone() for p in params], [g.detach().clone() for g in grads],
             [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
             lr.clone(),
         )  # fmt: skip
@@ -408,10 +371,8 @@ class _Worker:
             thread.join(timeout)
 
     def close(self) -> None:
-        """At interpreter exit: drop the queued jobs and wait for the one compiling. A
-        compile still running while the interpreter finalises crashes the process
-        (segmentation fault or ``terminate called``). By then the compiler's worker pools
-        refuse new work, so the compile stops at its next step, quietly."""
+        """At interpreter exit: drop the queued jobs, stop the child that is building a
+        package and wait for the thread."""
         with self.lock:
             self.closed = True
             while not self.jobs.empty():
@@ -433,40 +394,46 @@ class _Worker:
                 self.thread = None
                 return None
 
-    def _compile_in_child(self, args: tuple) -> bool:
-        """Compile the kernel of ``args`` in a child process first, at low priority, so that
-        it fills the on-disk compile caches; the compile in this process then finds its graph
-        there. Compiling traces Python code, and traced in this process, the training thread
-        (which needs the GIL between its eager ops) ran 10-15 times slower for as long as it
-        took: a logistic regression's eager step took 15-20 ms against 1.3 ms. A child shares
-        only the cores. Best effort: returns False, and the compile here does all the work, if
-        the child cannot run or fails."""
+    def _build_in_child(self, args: tuple, path: Path) -> None:
+        """Build the package of ``args`` at ``path`` in a child process at low priority
+        (:data:`CHILD_NICE`; the training process keeps the cores it needs), or raise a
+        ``RuntimeError`` that says why it did not."""
         theta, cfg, parts, params, grads, states, lr = args
         job = {
             "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
             "grads": grads, "states": states, "lr": lr, "threads": torch.get_num_threads(),
-            "nice": CHILD_NICE,
+            "nice": CHILD_NICE, "out": str(path),
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        try:
-            with tempfile.TemporaryDirectory() as folder:
-                path = os.path.join(folder, "job.pt")
-                torch.save(job, path)
+        with tempfile.TemporaryDirectory() as folder:
+            job_path, log_path = os.path.join(folder, "job.pt"), os.path.join(folder, "log")
+            torch.save(job, job_path)
+            with open(log_path, "wb") as log:
                 with self.lock:
                     if self.closed:
-                        return False
-                    self.child = subprocess.Popen(
-                        [sys.executable, "-c", _CHILD, path], env=env,
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    )  # fmt: skip
+                        raise RuntimeError("the interpreter is exiting")
+                    try:
+                        self.child = subprocess.Popen(
+                            [sys.executable, "-c", _CHILD, job_path], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log,
+                        )  # fmt: skip
+                    except OSError as e:
+                        raise RuntimeError(f"cannot start a compile process: {e}") from None
                 try:
-                    return self.child.wait(timeout=CHILD_COMPILE_TIMEOUT) == 0
+                    code = self.child.wait(timeout=CHILD_COMPILE_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    code = f"timeout after {CHILD_COMPILE_TIMEOUT} s"
                 finally:
                     self.child.kill()  # no-op once it has exited
                     self.child.wait()
+                    for partial in path.parent.glob(f".partial-{self.child.pid}-*"):
+                        partial.unlink(missing_ok=True)  # what a stopped child left
                     self.child = None
-        except (OSError, subprocess.SubprocessError):
-            return False
+            if code != 0 or not path.is_file():
+                with open(log_path, errors="replace") as log:
+                    lines = [line.strip() for line in log if line.strip()]
+                why = lines[-1] if lines else f"exit status {code}"
+                raise RuntimeError(f"the compile process failed: {why}")
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
@@ -475,17 +442,18 @@ class _Worker:
             if entry is None:
                 continue
             try:
-                with _host_lock():
-                    self._compile_in_child(args)
+                with _host_lock():  # one process of the host builds, the others load
+                    path = package_path(args)
+                    if not path.is_file():
+                        self._build_in_child(args, path)
                     if self.closed:  # the interpreter is exiting
                         continue
-                    with _short_switch_interval():
-                        entry.fn = compiled_kernel(args)
+                    entry.fn = load_package(path)
             except Exception as e:  # any failure of the compiler: keep the reference
-                if self.closed:  # cut short by the exit (its worker pools are shut)
+                if self.closed:  # cut short by the exit
                     continue
                 warnings.warn(
-                    f"learned_opt: torch.compile failed ({type(e).__name__}: "
+                    f"learned_opt: compiling the step kernel failed ({type(e).__name__}: "
                     f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
                     f"eager reference step (correct, slower)",
                     RuntimeWarning,
@@ -497,34 +465,147 @@ class _Worker:
 
 
 #: Seconds a child process may compile one kind of bucket before it is stopped (the
-#: in-process compile then does all the work).
+#: reference then keeps stepping that kind).
 CHILD_COMPILE_TIMEOUT = 1800
 #: The child's niceness: the training process keeps the cores it needs.
 CHILD_NICE = 10
 _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sys.argv[1])"
+#: Environment variable naming the folder of the compiled kernels (see :func:`kernel_dir`).
+KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 
 
-def compiled_kernel(args: tuple) -> Callable:
-    """:func:`step_tensors` compiled for the tensors of ``args`` (``torch.compile``,
-    full graph, static shapes) and run once on them, outside autocast: the one compile
-    recipe, so that the child's graph and this process's find the same cache entries."""
-    fn = torch.compile(_fresh_function(step_tensors), fullgraph=True, dynamic=False)
-    with torch.no_grad(), torch.autocast(args[3][0].device.type, enabled=False):
-        fn(*args)
-    return fn
+class _Step(torch.nn.Module):
+    """:func:`step_tensors` under one config and parts, as the module that is exported."""
+
+    def __init__(self, cfg: NetConfig, parts: Parts):
+        super().__init__()
+        self.cfg, self.parts = cfg, parts
+
+    def forward(self, theta, params, grads, states, lr):
+        return step_tensors(theta, self.cfg, self.parts, params, grads, states, lr)
+
+
+def _sorted_theta(theta) -> dict[str, Tensor]:
+    """Theta with its names in one order: the package's inputs are matched by position."""
+    return {name: theta[name].detach() for name in sorted(theta)}
+
+
+def build_package(args: tuple, path: Path) -> None:
+    """Export :func:`step_tensors` for the tensors of ``args`` (``torch.export``, their
+    shapes, dtypes and strides) and compile it ahead of time into an AOTInductor package
+    at ``path`` (written under another name, then renamed, so that no reader sees half
+    of it). The package steps the tensors in place and returns their stepped flags."""
+    theta, cfg, parts, params, grads, states, lr = args
+    with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
+        program = torch.export.export(
+            _Step(cfg, parts), (_sorted_theta(theta), params, grads, states, lr)
+        )
+        partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+        try:
+            from torch._inductor import aoti_compile_and_package  # the documented AOT entry
+
+            aoti_compile_and_package(program, package_path=str(partial))
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+def load_package(path: Path) -> Callable:
+    """The kernel of a package built by :func:`build_package`, as a function of
+    :func:`step_tensors`'s arguments. Loading maps its shared library into this process:
+    the package must be this user's and not writable by others (:func:`kernel_dir`)."""
+    from torch._inductor import aoti_load_package
+
+    _check_private(path)
+    runner = aoti_load_package(str(path))
+
+    def kernel(theta, cfg, parts, params, grads, states, lr):
+        return runner(_sorted_theta(theta), params, grads, states, lr)
+
+    return kernel
+
+
+def package_path(args: tuple) -> Path:
+    """The file of the package that steps the tensors of ``args``: its name hashes all
+    the kernel depends on (torch's version, this package's source, the config and parts,
+    the names and shapes of theta, every tensor's device, dtype, shape and strides, and
+    the thread count), so a change of any of them builds another."""
+    theta, cfg, parts, params, grads, states, lr = args
+    tensors = [
+        (str(p.device), p.dtype, tuple(p.shape), p.stride(), g.dtype, g.stride(),
+         sorted((k, (t.dtype, tuple(t.shape), t.stride()) if isinstance(t, Tensor) else t)
+                for k, t in s.items()))
+        for p, g, s in zip(params, grads, states)
+    ]  # fmt: skip
+    key = (
+        torch.__version__, _source_digest(), sorted(cfg.to_dict().items()), tuple(parts),
+        [(k, t.dtype, tuple(t.shape)) for k, t in sorted(theta.items())], tensors,
+        (lr.dtype, str(lr.device)), torch.get_num_threads(),
+    )  # fmt: skip
+    return kernel_dir() / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:40]}.pt2"
+
+
+def _is_built(args: tuple) -> bool:
+    """Whether the package of ``args`` is on disk already (False where the kernel folder
+    cannot be used: the worker's build then says why)."""
+    try:
+        return package_path(args).is_file()
+    except OSError:
+        return False
+
+
+@functools.cache
+def _source_digest() -> str:
+    """A hash of this package's Python sources: a kernel built by other code is not used."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(file.name.encode() + file.read_bytes())
+    return digest.hexdigest()
+
+
+def kernel_dir() -> Path:
+    """The folder of the compiled kernels, shared by this user's processes on the host:
+    ``$LEARNED_OPT_KERNEL_DIR``, else ``learned_opt_kernels`` in ``$TORCHINDUCTOR_CACHE_DIR``,
+    else ``learned_opt_kernels_<uid>`` in the temporary folder. Created private (``0700``);
+    one owned by another user, or writable by others, is refused (``PermissionError``):
+    a package there is code this process would run."""
+    folder = os.environ.get(KERNEL_DIR_ENV)
+    if not folder and os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        folder = os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "learned_opt_kernels")
+    if not folder:
+        user = os.getuid() if hasattr(os, "getuid") else "user"
+        folder = os.path.join(tempfile.gettempdir(), f"learned_opt_kernels_{user}")
+    path = Path(folder)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(path)
+    return path
+
+
+def _check_private(path: Path) -> None:
+    """Raise ``PermissionError`` unless ``path`` is this user's and not writable by others
+    (POSIX; nothing is checked elsewhere)."""
+    if not hasattr(os, "getuid"):
+        return
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise PermissionError(
+            f"{path} is not private to this user (owner uid {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}); set {KERNEL_DIR_ENV} to a folder of your own"
+        )
 
 
 def compile_job(path: str) -> None:
-    """The child of :func:`_compile_in_child`: :func:`compiled_kernel` on the saved
+    """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of the saved
     tensors (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
     if hasattr(os, "nice"):
         os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
-    compiled_kernel((
+    args = (
         job["theta"], NetConfig.from_dict(job["cfg"]), Parts(*job["parts"]), job["params"],
         job["grads"], job["states"], job["lr"],
-    ))  # fmt: skip
+    )  # fmt: skip
+    build_package(args, Path(job["out"]))
 
 
 _WORKER: _Worker | None = None
@@ -538,23 +619,6 @@ def _worker() -> _Worker:
             _WORKER = _Worker()
             atexit.register(_WORKER.close)
         return _WORKER
-
-
-#: The interpreter's thread switch interval while a compile runs, in seconds. Each torch op
-#: of the training thread releases the GIL; at Python's default (5 ms) the compiling
-#: thread would keep it for that long every time, and an eager step of a few hundred ops
-#: would take seconds instead of tens of milliseconds.
-COMPILE_SWITCH_INTERVAL = 5e-5
-
-
-@contextlib.contextmanager
-def _short_switch_interval():
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, COMPILE_SWITCH_INTERVAL))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 @contextlib.contextmanager

@@ -1,9 +1,10 @@
-"""The compiled kernel: the path users get after their first steps, compiled once here.
+"""The compiled kernel: the path users get after their first steps, built once here.
 
 The suite turns compiling off (``tests/conftest.py``); this module turns it on for one
-optimizer of the shipped single-worker rule on the golden tensors, so the session pays
-for one compile. It checks that ``step()`` does not wait for the compile, that the kernel
-gives the recorded updates, and that it continues a run exactly where the reference left it.
+optimizer of the shipped single-worker rule on the golden tensors, with a kernel folder
+of its own, so the session pays for one build. It checks that ``step()`` does not wait
+for the build, that the kernel gives the recorded updates, that it continues a run
+exactly where the reference left it, and that a later optimizer loads the package.
 """
 
 from __future__ import annotations
@@ -20,16 +21,11 @@ from test_golden import check_recorded
 
 from learned_opt import LearnedOptimizer, kernel
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV
+from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV
 from learned_opt.step import active_parts, moment_rows
 
-#: generous: a cold compile of the golden tensors takes tens of seconds on a loaded machine
+#: generous: a cold build of the golden tensors takes tens of seconds on a loaded machine
 COMPILE_TIMEOUT = 600
-#: the tests of the compiled kernel need a torch that compiles it (see
-#: ``kernel.BACKGROUND_COMPILE_TORCH``); older ones step the reference, tested below
-needs_compile = pytest.mark.skipif(
-    not kernel.BACKGROUND_COMPILE, reason="this torch steps the eager reference"
-)
 
 
 def _golden_optimizer():
@@ -51,27 +47,27 @@ def _set_golden_state(opt, params, inputs) -> None:
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """An optimizer of the shipped rule whose kernel is compiled, and how its steps went."""
-    if not kernel.BACKGROUND_COMPILE:
-        pytest.skip("this torch steps the eager reference")
+def compiled(tmp_path_factory):
+    """An optimizer of the shipped rule whose kernel is built (in a folder of its own),
+    and how its steps went."""
     mp = pytest.MonkeyPatch()
     mp.setenv(COMPILE_ENV, "1")
+    mp.setenv(KERNEL_DIR_ENV, str(tmp_path_factory.mktemp("kernels")))
     mp.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)  # tiny tensors: compile them anyway
     mp.setattr(kernel, "CHILD_NICE", 0)  # on a busy test machine a niced child waits long
-    children = []  # whether each child process compiled
-    in_child = kernel._Worker._compile_in_child
-    mp.setattr(kernel._Worker, "_compile_in_child",
-               lambda self, args: children.append(in_child(self, args)) or children[-1])  # fmt: skip
+    builds = []  # the packages a child process built
+    build = kernel._Worker._build_in_child
+    mp.setattr(kernel._Worker, "_build_in_child",
+               lambda self, args, path: build(self, args, path) or builds.append(path))  # fmt: skip
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the tests run (conftest): else each recompiles on its thread
+    torch.set_num_threads(1)  # as the tests run (conftest): a kernel is built per count
     try:
         inputs, params, opt = _golden_optimizer()
         for _ in range(COMPILE_AFTER):
             opt.step()
         queued_while_stepping = not opt.wait_compiled(timeout=0)
         ready = opt.wait_compiled(timeout=COMPILE_TIMEOUT)
-        opt.children = children
+        opt.builds = builds
         torch.set_num_threads(threads)
         yield inputs, params, opt, queued_while_stepping, ready
     finally:
@@ -85,12 +81,34 @@ def test_step_returns_before_the_kernel_is_compiled(compiled):
     assert ready, "the kernel did not compile"
 
 
-def test_a_child_process_compiled_each_kernel_first(compiled):
-    """The compile runs in a child process first (see ``_Worker._compile_in_child``):
-    traced in this one, it would stall the training thread."""
+def test_a_child_process_built_each_kernel_into_the_kernel_folder(compiled):
+    """The build runs in a child process (see ``_Worker._build_in_child``): traced in
+    this one, it would stall the training thread. Its package is a private file."""
     _, _, opt, *_ = compiled
-    assert opt.children and all(opt.children), opt.children
-    assert len(opt.children) == len(opt._kernels._entries)
+    assert len(opt.builds) == len(opt._kernels._entries) > 0
+    for path in opt.builds:
+        assert path.parent == kernel.kernel_dir() and path.is_file()
+        assert path.stat().st_mode & 0o022 == 0
+
+
+def test_a_later_optimizer_loads_the_package_without_building(compiled, monkeypatch):
+    """Another rank, or a later run of the same model, loads the package after
+    ``COMPILE_AFTER`` steps, without waiting for ``COMPILE_AFTER_SECONDS``."""
+    _, _, first, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(first.builds[0].parent))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    builds = len(first.builds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, _, opt = _golden_optimizer()
+        for _ in range(COMPILE_AFTER):
+            opt.step()
+        assert opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(first.builds) == builds, "the package was built again"
 
 
 def _job_args():
@@ -102,17 +120,75 @@ def _job_args():
     return {}, NetConfig(), Parts(), [p], [p.clone()], [state], torch.ones(())
 
 
-@pytest.mark.parametrize("child", ["import sys; sys.exit(3)", None])
-def test_a_child_that_fails_leaves_the_compile_to_this_process(monkeypatch, child):
-    """A child that exits with an error, or cannot start, returns False quietly: the
-    compile in this process then does all the work (and any error is raised there)."""
+@pytest.mark.parametrize(
+    ("child", "why"),
+    [("import sys; sys.exit('no compiler here')", "no compiler here"),
+     (None, "cannot start a compile process")],
+)  # fmt: skip
+def test_a_child_that_fails_says_why_in_one_line(monkeypatch, tmp_path, child, why):
+    """A child that exits with an error, or cannot start, raises a ``RuntimeError`` with
+    its last line of error output (the worker turns it into one warning)."""
     if child is None:
         monkeypatch.setattr(kernel.sys, "executable", "/nonexistent/python")
     else:
         monkeypatch.setattr(kernel, "_CHILD", child)
     worker = kernel._Worker()
-    assert worker._compile_in_child(_job_args()) is False
-    assert worker.child is None
+    with pytest.raises(RuntimeError, match=why):
+        worker._build_in_child(_job_args(), tmp_path / "k.pt2")
+    assert worker.child is None and not (tmp_path / "k.pt2").exists()
+
+
+def test_a_failed_build_warns_once_and_the_reference_keeps_stepping(monkeypatch, tmp_path):
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(kernel, "_CHILD", "import sys; sys.exit('no compiler here')")
+    _, params, opt = _golden_optimizer()
+    with pytest.warns(RuntimeWarning, match="no compiler here.*eager reference") as caught:
+        for _ in range(COMPILE_AFTER):
+            opt.step()
+        assert not opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+        before = [p.detach().clone() for p in params]
+        opt.step()
+    assert len(caught) == len(opt._kernels._entries)
+    assert all(not torch.equal(a, p.detach()) for a, p in zip(before, params))
+
+
+def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
+    """A package is a shared library this process would load: a folder or package that
+    another user could have written is refused, with what to do."""
+    if not hasattr(os, "getuid"):
+        pytest.skip("POSIX permissions")
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(0o777)
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(folder))
+    with pytest.raises(PermissionError, match=f"not private.*{KERNEL_DIR_ENV}"):
+        kernel.kernel_dir()
+    package = tmp_path / "k.pt2"
+    package.write_bytes(b"not a package")
+    package.chmod(0o666)
+    with pytest.raises(PermissionError, match="not private"):
+        kernel.load_package(package)
+
+
+def test_the_package_name_changes_with_what_the_kernel_depends_on(monkeypatch, tmp_path):
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    theta, cfg, parts, params, grads, states, lr = _job_args()
+    base = kernel.package_path(_job_args())
+    assert kernel.package_path(_job_args()) == base and base.parent == tmp_path
+    wider = (theta, cfg, parts, [torch.zeros(4)], [torch.zeros(4)],
+             [{**states[0], "v": torch.zeros(4)}], lr)  # fmt: skip
+    strided = (theta, cfg, parts, params, [torch.zeros(6)[::2]], states, lr)
+    doubled = (theta, cfg, parts, [p.double() for p in params], grads, states, lr)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        other_threads = kernel.package_path(_job_args())
+    finally:
+        torch.set_num_threads(threads)
+    names = {kernel.package_path(a) for a in (wider, strided, doubled)} | {other_threads}
+    assert base not in names and len(names) == 4
 
 
 def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
@@ -157,24 +233,28 @@ def _set_golden_state_fresh(opt, params, inputs) -> None:
     _set_golden_state(opt, params, inputs)
 
 
-def test_kernel_runs_without_recompiling_inside_autocast(compiled, monkeypatch):
+def test_kernel_runs_inside_autocast_as_outside(compiled, monkeypatch):
     """A step inside an autocast region (a training loop's ``with autocast():`` that also
-    holds ``opt.step()``) runs the kernel as compiled: a recompile would happen on the
-    training thread, and the stance below makes it an error."""
+    holds ``opt.step()``) runs the kernel, and steps as it does outside the region."""
     inputs, params, opt, *_ = compiled
     monkeypatch.setenv(COMPILE_ENV, "1")
+    entries = list(opt._kernels._entries.values())
+    eager_steps = [e.eager_steps for e in entries]
     _set_golden_state(opt, params, inputs)
-    with torch.compiler.set_stance("fail_on_recompile"):
+    opt.step()
+    outside = [p.detach().clone() for p in params]
+    _set_golden_state(opt, params, inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
         opt.step()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            opt.step()
+    assert [e.eager_steps for e in entries] == eager_steps, "a bucket ran the reference"
+    for p, q in zip(params, outside):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
 
 
-def test_another_thread_count_steps_eagerly_instead_of_recompiling(compiled, monkeypatch):
-    """A kernel compiled at one thread count would recompile on the training thread at
-    another (its guards read the count): a changed count is a new kind of bucket, stepped
-    by the reference until its own compile (none here), and the old kernel returns when
-    the count does."""
+def test_another_thread_count_steps_eagerly_until_its_own_kernel(compiled, monkeypatch):
+    """A kernel is built for one thread count (its loops are parallelised for it): a
+    changed count is a new kind of bucket, stepped by the reference until its own
+    kernel (none here), and the old kernel returns when the count does."""
     inputs, params, opt, *_ = compiled
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
@@ -184,14 +264,12 @@ def test_another_thread_count_steps_eagerly_instead_of_recompiling(compiled, mon
     _set_golden_state(opt, params, inputs)
     try:
         torch.set_num_threads(threads + 1)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            opt.step()
+        opt.step()
         new = [e for k, e in kernels._entries.items() if k not in compiled_kinds]
         assert new and all(e.fn is None and e.eager_steps == 1 for e in new)
         torch.set_num_threads(threads)
         eager_steps = [e.eager_steps for e in compiled_kinds.values()]
-        with torch.compiler.set_stance("fail_on_recompile"):
-            opt.step()
+        opt.step()
         assert [e.eager_steps for e in compiled_kinds.values()] == eager_steps
     finally:
         torch.set_num_threads(threads)
@@ -199,9 +277,8 @@ def test_another_thread_count_steps_eagerly_instead_of_recompiling(compiled, mon
 
 
 def test_compile_thread_exits_when_its_queue_is_empty(compiled):
-    """The compiling thread's OpenMP team slows every torch op of the process while the
-    thread lives (see :class:`learned_opt.kernel._Worker`): once the kernels are compiled,
-    no compile thread is left."""
+    """Once the kernels are loaded, no compile thread is left (see
+    :class:`learned_opt.kernel._Worker`)."""
     import threading
 
     *_, ready = compiled
@@ -224,11 +301,9 @@ print("done")
 """
 
 
-@needs_compile
 def test_a_script_that_ends_while_the_kernel_compiles_exits_cleanly(tmp_path):
-    """A compile still running while the interpreter finalises crashed the process
-    (segmentation fault, or ``terminate called without an active exception`` on a
-    torchrun rank); at exit the worker now stops quietly."""
+    """A script that ends while its kernel is being built exits at once and quietly: the
+    worker stops the child at exit, and leaves no half-written package."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), OMP_NUM_THREADS="1")
     env.pop(COMPILE_ENV, None)
     out = subprocess.run(
@@ -237,6 +312,7 @@ def test_a_script_that_ends_while_the_kernel_compiles_exits_cleanly(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
     assert "Warning" not in out.stderr and "terminate" not in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.glob("learned_opt_kernels/*")), "a package was left behind"
 
 
 class _Submissions:
@@ -250,12 +326,12 @@ class _Submissions:
         self.at_step.append(self.step)
 
 
-def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(monkeypatch):
+def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(monkeypatch, tmp_path):
     """A small model's short run never pays for a compile (it slows the training thread
     many times over while it traces): the compile is queued once the eager steps of a kind
     have taken ``COMPILE_AFTER_SECONDS`` in all, and never twice."""
     monkeypatch.setenv(COMPILE_ENV, "1")
-    monkeypatch.setattr(kernel, "BACKGROUND_COMPILE", True)
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))  # no package built before
     worker = _Submissions()
     monkeypatch.setattr(kernel, "_worker", lambda: worker)
     ticks = iter(range(10**6))  # each eager step of a bucket takes 0.5 s of this clock
@@ -277,24 +353,3 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
     entry = kernel._Entry()
     worker.submit(entry, (None, None, None, [], [], [], torch.zeros(())))
     assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
-
-
-@pytest.mark.parametrize(("version", "safe"), [("2.11.0+cu130", False), ("2.12.1", False),
-                                               ("2.13.0+cpu", True), ("2.14.1", True)])  # fmt: skip
-def test_background_compile_needs_torch_2_13(version, safe):
-    assert kernel.compiles_in_background(version) is safe
-
-
-def test_torch_older_than_2_13_keeps_the_reference_and_says_so(monkeypatch):
-    """torch 2.11's compiler cannot run beside the training thread (a kernel called while
-    another compiles raises, and the process can crash): there the reference steps, and
-    one warning says so; nothing is queued for compiling."""
-    monkeypatch.setattr(kernel, "BACKGROUND_COMPILE", False)
-    monkeypatch.setattr(kernel, "_warned_old_torch", False)
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    inputs, params, opt = _golden_optimizer()
-    with pytest.warns(RuntimeWarning, match="eager reference steps instead") as caught:
-        for _ in range(COMPILE_AFTER + 1):
-            opt.step()
-    assert len(caught) == 1
-    assert not opt._kernels._entries, "a compile was queued on an old torch"
