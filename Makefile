@@ -5,7 +5,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: venv test demo bench lint docs clean wheel-check test-newest-torch
+.PHONY: venv test demo bench lint docs clean wheel-check test-newest-torch test-oldest-torch
 
 venv: $(STAMP)
 
@@ -44,17 +44,29 @@ docs: $(STAMP)
 wheel-check: $(STAMP)
 	.ci/check_wheel.sh
 
-# The kernel on the newest torch the registry serves here (pip's cap): its own venv, the
-# kernel and golden tests, and the step benchmark's small workloads (the JSON records torch).
+# The compiled kernel on other torch versions, each in a venv of its own: its tests, the
+# golden updates and the packed step. ($(call other_torch,VENV,VERSION))
+KERNEL_TESTS := tests/core/test_kernel.py tests/core/test_golden.py tests/core/test_packed_step.py
+define other_torch
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q torch==$(2) numpy pytest pytest-timeout
+	$(1)/bin/python -m pip install -q --no-deps -e .
+	$(1)/bin/python -m pytest -q $(KERNEL_TESTS)
+endef
+
+# The newest torch the registry serves here (pip's cap), and the step benchmark's small
+# workloads on it (the JSON records torch).
 NEWEST_TORCH ?= 2.14.1
 NEWEST  := .venv-newest-torch
 test-newest-torch:
-	test -x $(NEWEST)/bin/python || $(PY) -m venv $(NEWEST)
-	$(NEWEST)/bin/python -m pip install -q torch==$(NEWEST_TORCH) numpy pytest pytest-timeout
-	$(NEWEST)/bin/python -m pip install -q --no-deps -e .
-	$(NEWEST)/bin/python -m pytest -q tests/core/test_kernel.py tests/core/test_golden.py tests/core/test_packed_step.py
+	$(call other_torch,$(NEWEST),$(NEWEST_TORCH))
 	$(NEWEST)/bin/python benchmarks/step_overhead.py --workloads transformer-0.5M shapes-10M \
 		--no-contention --out benchmarks/results/step_overhead_newest_torch.json
+
+# The oldest torch the package supports.
+OLDEST_TORCH ?= 2.11.0
+test-oldest-torch:
+	$(call other_torch,.venv-oldest-torch,$(OLDEST_TORCH))
 
 demo: $(STAMP)
 	$(VPY) -m learned_opt.demo

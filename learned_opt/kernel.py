@@ -98,8 +98,8 @@ def step_tensors(
     ``states`` hold ``m``, ``v``, ``log_lr`` and ``step`` (a float tensor: the tensor's own
     step count, which its bias correction and time features read, and which only a
     stepped tensor advances), and may hold ``sparse_rows`` (a bool: a row-sparse matrix,
-    never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor, so that
-    a scheduler changing it never recompiles the kernel.
+    never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor: an input
+    of the kernel, so that a scheduler may change it.
 
     Compiled (or on an accelerator) every tensor takes :func:`~learned_opt.step.tensor_step`.
     Eagerly on CPU the host reads each tensor's finite flag, to mask only where needed, and
@@ -218,14 +218,13 @@ class Kernels:
         stepped eagerly for :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped."""
         lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
-        # plain tensors sharing the parameters' memory: the kernel's guards then match the
-        # copies it was compiled on (a Parameter requires grad, a copy does not)
+        # plain tensors sharing the parameters' memory, as the copies the kernel was built on
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled()):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         device = params[0].device.type
-        # the kernel was compiled outside autocast: a step() called inside it would fail
-        # the kernel's guards and recompile on this thread
+        # the kernel and the reference step outside autocast, which would otherwise cast
+        # the matrix products of a step() called inside it
         outside = contextlib.nullcontext()
         if torch.is_autocast_enabled(device):
             outside = torch.autocast(device, enabled=False)
@@ -312,13 +311,15 @@ class _Entry:
 
 
 def _signature(cfg, parts, params, grads, states) -> tuple:
-    """The kind of a bucket: its config, parts and tensors, and torch's thread count, which
-    a compiled kernel's guards read (a kernel called at another count would recompile on
-    the training thread; at a new count the reference steps until that kind compiles)."""
+    """The kind of a bucket: its config, parts and tensors (a kernel is built for their
+    exact shapes and strides, and checks none of them), and torch's thread count, which a
+    kernel's loops are parallelised for (at a new count the reference steps until that
+    kind has its own kernel)."""
     tensors = tuple(
-        (p.device, p.dtype, tuple(p.shape), g.dtype, p.is_contiguous(), s.get("sparse_rows"))
+        (p.device, p.dtype, tuple(p.shape), p.stride(), g.dtype, g.stride(),
+         s.get("sparse_rows"))
         for p, g, s in zip(params, grads, states)
-    )
+    )  # fmt: skip
     return cfg, parts, tensors, torch.get_num_threads()
 
 
@@ -402,7 +403,7 @@ class _Worker:
         job = {
             "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
             "grads": grads, "states": states, "lr": lr, "threads": torch.get_num_threads(),
-            "nice": CHILD_NICE, "out": str(path),
+            "nice": CHILD_NICE, "out": str(path), "parent": os.getpid(),
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         with tempfile.TemporaryDirectory() as folder:
@@ -598,6 +599,7 @@ def compile_job(path: str) -> None:
     """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of the saved
     tensors (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
+    _exit_with_parent(job["parent"])
     if hasattr(os, "nice"):
         os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
@@ -606,6 +608,19 @@ def compile_job(path: str) -> None:
         job["grads"], job["states"], job["lr"],
     )  # fmt: skip
     build_package(args, Path(job["out"]))
+
+
+def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
+    """In the child: a daemon thread that ends the process once its parent (process id
+    ``parent``) is gone (a training process killed without its exit handlers), instead
+    of compiling on for nobody."""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="learned-opt-parent-watch", daemon=True).start()
 
 
 _WORKER: _Worker | None = None

@@ -85,12 +85,12 @@ class LearnedOptimizer(Optimizer):
             of ``param_groups`` that makes it negative, infinite or NaN raises a
             ``ValueError`` instead of corrupting the parameters.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
-        compile: run the step compiled by ``torch.compile`` (the default), or always run
-            the eager reference (``False``; also the environment variable
+        compile: run the step's compiled kernel (the default), or always run the eager
+            reference (``False``; also the environment variable
             ``LEARNED_OPT_COMPILE=0``). ``step()`` never waits for a compile: the first
-            steps of a model run the reference while a background thread compiles the
-            kernel (see :mod:`learned_opt.kernel`), and the steps after that run it. If
-            compiling fails, one warning says why and the reference keeps stepping.
+            steps of a model run the reference while a child process builds the kernel
+            (see :mod:`learned_opt.kernel`), and the steps after that run it. If building
+            fails, one warning says why and the reference keeps stepping.
 
     With parameters on CPU the optimizer raises glibc's mmap and trim thresholds once per
     process, so that the eager step's temporaries reuse memory instead of being faulted in

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -353,3 +354,36 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
     entry = kernel._Entry()
     worker.submit(entry, (None, None, None, [], [], [], torch.zeros(())))
     assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
+
+
+def test_a_compile_process_ends_when_its_parent_is_killed(tmp_path):
+    """A training process killed without its exit handlers (``SIGKILL``) leaves no compile
+    running for nobody: the child ends once its parent is gone."""
+    if not hasattr(os, "getppid") or sys.platform == "win32":
+        pytest.skip("POSIX parent ids")
+    script = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; "
+        "from learned_opt import kernel; kernel._exit_with_parent(int(sys.argv[1]), 0.05); "
+        "time.sleep(60)', str(os.getpid())])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)  # still there (or a zombie not yet reaped by init)
+        except ProcessLookupError:
+            return
+        try:
+            with open(f"/proc/{pid}/stat") as stat:  # Linux: a zombie has ended
+                if stat.read().split(")")[-1].split()[0] == "Z":
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    pytest.fail("the compile process outlived its parent by 30 s")
