@@ -8,9 +8,9 @@ inductor fuses into a few loops over each tensor.
 
 ``step()`` never waits for a compile. A :class:`Kernels` steps the tensors in buckets of
 one shape and holds one kernel per kind of bucket (device, dtypes, shapes, strides); the
-first steps of a new kind run the reference, and once they have taken
-:data:`COMPILE_AFTER_SECONDS` (and at least :data:`COMPILE_AFTER` steps) one process-wide
-worker thread has the kernel built on copies of the tensors, one kind at a time, by a
+first steps of a new kind run the reference, and once the optimizer's eager steps have
+taken :data:`COMPILE_AFTER_SECONDS` in all (and the kind has stepped at least
+:data:`COMPILE_AFTER` times) one process-wide worker thread has the kernel built on copies of the tensors, one kind at a time, by a
 child process at low priority, which writes the package to :func:`kernel_dir`. The
 worker thread then loads it (milliseconds: nothing is traced in this process), and the
 steps after that run the kernel. If building fails, one warning says why and the
@@ -51,12 +51,14 @@ from .network import Theta
 from .segments import FlatLayout
 from .step import Parts, flat_step, moment_rows, tensor_step
 
-#: A kind of bucket is compiled once it has stepped eagerly at least this many times and
-#: for at least :data:`COMPILE_AFTER_SECONDS` in all: a short-lived optimizer (a quick
-#: check, a two-step test) or a small model's short run never pays for a compile it would
-#: not use.
+#: A kind of bucket is compiled once it has stepped eagerly at least this many times, and
+#: the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECONDS` in all: a
+#: short-lived optimizer (a quick check, a two-step test) or a small model's short run
+#: never pays for a compile it would not use.
 COMPILE_AFTER = 3
-#: The eager seconds a kind of bucket steps for before its compile is queued. A compile
+#: The eager seconds an optimizer steps for before its kinds of bucket are compiled (all
+#: its kinds together: counted per kind, a model's small tensors stepped eagerly for
+#: good, a few milliseconds of every step, because their share never reached it). A compile
 #: takes tens of seconds to minutes of a core and slows the training thread meanwhile (by
 #: about 1.8x on 2 cores, with the compile in a child process), so a run whose whole
 #: eager optimizer cost is a few seconds finishes sooner without a kernel, and a model
@@ -181,7 +183,7 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
 
 @contextlib.contextmanager
 def compile_after_seconds(seconds: float):
-    """Within the block, queue compiles once a kind of bucket has stepped eagerly for
+    """Within the block, queue compiles once an optimizer has stepped eagerly for
     ``seconds`` (:data:`COMPILE_AFTER_SECONDS` again after it): ``0`` for a benchmark or
     test that times or checks the kernel itself after :data:`COMPILE_AFTER` steps."""
     global COMPILE_AFTER_SECONDS
@@ -211,11 +213,14 @@ class Kernels:
     def __init__(self, compile: bool = True):
         self.compile = compile
         self._entries: dict[tuple, _Entry] = {}
+        #: host seconds of all the eager bucket steps (not synchronised on CUDA): what the
+        #: reference has cost this optimizer, which decides when its kinds compile
+        self.eager_seconds = 0.0
 
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
-        ready, else with the reference (and the compile queued once that bucket's kind has
-        stepped eagerly for :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
+        ready, else with the reference (and the compile queued once the eager steps have
+        taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped."""
         lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
         # plain tensors sharing the parameters' memory, as the copies the kernel was built on
@@ -252,12 +257,12 @@ class Kernels:
         if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
             entry.built = _is_built(args)
         if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
-                and (entry.built or entry.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
+                and (entry.built or self.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
             entry.queued = True
             _worker().submit(entry, args)
         start = time.perf_counter()
         oks = step_tensors(*args)
-        entry.eager_seconds += time.perf_counter() - start
+        self.eager_seconds += time.perf_counter() - start
         return oks
 
     def ready(self) -> bool:
@@ -304,7 +309,6 @@ class _Entry:
     def __init__(self):
         self.fn: Callable | None = None
         self.eager_steps = 0
-        self.eager_seconds = 0.0  # host time of the eager steps (not synchronised on CUDA)
         self.queued = False
         self.built = False  # its package was on disk at its first step
         self.done = threading.Event()

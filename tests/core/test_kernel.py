@@ -348,6 +348,29 @@ def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(mon
     assert worker.at_step == [5] * kinds  # steps 1-4 took 2 s; the fifth queued each kind
 
 
+def test_the_kinds_of_bucket_compile_together_on_the_optimizer_s_eager_seconds(
+    monkeypatch, tmp_path
+):
+    """The threshold counts all the optimizer's eager steps: counted per kind, a model's
+    small tensors would step eagerly for good, because their own share never reached it."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    worker = _Submissions()
+    monkeypatch.setattr(kernel, "_worker", lambda: worker)
+    ticks = iter(range(10**6))  # each eager step of a bucket takes 0.5 s of this clock
+    monkeypatch.setattr(kernel, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3).double())]
+    opt = LearnedOptimizer(params)
+    with kernel.compile_after_seconds(2.0):
+        for step in range(1, 6):
+            worker.step = step
+            for p in params:
+                p.grad = torch.ones_like(p)
+            opt.step()
+    assert len(opt._kernels._entries) == 2
+    assert worker.at_step == [3, 3]  # two kinds: 1 s a step, so 2 s after step 2
+
+
 def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
     worker = kernel._Worker()
     worker.close()
