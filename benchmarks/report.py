@@ -121,6 +121,7 @@ def _first_steps(result: dict) -> str:
 @section("step_overhead")
 @section("step_overhead_newest_torch")
 @section("step_overhead_one_momentum")
+@section("step_overhead_aot")
 def render_step_overhead(result: dict) -> str:
     """Step cost against AdamW: the optimizer step alone and the whole training step."""
 

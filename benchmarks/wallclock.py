@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "benchmark": "wallclock", "suite": args.suite, "source": SUITES[args.suite],
         "cache": "warm" if args.warm_cache else "empty", "threads": 1,
+        "kernel_route": "aot_package",  # built by a child, loaded by the training process
         "compile_after_seconds": (kernel.COMPILE_AFTER_SECONDS if args.compile_after_seconds
                                   is None else args.compile_after_seconds),
         "timing_seed": TIMING_SEED, "rows": scored, "summary": summarise(scored),

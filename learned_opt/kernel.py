@@ -10,11 +10,11 @@ inductor fuses into a few loops over each tensor.
 one shape and holds one kernel per kind of bucket (device, dtypes, shapes, strides); the
 first steps of a new kind run the reference, and once the optimizer's eager steps have
 taken :data:`COMPILE_AFTER_SECONDS` in all (and the kind has stepped at least
-:data:`COMPILE_AFTER` times) one process-wide worker thread has the kernel built on copies of the tensors, one kind at a time, by a
-child process at low priority, which writes the package to :func:`kernel_dir`. The
-worker thread then loads it (milliseconds: nothing is traced in this process), and the
-steps after that run the kernel. If building fails, one warning says why and the
-reference keeps stepping that kind.
+:data:`COMPILE_AFTER` times) one process-wide worker thread has the kernel built on copies
+of the tensors, one kind at a time, by a child process at low priority, which writes the
+package to :func:`kernel_dir`. The worker thread then loads it (milliseconds: nothing is
+traced in this process), and the steps after that run the kernel. If building fails, one
+warning says why and the reference keeps stepping that kind.
 
 A package is built once per host and user: the worker holds a file lock while it builds,
 so the other ranks of a ``torchrun`` job wait (stepping eagerly meanwhile) and then load
@@ -58,8 +58,8 @@ from .step import Parts, flat_step, moment_rows, tensor_step
 COMPILE_AFTER = 3
 #: The eager seconds an optimizer steps for before its kinds of bucket are compiled (all
 #: its kinds together: counted per kind, a model's small tensors stepped eagerly for
-#: good, a few milliseconds of every step, because their share never reached it). A compile
-#: takes tens of seconds to minutes of a core and slows the training thread meanwhile (by
+#: good, a few milliseconds of every step, because their share never reached it). A
+#: compile takes tens of seconds to minutes of a core and slows the training thread meanwhile (by
 #: about 1.8x on 2 cores, with the compile in a child process), so a run whose whole
 #: eager optimizer cost is a few seconds finishes sooner without a kernel, and a model
 #: whose eager step is slow reaches the threshold in a few steps. Chosen on the validation
@@ -472,7 +472,12 @@ class _Worker:
 #: Seconds a child process may compile one kind of bucket before it is stopped (the
 #: reference then keeps stepping that kind).
 CHILD_COMPILE_TIMEOUT = 1800
-#: The child's niceness: the training process keeps the cores it needs.
+#: The child's niceness: the training process keeps the cores it needs. The price: on 2
+#: cores busy with training at 2 threads the 0.5M transformer's kernel was ready after
+#: 1023 s (``step_overhead_aot.json``); at niceness 0 after 158 s, but training ran at
+#: 0.4-0.6 times its speed while gcc compiled, so that it was behind until about 400 s
+#: and ahead from then on (steps at 300 s: 5747 against about 6600; at 600 s: 16043
+#: against about 13200; one run each).
 CHILD_NICE = 10
 _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sys.argv[1])"
 #: Environment variable naming the folder of the compiled kernels (see :func:`kernel_dir`).
