@@ -453,7 +453,13 @@ class _Worker:
                         self._build_in_child(args, path)
                     if self.closed:  # the interpreter is exiting
                         continue
-                    entry.fn = load_package(path)
+                    try:
+                        entry.fn = load_package(path)
+                    except PermissionError:
+                        raise
+                    except Exception:  # corrupt (a full disk): built again by the next run
+                        path.unlink(missing_ok=True)
+                        raise
             except Exception as e:  # any failure of the compiler: keep the reference
                 if self.closed:  # cut short by the exit
                     continue
@@ -647,16 +653,15 @@ def _worker() -> _Worker:
 
 @contextlib.contextmanager
 def _host_lock():
-    """An exclusive lock shared by the processes of this host and user (``fcntl``; none
-    where that is missing): one of them compiles, the others then hit the cache."""
+    """An exclusive lock shared by the processes of this host and user that use the same
+    :func:`kernel_dir` (``fcntl``; none where that is missing): one of them builds a
+    package, the others then load it."""
     try:
         import fcntl
     except ImportError:  # not POSIX: each process compiles for itself
         yield
         return
-    folder = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", tempfile.gettempdir()))
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "learned_opt_compile.lock", "a") as handle:
+    with open(kernel_dir() / ".lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

@@ -155,6 +155,24 @@ def test_a_failed_build_warns_once_and_the_reference_keeps_stepping(monkeypatch,
     assert all(not torch.equal(a, p.detach()) for a, p in zip(before, params))
 
 
+def test_a_package_that_does_not_load_is_removed_for_the_next_run(monkeypatch, tmp_path):
+    """A corrupt package (a full disk, a crash of another tool) warns once, the reference
+    keeps stepping, and the file is removed, so that the next run builds it again."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    bad = tmp_path / "bad.pt2"
+    bad.write_bytes(b"not a package")
+    bad.chmod(0o600)
+    monkeypatch.setattr(kernel, "package_path", lambda args: bad)
+    _, _, opt = _golden_optimizer()
+    with pytest.warns(RuntimeWarning, match="compiling the step kernel failed"):
+        for _ in range(COMPILE_AFTER):
+            opt.step()
+        assert not opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+    assert not bad.exists()
+
+
 def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
     """A package is a shared library this process would load: a folder or package that
     another user could have written is refused, with what to do."""
