@@ -453,13 +453,7 @@ class _Worker:
                         self._build_in_child(args, path)
                     if self.closed:  # the interpreter is exiting
                         continue
-                    try:
-                        entry.fn = load_package(path)
-                    except PermissionError:
-                        raise
-                    except Exception:  # corrupt (a full disk): built again by the next run
-                        path.unlink(missing_ok=True)
-                        raise
+                    entry.fn = load_package(path)
             except Exception as e:  # any failure of the compiler: keep the reference
                 if self.closed:  # cut short by the exit
                     continue
@@ -529,11 +523,17 @@ def build_package(args: tuple, path: Path) -> None:
 def load_package(path: Path) -> Callable:
     """The kernel of a package built by :func:`build_package`, as a function of
     :func:`step_tensors`'s arguments. Loading maps its shared library into this process:
-    the package must be this user's and not writable by others (:func:`kernel_dir`)."""
+    the package must be this user's and not writable by others (:func:`kernel_dir`). A
+    package of this user's that does not load (written by a full disk, say) is removed
+    before the error is raised, so that the next run builds it again."""
     from torch._inductor import aoti_load_package
 
     _check_private(path)
-    runner = aoti_load_package(str(path))
+    try:
+        runner = aoti_load_package(str(path))
+    except Exception:
+        path.unlink(missing_ok=True)
+        raise
 
     def kernel(theta, cfg, parts, params, grads, states, lr):
         return runner(_sorted_theta(theta), params, grads, states, lr)
@@ -543,20 +543,21 @@ def load_package(path: Path) -> Callable:
 
 def package_path(args: tuple) -> Path:
     """The file of the package that steps the tensors of ``args``: its name hashes all
-    the kernel depends on (torch's version, this package's source, the config and parts,
-    the names and shapes of theta, every tensor's device, dtype, shape and strides, and
-    the thread count), so a change of any of them builds another."""
+    the kernel depends on (torch's version, this package's source, the names and shapes
+    of theta, the bucket's :func:`_signature` with its config, parts, tensors and thread
+    count, and the state tensors' dtypes, shapes and strides), so a change of any of
+    them builds another."""
     theta, cfg, parts, params, grads, states, lr = args
-    tensors = [
-        (str(p.device), p.dtype, tuple(p.shape), p.stride(), g.dtype, g.stride(),
-         sorted((k, (t.dtype, tuple(t.shape), t.stride()) if isinstance(t, Tensor) else t)
-                for k, t in s.items()))
-        for p, g, s in zip(params, grads, states)
+    _, _, tensors, threads = _signature(cfg, parts, params, grads, states)
+    state = [
+        sorted((k, (t.dtype, tuple(t.shape), t.stride()) if isinstance(t, Tensor) else t)
+               for k, t in s.items())
+        for s in states
     ]  # fmt: skip
     key = (
         torch.__version__, _source_digest(), sorted(cfg.to_dict().items()), tuple(parts),
-        [(k, t.dtype, tuple(t.shape)) for k, t in sorted(theta.items())], tensors,
-        (lr.dtype, str(lr.device)), torch.get_num_threads(),
+        [(k, t.dtype, tuple(t.shape)) for k, t in sorted(theta.items())], tensors, state,
+        (lr.dtype, str(lr.device)), threads,
     )  # fmt: skip
     return kernel_dir() / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:40]}.pt2"
 
@@ -628,7 +629,8 @@ def compile_job(path: str) -> None:
 def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
     """In the child: a daemon thread that ends the process once its parent (process id
     ``parent``) is gone (a training process killed without its exit handlers), instead
-    of compiling on for nobody."""
+    of compiling on for nobody. POSIX: on Windows a process keeps its dead parent's id,
+    and the child compiles on until :data:`CHILD_COMPILE_TIMEOUT`."""
 
     def watch():
         while os.getppid() == parent:

@@ -176,8 +176,8 @@ def test_a_package_that_does_not_load_is_removed_for_the_next_run(monkeypatch, t
 def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
     """A package is a shared library this process would load: a folder or package that
     another user could have written is refused, with what to do."""
-    if not hasattr(os, "getuid"):
-        pytest.skip("POSIX permissions")
+    if not hasattr(os, "getuid"):  # the check is a no-op there (see _check_private)
+        pytest.skip("owner and mode checks are POSIX only")
     folder = tmp_path / "shared"
     folder.mkdir()
     folder.chmod(0o777)
@@ -345,16 +345,24 @@ class _Submissions:
         self.at_step.append(self.step)
 
 
-def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(monkeypatch, tmp_path):
-    """A small model's short run never pays for a compile (it slows the training thread
-    many times over while it traces): the compile is queued once the eager steps of a kind
-    have taken ``COMPILE_AFTER_SECONDS`` in all, and never twice."""
+@pytest.fixture
+def submissions(monkeypatch, tmp_path) -> _Submissions:
+    """Compiling on, an empty kernel folder (no package built before), a stand-in worker,
+    and a clock on which each eager step of a bucket takes 0.5 s."""
     monkeypatch.setenv(COMPILE_ENV, "1")
-    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))  # no package built before
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
     worker = _Submissions()
     monkeypatch.setattr(kernel, "_worker", lambda: worker)
-    ticks = iter(range(10**6))  # each eager step of a bucket takes 0.5 s of this clock
+    ticks = iter(range(10**6))
     monkeypatch.setattr(kernel, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    return worker
+
+
+def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(submissions):
+    """A small model's short run never pays for a compile (the build slows the training
+    thread while it runs): the compile is queued once the optimizer's eager steps have
+    taken ``COMPILE_AFTER_SECONDS`` in all, and never twice."""
+    worker = submissions
     _, _, opt = _golden_optimizer()
     default = kernel.COMPILE_AFTER_SECONDS
     with kernel.compile_after_seconds(2.0):
@@ -366,17 +374,10 @@ def test_a_compile_is_queued_once_the_eager_steps_took_compile_after_seconds(mon
     assert worker.at_step == [5] * kinds  # steps 1-4 took 2 s; the fifth queued each kind
 
 
-def test_the_kinds_of_bucket_compile_together_on_the_optimizer_s_eager_seconds(
-    monkeypatch, tmp_path
-):
+def test_the_kinds_of_bucket_compile_together_on_the_optimizer_s_eager_seconds(submissions):
     """The threshold counts all the optimizer's eager steps: counted per kind, a model's
     small tensors would step eagerly for good, because their own share never reached it."""
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
-    worker = _Submissions()
-    monkeypatch.setattr(kernel, "_worker", lambda: worker)
-    ticks = iter(range(10**6))  # each eager step of a bucket takes 0.5 s of this clock
-    monkeypatch.setattr(kernel, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    worker = submissions
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3).double())]
     opt = LearnedOptimizer(params)
     with kernel.compile_after_seconds(2.0):
@@ -400,8 +401,8 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
 def test_a_compile_process_ends_when_its_parent_is_killed(tmp_path):
     """A training process killed without its exit handlers (``SIGKILL``) leaves no compile
     running for nobody: the child ends once its parent is gone."""
-    if not hasattr(os, "getppid") or sys.platform == "win32":
-        pytest.skip("POSIX parent ids")
+    if sys.platform == "win32":  # a Windows process keeps its dead parent's id
+        pytest.skip("the watchdog reads the parent id, which changes on POSIX only")
     script = (
         "import os, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; "
