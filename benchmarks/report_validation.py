@@ -84,6 +84,9 @@ SCHEDULE_PHRASES = {
 @section("validation_floor6_wsd")
 @section("validation_floor6_wsd_half")
 @section("validation_adapt2x_tensor_stage4")
+@section("validation_freeze_decay_wsd_half")
+@section("validation_freeze_decay_cosine")
+@section("validation_ortho_floor1")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
