@@ -451,6 +451,7 @@ class _Worker:
                     path = package_path(args)
                     if not path.is_file():
                         self._build_in_child(args, path)
+                        prune_packages(path.parent, keep=path)
                     if self.closed:  # the interpreter is exiting
                         continue
                     entry.fn = load_package(path)
@@ -534,6 +535,7 @@ def load_package(path: Path) -> Callable:
     except Exception:
         path.unlink(missing_ok=True)
         raise
+    os.utime(path)  # marks it used: prune_packages removes the longest unused first
 
     def kernel(theta, cfg, parts, params, grads, states, lr):
         return runner(_sorted_theta(theta), params, grads, states, lr)
@@ -560,6 +562,29 @@ def package_path(args: tuple) -> Path:
         (lr.dtype, str(lr.device)), threads,
     )  # fmt: skip
     return kernel_dir() / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:40]}.pt2"
+
+
+#: The most packages :func:`prune_packages` leaves in the kernel folder (about 2.5 MB each
+#: for a CPU model of 30 tensors): a new build removes the longest unused beyond it.
+KEEP_PACKAGES = 64
+
+
+def prune_packages(folder: Path, keep: Path | None = None, limit: int = KEEP_PACKAGES) -> list[Path]:
+    """Remove the packages of ``folder`` beyond the ``limit`` most recently used (a load
+    touches its file), never ``keep``; returns the removed paths. Each model, torch
+    version and source revision builds packages of its own, and without this they
+    would pile up in the folder for good."""
+    found = []
+    for path in folder.glob("*.pt2"):
+        try:
+            found.append((path.stat().st_mtime, path))
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    others = [path for _, path in sorted(found, reverse=True) if path != keep]
+    removed = others[max(limit - (len(others) < len(found)), 0) :]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
 
 
 def _is_built(args: tuple) -> bool:

@@ -173,6 +173,50 @@ def test_a_package_that_does_not_load_is_removed_for_the_next_run(monkeypatch, t
     assert not bad.exists()
 
 
+def _aged_packages(folder, count: int) -> list:
+    """``count`` stand-in packages in ``folder``, the first the longest unused."""
+    paths = []
+    for i in range(count):
+        path = folder / f"{i:03d}.pt2"
+        path.write_bytes(b"stand-in")
+        os.utime(path, (1e9 + i, 1e9 + i))
+        paths.append(path)
+    return paths
+
+
+def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
+    old, *rest = _aged_packages(tmp_path, 5)
+    (tmp_path / ".lock").write_bytes(b"")
+    removed = kernel.prune_packages(tmp_path, keep=old, limit=2)
+    assert sorted(removed) == rest[:3]  # the longest unused; the one to keep counts
+    assert sorted(tmp_path.glob("*.pt2")) == [old, rest[3]]
+    assert (tmp_path / ".lock").exists()  # only packages are pruned
+
+
+def test_a_new_build_prunes_the_longest_unused_packages(monkeypatch, tmp_path):
+    """A build leaves at most KEEP_PACKAGES packages in the kernel folder; the new one
+    stays, whatever its age."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    aged = _aged_packages(tmp_path, kernel.KEEP_PACKAGES)
+    built = tmp_path / "new.pt2"
+
+    def build(self, args, path):
+        path.write_bytes(b"stand-in")
+        os.utime(path, (1.0, 1.0))  # older than all: kept all the same
+
+    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(kernel, "package_path", lambda args: built)
+    monkeypatch.setattr(kernel, "load_package", lambda path: kernel.step_tensors)
+    _, _, opt = _golden_optimizer()
+    for _ in range(COMPILE_AFTER):
+        opt.step()
+    assert opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+    left = set(tmp_path.glob("*.pt2"))
+    assert len(left) == kernel.KEEP_PACKAGES and built in left and aged[0] not in left
+
+
 def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
     """A package is a shared library this process would load: a folder or package that
     another user could have written is refused, with what to do."""
