@@ -569,7 +569,9 @@ def package_path(args: tuple) -> Path:
 KEEP_PACKAGES = 64
 
 
-def prune_packages(folder: Path, keep: Path | None = None, limit: int = KEEP_PACKAGES) -> list[Path]:
+def prune_packages(
+    folder: Path, keep: Path | None = None, limit: int = KEEP_PACKAGES
+) -> list[Path]:
     """Remove the packages of ``folder`` beyond the ``limit`` most recently used (a load
     touches its file), never ``keep``; returns the removed paths. Each model, torch
     version and source revision builds packages of its own, and without this they
