@@ -122,6 +122,7 @@ def _first_steps(result: dict) -> str:
 @section("step_overhead_newest_torch")
 @section("step_overhead_one_momentum")
 @section("step_overhead_aot")
+@section("step_overhead_aot_contention")
 def render_step_overhead(result: dict) -> str:
     """Step cost against AdamW: the optimizer step alone and the whole training step."""
 
@@ -157,6 +158,7 @@ def render_step_overhead(result: dict) -> str:
 
 
 @section("step_overhead:brief")
+@section("step_overhead_aot_contention:brief")
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
     measured as is (no competing processes)."""

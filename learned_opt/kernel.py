@@ -583,7 +583,8 @@ def prune_packages(
         except FileNotFoundError:  # removed meanwhile
             continue
     others = [path for _, path in sorted(found, reverse=True) if path != keep]
-    removed = others[max(limit - (len(others) < len(found)), 0) :]
+    room = limit - 1 if len(others) < len(found) else limit  # ``keep`` takes a place
+    removed = others[max(room, 0) :]
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
