@@ -157,7 +157,6 @@ def render_step_overhead(result: dict) -> str:
     )
 
 
-@section("step_overhead:brief")
 @section("step_overhead_aot_contention:brief")
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
