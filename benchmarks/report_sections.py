@@ -521,3 +521,21 @@ def render_eager_step_malloc(r: dict) -> str:
         f"Load average {off['load_average_end']} and {r['load_average_end']} at the ends. "
         f"Commands: `LEARNED_OPT_TUNE_MALLOC=0 {off['command']}` and `{r['command']}`."
     )
+
+
+@section("kernel_call")
+def render_kernel_call(r: dict) -> str:
+    """One call of a loaded kernel by how its inputs are handed over, beside AdamW's step."""
+    routes = ("flat_loader", "flat_package_call", "nested_package_call")
+    rows = [
+        [name, f"{m['parameters']:,} ({m['tensors']})", f"{m['ms']['adamw_step']:.3f}",
+         *(f"{m['ms'][k]:.3f} ({_x(m['vs_adamw'][k])})" for k in routes)]
+        for name, m in r["rows"].items()
+    ]  # fmt: skip
+    header = ["model", "params (tensors)", "AdamW step ms", "flat list, loader (the optimizer's)",
+              "flat list, package call", "structured arguments, package call (before)"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\nms of one kernel call (ratio to AdamW's `step()` on the same model), "
+        f"{r['setup']}. {_measured(r)} Command: `{r['command']}`."
+    )

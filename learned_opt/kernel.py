@@ -485,20 +485,43 @@ _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sy
 KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 
 
+#: The state tensors of a tensor that a kernel reads and writes, in the order it takes them.
+STATE_KEYS = ("m", "v", "log_lr", "step")
+
+
+def flat_inputs(theta, params, grads, states, lr) -> list[Tensor]:
+    """The inputs of a kernel as one list, in the order the package takes them: theta by
+    sorted name, the parameters, the gradients, each tensor's :data:`STATE_KEYS`, then
+    ``lr``. A flat list is what the package's loader runs on, so that a call builds no
+    nested structure and parses no call spec."""
+    out = [theta[name].detach() for name in sorted(theta)]
+    out += params
+    out += grads
+    for s in states:
+        out += [s[k] for k in STATE_KEYS]
+    out.append(lr)
+    return out
+
+
 class _Step(torch.nn.Module):
-    """:func:`step_tensors` under one config and parts, as the module that is exported."""
+    """:func:`step_tensors` under one config and parts, as the module that is exported: a
+    function of :func:`flat_inputs`'s list (``names``: theta's sorted names; ``sparse``:
+    each tensor's ``sparse_rows`` mark, fixed in the kernel)."""
 
-    def __init__(self, cfg: NetConfig, parts: Parts):
+    def __init__(self, cfg: NetConfig, parts: Parts, names: list[str], sparse: list[bool]):
         super().__init__()
-        self.cfg, self.parts = cfg, parts
+        self.cfg, self.parts, self.names, self.sparse = cfg, parts, names, sparse
 
-    def forward(self, theta, params, grads, states, lr):
-        return step_tensors(theta, self.cfg, self.parts, params, grads, states, lr)
-
-
-def _sorted_theta(theta) -> dict[str, Tensor]:
-    """Theta with its names in one order: the package's inputs are matched by position."""
-    return {name: theta[name].detach() for name in sorted(theta)}
+    def forward(self, tensors: list[Tensor]) -> Tensor:
+        k, n = len(self.names), len(self.sparse)
+        theta = dict(zip(self.names, tensors[:k]))
+        params, grads = tensors[k : k + n], tensors[k + n : k + 2 * n]
+        rest, width = tensors[k + 2 * n : -1], len(STATE_KEYS)
+        states = [
+            dict(zip(STATE_KEYS, rest[i * width : (i + 1) * width]), sparse_rows=sparse)
+            for i, sparse in enumerate(self.sparse)
+        ]
+        return step_tensors(theta, self.cfg, self.parts, params, grads, states, tensors[-1])
 
 
 def build_package(args: tuple, path: Path) -> None:
@@ -508,9 +531,8 @@ def build_package(args: tuple, path: Path) -> None:
     of it). The package steps the tensors in place and returns their stepped flags."""
     theta, cfg, parts, params, grads, states, lr = args
     with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
-        program = torch.export.export(
-            _Step(cfg, parts), (_sorted_theta(theta), params, grads, states, lr)
-        )
+        module = _Step(cfg, parts, sorted(theta), [bool(s.get("sparse_rows")) for s in states])
+        program = torch.export.export(module, (flat_inputs(theta, params, grads, states, lr),))
         partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
         try:
             from torch._inductor import aoti_compile_and_package  # the documented AOT entry
@@ -536,9 +558,15 @@ def load_package(path: Path) -> Callable:
         path.unlink(missing_ok=True)
         raise
     os.utime(path)  # marks it used: prune_packages removes the longest unused first
+    # The package's own __call__ parses its call spec (JSON) and flattens its arguments on
+    # every call: 0.2 ms, half of a small model's kernel step (benchmarks/kernel_call.py).
+    # The loader it then runs takes the flat list itself; where a torch has no such
+    # loader, the call goes through __call__ (the same list, the same result).
+    run = getattr(getattr(runner, "loader", None), "boxed_run", None)
 
     def kernel(theta, cfg, parts, params, grads, states, lr):
-        return runner(_sorted_theta(theta), params, grads, states, lr)
+        flat = flat_inputs(theta, params, grads, states, lr)
+        return runner(flat) if run is None else run(flat)[0]
 
     return kernel
 

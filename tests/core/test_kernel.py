@@ -112,6 +112,51 @@ def test_a_later_optimizer_loads_the_package_without_building(compiled, monkeypa
     assert len(first.builds) == builds, "the package was built again"
 
 
+class _CallOnly:
+    """A loaded package seen through its documented call alone (a torch whose package
+    has no loader to run a flat list): counts its calls."""
+
+    def __init__(self, runner):
+        self.runner, self.calls = runner, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.runner(*args)
+
+
+def test_the_flat_call_steps_as_the_package_s_own_call(compiled, monkeypatch):
+    """The kernel runs the package's loader on its flat inputs (no call spec parsed per
+    step); where a package has no such loader, the step goes through the package's own
+    call. Both give the same step, bitwise."""
+    from torch._inductor import aoti_load_package
+
+    inputs, params, opt, *_ = compiled
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(opt.builds[0].parent))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    loaded = []
+    monkeypatch.setattr("torch._inductor.aoti_load_package",
+                        lambda path: loaded.append(_CallOnly(aoti_load_package(path))) or loaded[-1])  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, other_params, other = _golden_optimizer()
+        for _ in range(COMPILE_AFTER):
+            other.step()
+        assert other.wait_compiled(timeout=COMPILE_TIMEOUT)
+        _set_golden_state(opt, params, inputs)
+        _set_golden_state(other, other_params, inputs)
+        opt.step()
+        other.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert loaded and sum(r.calls for r in loaded) == len(loaded), "the package's call was not used"
+    for p, q in zip(params, other_params):
+        assert torch.equal(p.detach(), q.detach())
+        for key in kernel.STATE_KEYS:
+            assert torch.equal(opt.state[p][key], other.state[q][key]), key
+
+
 def _job_args():
     from learned_opt.config import NetConfig
     from learned_opt.step import Parts
