@@ -34,7 +34,14 @@ import torch
 
 from benchmarks.common import machine, write_json
 from learned_opt import LearnedOptimizer
-from learned_opt.kernel import STATE_KEYS, build_package, flat_inputs, load_package, step_tensors
+from learned_opt.kernel import (
+    STATE_KEYS,
+    build_package,
+    flat_inputs,
+    load_package,
+    step_tensors,
+    theta_inputs,
+)
 from learned_opt.tasks import get_task
 
 WORKLOADS = ("val_friedman_mlp", "val_synth40_mlp", "val_gru_majority", "val_resmlp_ln")
@@ -90,9 +97,12 @@ def routes(args: tuple, folder: Path) -> dict:
         program = torch.export.export(NestedStep(cfg, parts), nested_args)
         aoti_compile_and_package(program, package_path=str(nested_path))
     nested_runner = aoti_load_package(str(nested_path))
+    theta_list = theta_inputs(theta)  # as the optimizer's route keeps it
     return {
         "flat_loader": lambda: flat_kernel(*args),
-        "flat_package_call": lambda: flat_runner(flat_inputs(theta, params, grads, states, lr)),
+        "flat_package_call": lambda: flat_runner(
+            flat_inputs(theta_list, params, grads, states, lr)
+        ),
         "nested_package_call": lambda: nested_runner(*nested_args),
     }
 

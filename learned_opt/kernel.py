@@ -216,13 +216,15 @@ class Kernels:
         #: host seconds of all the eager bucket steps (not synchronised on CUDA): what the
         #: reference has cost this optimizer, which decides when its kinds compile
         self.eager_seconds = 0.0
+        self._plans: dict[tuple, list] = {}  # see _plan
+        self._lr: tuple | None = None  # (value, dtype, device, its 0-d tensor)
 
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
         ready, else with the reference (and the compile queued once the eager steps have
         taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped."""
-        lr_t = torch.tensor(float(lr), dtype=states[0]["v"].dtype, device=params[0].device)
+        lr_t = self._lr_tensor(float(lr), states[0]["v"].dtype, params[0].device)
         # plain tensors sharing the parameters' memory, as the copies the kernel was built on
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled()):
@@ -235,12 +237,12 @@ class Kernels:
             outside = torch.autocast(device, enabled=False)
         order, oks = [], []
         with outside:
-            for index in _buckets(params, grads, states):
+            for index, entry in self._plan(cfg, parts, params, grads, states):
                 args = (
                     theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
                     [states[i] for i in index], lr_t,
                 )  # fmt: skip
-                oks.append(self._step_bucket(args))
+                oks.append(self._step_bucket(entry, args))
                 order += index
         flags = (oks[0] if len(oks) == 1 else torch.cat(oks)).tolist()  # one read back
         stepped = [False] * len(params)
@@ -248,9 +250,36 @@ class Kernels:
             stepped[i] = ok
         return stepped
 
-    def _step_bucket(self, args: tuple) -> Tensor:
-        theta, cfg, parts, params, grads, states, _ = args
-        entry = self._entries.setdefault(_signature(cfg, parts, params, grads, states), _Entry())
+    def _lr_tensor(self, value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """``lr`` as the kernels' 0-d input, made again only when it changes."""
+        if self._lr is None or self._lr[:3] != (value, dtype, device):
+            self._lr = (value, dtype, device, torch.tensor(value, dtype=dtype, device=device))
+        return self._lr[3]
+
+    def _plan(self, cfg, parts, params, grads, states) -> list[tuple[list[int], _Entry]]:
+        """The buckets of these tensors (:func:`_buckets`) and each bucket's entry, kept
+        by everything that decides them: the tensors' devices, dtypes, shapes, strides and
+        ``sparse_rows`` marks, the config, parts and thread count (a step only builds this
+        key; a model whose tensors change layout gets a plan of its own)."""
+        tensors = tuple(
+            (p.device, p.dtype, p.shape, p.stride(), g.dtype, g.stride(), s.get("sparse_rows"))
+            for p, g, s in zip(params, grads, states)
+        )  # fmt: skip
+        key = (cfg, parts, torch.get_num_threads(), tensors)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = []
+            for index in _buckets(params, grads, states):
+                sig = _signature(
+                    cfg, parts, *([t[i] for i in index] for t in (params, grads, states))
+                )
+                plan.append((index, self._entries.setdefault(sig, _Entry())))
+            if len(self._plans) >= MAX_PLANS:  # layouts that change step after step
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def _step_bucket(self, entry: _Entry, args: tuple) -> Tensor:
         if entry.fn is not None:
             return entry.fn(*args)
         entry.eager_steps += 1
@@ -301,6 +330,10 @@ def _buckets(params, grads, states) -> list[list[int]]:
         idx = sorted(idx, key=lambda i: (params[i].dim(), tuple(params[i].shape)))
         out += [idx[k : k + BUCKET] for k in range(0, len(idx), BUCKET)]
     return out
+
+
+#: At most this many bucket plans are kept per optimizer (:meth:`Kernels._plan`).
+MAX_PLANS = 16
 
 
 class _Entry:
@@ -489,12 +522,17 @@ KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 STATE_KEYS = ("m", "v", "log_lr", "step")
 
 
-def flat_inputs(theta, params, grads, states, lr) -> list[Tensor]:
-    """The inputs of a kernel as one list, in the order the package takes them: theta by
-    sorted name, the parameters, the gradients, each tensor's :data:`STATE_KEYS`, then
-    ``lr``. A flat list is what the package's loader runs on, so that a call builds no
-    nested structure and parses no call spec."""
-    out = [theta[name].detach() for name in sorted(theta)]
+def theta_inputs(theta) -> list[Tensor]:
+    """Theta's tensors in the order a kernel takes them: by sorted name."""
+    return [theta[name].detach() for name in sorted(theta)]
+
+
+def flat_inputs(theta: list[Tensor], params, grads, states, lr) -> list[Tensor]:
+    """The inputs of a kernel as one list, in the order the package takes them: theta's
+    tensors (:func:`theta_inputs`), the parameters, the gradients, each tensor's
+    :data:`STATE_KEYS`, then ``lr``. A flat list is what the package's loader runs on, so
+    that a call builds no nested structure and parses no call spec."""
+    out = list(theta)
     out += params
     out += grads
     for s in states:
@@ -532,7 +570,8 @@ def build_package(args: tuple, path: Path) -> None:
     theta, cfg, parts, params, grads, states, lr = args
     with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
         module = _Step(cfg, parts, sorted(theta), [bool(s.get("sparse_rows")) for s in states])
-        program = torch.export.export(module, (flat_inputs(theta, params, grads, states, lr),))
+        inputs = flat_inputs(theta_inputs(theta), params, grads, states, lr)
+        program = torch.export.export(module, (inputs,))
         partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
         try:
             from torch._inductor import aoti_compile_and_package  # the documented AOT entry
@@ -563,9 +602,12 @@ def load_package(path: Path) -> Callable:
     # The loader it then runs takes the flat list itself; where a torch has no such
     # loader, the call goes through __call__ (the same list, the same result).
     run = getattr(getattr(runner, "loader", None), "boxed_run", None)
+    last = [None, []]  # theta's dict, and its tensors in order (an optimizer's is cached)
 
     def kernel(theta, cfg, parts, params, grads, states, lr):
-        flat = flat_inputs(theta, params, grads, states, lr)
+        if theta is not last[0]:
+            last[:] = theta, theta_inputs(theta)
+        flat = flat_inputs(last[1], params, grads, states, lr)
         return runner(flat) if run is None else run(flat)[0]
 
     return kernel

@@ -518,3 +518,26 @@ def test_a_compile_process_ends_when_its_parent_is_killed(tmp_path):
             pass
         time.sleep(0.1)
     pytest.fail("the compile process outlived its parent by 30 s")
+
+
+def test_a_bucket_plan_is_kept_until_a_tensor_changes_layout():
+    """The buckets and their kernels' entries are worked out once per layout of the
+    tensors; a gradient of other strides (the kernel checks none) gets an entry of its own,
+    and going back finds the first one again."""
+    _, params, opt = _golden_optimizer()
+    opt.step()  # creates the state
+    kernels = kernel.Kernels()
+    states = [opt.state[p] for p in params]
+    grads = [p.grad for p in params]
+    first = kernels._plan(opt.config, opt.parts, params, grads, states)
+    assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
+    matrix = next(i for i, p in enumerate(params) if p.dim() == 2 and p.shape[0] != p.shape[1])
+    strided = list(grads)
+    strided[matrix] = grads[matrix].t().contiguous().t()  # same values, other strides
+    other = kernels._plan(opt.config, opt.parts, params, strided, states)
+
+    def entry_of(plan, i):
+        return next(entry for index, entry in plan if i in index)
+
+    assert entry_of(other, matrix) is not entry_of(first, matrix)
+    assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
