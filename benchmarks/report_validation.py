@@ -89,6 +89,10 @@ SCHEDULE_PHRASES = {
 @section("validation_ortho_floor1")
 @section("validation_ortho_hypergradient")
 @section("validation_ortho_hypergradient_wsd_half")
+@section("validation_cosine_floor6")
+@section("validation_cosine_discount")
+@section("validation_cosine_target05")
+@section("validation_cosine_target15")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
