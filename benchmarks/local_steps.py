@@ -63,7 +63,7 @@ BYTES_TARGET, LOSS_TARGET = 100.0, 1.05
 VALIDATION = [s for s in VALIDATION_SETTINGS
               if s["task"] in ("digits_mlp", "wine_autoencoder", "logreg_wine_l2", "digits_cnn")]  # fmt: skip
 #: The choice grid: local steps, top-k density, outer Nesterov lr, outer learned multiplier.
-GRID = {"H": (16, 32), "density": (0.05, 0.1), "nesterov_lr": (0.3, 0.7),
+GRID = {"H": (2, 4, 16, 32), "density": (0.01, 0.02, 0.05, 0.1), "nesterov_lr": (0.3, 0.7),
         "learned_lr": (0.3, 1.0)}  # fmt: skip
 #: Inner Adam rate where no tuned D-Adam rate is cached.
 FALLBACK_LR = 0.03
