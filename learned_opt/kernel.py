@@ -598,7 +598,7 @@ def load_package(path: Path) -> Callable:
         raise
     os.utime(path)  # marks it used: prune_packages removes the longest unused first
     # The package's own __call__ parses its call spec (JSON) and flattens its arguments on
-    # every call: 0.2 ms, half of a small model's kernel step (benchmarks/kernel_call.py).
+    # every call: 0.04-0.06 ms, 15-20% of a small model's kernel call (kernel_call.json).
     # The loader it then runs takes the flat list itself; where a torch has no such
     # loader, the call goes through __call__ (the same list, the same result).
     run = getattr(getattr(runner, "loader", None), "boxed_run", None)
