@@ -96,20 +96,27 @@ def test_a_later_optimizer_loads_the_package_without_building(compiled, monkeypa
     """Another rank, or a later run of the same model, loads the package after
     ``COMPILE_AFTER`` steps, without waiting for ``COMPILE_AFTER_SECONDS``."""
     _, _, first, *_ = compiled
+    builds = len(first.builds)
+    _later_optimizer(first, monkeypatch)
+    assert len(first.builds) == builds, "the package was built again"
+
+
+def _later_optimizer(first, monkeypatch):
+    """A new optimizer of the golden tensors, at one thread, that has loaded the packages
+    ``first`` built (never building: no eager seconds are enough); its params and itself."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setenv(KERNEL_DIR_ENV, str(first.builds[0].parent))
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
-    builds = len(first.builds)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _, _, opt = _golden_optimizer()
+        _, params, opt = _golden_optimizer()
         for _ in range(COMPILE_AFTER):
             opt.step()
         assert opt.wait_compiled(timeout=COMPILE_TIMEOUT)
     finally:
         torch.set_num_threads(threads)
-    assert len(first.builds) == builds, "the package was built again"
+    return params, opt
 
 
 class _CallOnly:
@@ -131,19 +138,13 @@ def test_the_flat_call_steps_as_the_package_s_own_call(compiled, monkeypatch):
     from torch._inductor import aoti_load_package
 
     inputs, params, opt, *_ = compiled
-    monkeypatch.setenv(COMPILE_ENV, "1")
-    monkeypatch.setenv(KERNEL_DIR_ENV, str(opt.builds[0].parent))
-    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
     loaded = []
     monkeypatch.setattr("torch._inductor.aoti_load_package",
                         lambda path: loaded.append(_CallOnly(aoti_load_package(path))) or loaded[-1])  # fmt: skip
+    other_params, other = _later_optimizer(opt, monkeypatch)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _, other_params, other = _golden_optimizer()
-        for _ in range(COMPILE_AFTER):
-            other.step()
-        assert other.wait_compiled(timeout=COMPILE_TIMEOUT)
         _set_golden_state(opt, params, inputs)
         _set_golden_state(other, other_params, inputs)
         opt.step()
