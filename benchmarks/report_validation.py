@@ -93,6 +93,9 @@ SCHEDULE_PHRASES = {
 @section("validation_cosine_discount")
 @section("validation_cosine_target05")
 @section("validation_cosine_target15")
+@section("validation_lag_momentum")
+@section("validation_lag_momentum_wsd_half")
+@section("validation_lag_blend_wsd_half")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
