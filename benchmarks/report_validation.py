@@ -96,6 +96,10 @@ SCHEDULE_PHRASES = {
 @section("validation_lag_momentum")
 @section("validation_lag_momentum_wsd_half")
 @section("validation_lag_blend_wsd_half")
+@section("validation_lag_ortho_wsd_half")
+@section("validation_lag_adam_wsd_half")
+@section("validation_lag_sparse")
+@section("validation_lag_sparse_wsd_half")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
