@@ -35,9 +35,10 @@ import torch
 from benchmarks.common import machine, write_json
 from learned_opt import LearnedOptimizer
 from learned_opt.kernel import (
-    STATE_KEYS,
+    BUCKET,
     build_package,
     flat_inputs,
+    kernel_state,
     load_package,
     step_tensors,
     theta_inputs,
@@ -45,7 +46,6 @@ from learned_opt.kernel import (
 from learned_opt.tasks import get_task
 
 WORKLOADS = ("val_friedman_mlp", "val_synth40_mlp", "val_gru_majority", "val_resmlp_ln")
-BUCKET = 16  # the tensors of one call, as the optimizer's buckets (learned_opt.kernel.BUCKET)
 
 
 class NestedStep(torch.nn.Module):
@@ -68,10 +68,7 @@ def bucket_args(task: str) -> tuple[tuple, torch.optim.Optimizer]:
     opt = LearnedOptimizer(params, compile=False)
     loss_fn(next(batches)).backward()
     opt.step()
-    states = [
-        {k: opt.state[p][k] for k in STATE_KEYS} | {"sparse_rows": opt.state[p]["sparse_rows"]}
-        for p in params
-    ]
+    states = [kernel_state(opt.state[p]) for p in params]
     theta = opt.theta(params[0].device, states[0]["v"].dtype)
     lr = torch.tensor(1.0, dtype=states[0]["v"].dtype)
     grads = [p.grad.detach() for p in params]

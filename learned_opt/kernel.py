@@ -258,14 +258,10 @@ class Kernels:
 
     def _plan(self, cfg, parts, params, grads, states) -> list[tuple[list[int], _Entry]]:
         """The buckets of these tensors (:func:`_buckets`) and each bucket's entry, kept
-        by everything that decides them: the tensors' devices, dtypes, shapes, strides and
-        ``sparse_rows`` marks, the config, parts and thread count (a step only builds this
-        key; a model whose tensors change layout gets a plan of its own)."""
-        tensors = tuple(
-            (p.device, p.dtype, p.shape, p.stride(), g.dtype, g.stride(), s.get("sparse_rows"))
-            for p, g, s in zip(params, grads, states)
-        )  # fmt: skip
-        key = (cfg, parts, torch.get_num_threads(), tensors)
+        by the :func:`_signature` of all of them, which holds everything that decides them
+        (a step only builds this key; a model whose tensors change layout gets a plan of
+        its own)."""
+        key = _signature(cfg, parts, params, grads, states)
         plan = self._plans.get(key)
         if plan is None:
             plan = []
@@ -520,6 +516,12 @@ KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 
 #: The state tensors of a tensor that a kernel reads and writes, in the order it takes them.
 STATE_KEYS = ("m", "v", "log_lr", "step")
+
+
+def kernel_state(state: dict) -> dict:
+    """What a kernel steps of a tensor's optimizer state: its :data:`STATE_KEYS` and its
+    ``sparse_rows`` mark."""
+    return {k: state[k] for k in STATE_KEYS} | {"sparse_rows": bool(state.get("sparse_rows"))}
 
 
 def theta_inputs(theta) -> list[Tensor]:

@@ -21,7 +21,7 @@ from .checkpoint import (
 )
 from .config import NetConfig
 from .features import compute_dtype, init_state
-from .kernel import Kernels
+from .kernel import Kernels, kernel_state
 from .network import LearnedOptimizerNet, Theta
 from .step import Parts, active_parts, fit_moment_rows, moment_rows
 
@@ -318,11 +318,7 @@ class LearnedOptimizer(Optimizer):
             for (device, dtype), kind in by_kind.items():
                 theta = self.theta(device, dtype)
                 params, grads, states = zip(*kind)
-                tensors = [
-                    {k: s[k] for k in ("m", "v", "log_lr", "step")}
-                    | {"sparse_rows": bool(s.get("sparse_rows", False))}
-                    for s in states
-                ]
+                tensors = [kernel_state(s) for s in states]
                 oks = self._kernels.step(theta, cfg, parts, params, grads, tensors, lr)
                 for p, state, ok in zip(params, states, oks):
                     if not ok:
