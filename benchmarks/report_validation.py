@@ -100,6 +100,9 @@ SCHEDULE_PHRASES = {
 @section("validation_lag_adam_wsd_half")
 @section("validation_lag_sparse")
 @section("validation_lag_sparse_wsd_half")
+@section("validation_before_sparse_lag")
+@section("validation_sparse_lag")
+@section("validation_sparse_lag_wsd_half")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]

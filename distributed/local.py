@@ -140,8 +140,9 @@ class LearnedLocal(TorchLocal):
 
     def shared_state(self) -> list[Tensor]:
         """Each parameter's second moment ``v``, then each parameter's momenta ``m``
-        (``[k, *shape]``: the rows the rule reads), in param-group order (the tensors
-        themselves, mixed in place).
+        (``[k, *shape]``: the rows the rule reads for every tensor; the further row of an
+        embedding table, :func:`~learned_opt.step.adapt_row`, is its own), in param-group
+        order (the tensors themselves, or views of them, mixed in place).
 
         Under label-skewed data each worker's state differs. With its own ``v``, the
         average of the workers' normalised updates ``m_i / sqrt(v_i)`` is not the
@@ -160,9 +161,10 @@ class LearnedLocal(TorchLocal):
                 if "v" not in state:
                     state = init_state(p, rows)
                 else:  # kept for a rule that read other rows: converted in place
-                    state["m"] = fit_moment_rows(state["m"], rows)
+                    own = moment_rows(opt.parts, bool(state.get("sparse_rows")))
+                    state["m"] = fit_moment_rows(state["m"], own)
                 vs.append(state["v"])
-                ms.append(state["m"])
+                ms.append(state["m"][:rows])  # a view: an embedding table's 0.99 row stays local
         return vs + ms
 
 

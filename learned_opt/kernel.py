@@ -105,8 +105,8 @@ def step_tensors(
 
     Compiled (or on an accelerator) every tensor takes :func:`~learned_opt.step.tensor_step`.
     Eagerly on CPU the host reads each tensor's finite flag, to mask only where needed, and
-    the tensors of at most :data:`PACK_NUMEL` elements with the same dtypes and step count
-    are stepped in one call (:func:`_step_packed`)."""
+    the tensors of at most :data:`PACK_NUMEL` elements with the same dtypes, step count and
+    ``sparse_rows`` mark are stepped in one call (:func:`_step_packed`)."""
     # eagerly on CPU: the host reads flags and step counts, and small tensors are packed
     eager_cpu = bool(params) and params[0].device.type == "cpu"
     eager_cpu = eager_cpu and not torch.compiler.is_compiling()
@@ -116,7 +116,8 @@ def step_tensors(
         packs: dict[tuple, list[int]] = {}
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
             if p.numel() <= PACK_NUMEL:
-                packs.setdefault((p.dtype, g.dtype, float(s["step"])), []).append(i)
+                key = (p.dtype, g.dtype, float(s["step"]), bool(s.get("sparse_rows")))
+                packs.setdefault(key, []).append(i)
         packs = {k: index for k, index in packs.items() if len(index) > 1}
         for index in packs.values():
             flags = _step_packed(
@@ -145,7 +146,8 @@ def step_tensors(
 
 
 def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> Tensor:
-    """:func:`step_tensors` of tensors of one dtype and step count, as the segments of one
+    """:func:`step_tensors` of tensors of one dtype, step count and ``sparse_rows`` mark (so
+    one number of momenta, :func:`~learned_opt.step.moment_rows`), as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
     step as one call each: the same sums, bitwise, where the tensors average at least
     :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding).
@@ -157,7 +159,7 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     dtype = compute_dtype(params[0])
     p = torch.cat([t.reshape(-1) for t in params]).to(dtype).unsqueeze(0)
     g = torch.cat([t.reshape(-1) for t in grads]).to(dtype).unsqueeze(0)
-    rows = moment_rows(parts)
+    rows = moment_rows(parts, any(layout.sparse_rows))  # one mark for the whole pack
     m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1).unsqueeze(0)
     v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
     log_lr = torch.stack([s["log_lr"] for s in states]).unsqueeze(0) if cfg.adapts_lr else None

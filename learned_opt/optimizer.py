@@ -99,9 +99,9 @@ class LearnedOptimizer(Optimizer):
 
     Per-parameter state (``self.state[p]``): momenta ``m`` (``[k, *p.shape]``: the first
     ``k`` of the decays 0.9, 0.99 and 0.999, those the rule reads; a rule that evaluates no
-    network, like the shipped single-worker rule, reads only the first, so that its state
-    is 8 bytes per float32 parameter, as AdamW's: see
-    :func:`~learned_opt.step.moment_rows`) and second moment
+    network, like the shipped single-worker rule, reads only the first (and the second for
+    an embedding table), so that its state is 8 bytes per float32 parameter, as AdamW's:
+    see :func:`~learned_opt.step.moment_rows`) and second moment
     ``v`` in float32 (float64 for float64 parameters), the adapted log step multiplier
     ``log_lr``, the tensor's own step count ``step`` (its bias correction counts its own
     steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal
@@ -268,7 +268,7 @@ class LearnedOptimizer(Optimizer):
         without this a parameter that has seen no signal yet would drift. (Not named
         ``_init_group``: torch.compile treats a method of that name specially.)
         """
-        items, rows = [], moment_rows(self.parts)
+        items = []
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -281,10 +281,12 @@ class LearnedOptimizer(Optimizer):
             if len(state) == 0:
                 if p.numel() and not p.grad.any():
                     continue
-                state.update(init_state(p, rows))
+                sparse = has_empty_rows(p.grad)
+                state.update(init_state(p, moment_rows(self.parts, sparse)))
                 state["nonfinite_skips"] = 0
-                state["sparse_rows"] = has_empty_rows(p.grad)
+                state["sparse_rows"] = sparse
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
+            rows = moment_rows(self.parts, bool(state.get("sparse_rows")))
             if state["m"].shape[0] != rows:  # saved, or kept, for a rule reading other rows
                 state["m"] = fit_moment_rows(state["m"], rows)
             if "log_lr" not in state:  # state saved before step sizes were adapted
@@ -361,8 +363,10 @@ class LearnedOptimizer(Optimizer):
                     self.state[p][key] = value.to(p.device, compute_dtype(p), copy=True)
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True)
-            if "m" in self.state[p]:  # saved by a rule that read other momenta
-                self.state[p]["m"] = fit_moment_rows(self.state[p]["m"], moment_rows(self.parts))
+            state = self.state[p]
+            if "m" in state:  # saved by a rule that read other momenta
+                rows = moment_rows(self.parts, bool(state.get("sparse_rows")))
+                state["m"] = fit_moment_rows(state["m"], rows)
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""

@@ -60,3 +60,39 @@ def test_a_tensor_that_starts_late_takes_a_fresh_first_step():
     LearnedOptimizer([fresh]).step()
     assert float(opt.state[late]["step"]) == 1.0
     torch.testing.assert_close(late.detach(), fresh.detach())
+
+
+def test_an_embedding_table_adapts_its_step_against_the_slow_momentum():
+    """A table row sits in a batch now and then: the adaptation reads the cosine with the
+    0.99 momentum (a second row of ``m``, kept for tables alone), and the rule's other
+    tensors keep one row, as before."""
+    torch.manual_seed(0)
+    emb, dense = nn.Embedding(200, 8), nn.Linear(8, 8)
+    opt = LearnedOptimizer([*emb.parameters(), *dense.parameters()], compile=False)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        rows = torch.randint(0, 200, (6,), generator=gen)
+        dense(emb(rows)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    table = opt.state[emb.weight]
+    assert table["sparse_rows"] and table["m"].shape == (2, 200, 8)
+    assert opt.state[dense.weight]["m"].shape == (1, 8, 8)
+    # the second row is the 0.99 momentum of the gradients (zero rows included)
+    assert table["m"][1].abs().sum() > 0
+    assert not torch.allclose(table["m"][0], table["m"][1])
+
+
+def test_the_adaptation_reads_each_segment_s_own_momentum():
+    """In a flat view mixing tables and other tensors, each segment's cosine is taken
+    against its own row: the 0.99 momentum for a table, the 0.9 momentum elsewhere."""
+    from learned_opt.segments import FlatLayout
+    from learned_opt.step import adapt_momentum
+
+    layout = FlatLayout(("a", "b", "c"), ((2, 3), (4,), (2, 2)), (True, False, True))
+    m = torch.arange(2 * 14, dtype=torch.float32).view(1, 2, 14)
+    got = adapt_momentum(m, layout)[0]
+    fast, slow = m[0, 0], m[0, 1]
+    torch.testing.assert_close(got, torch.cat([slow[:6], fast[6:10], slow[10:]]))
+    dense = FlatLayout(("b",), ((4,),))
+    torch.testing.assert_close(adapt_momentum(m[..., :4], dense), m[:, 0, :4])

@@ -21,12 +21,16 @@ from learned_opt.step import Parts, active_parts
 
 class _Mixed(nn.Module):
     """Biases, a bf16 vector, small matrices (orthogonalised), a conv kernel, an embedding
-    whose batches leave rows out, and one matrix too large to pack."""
+    whose batches leave a third of its rows out (not row-sparse), two that leave half out
+    (row-sparse: packed apart, with their second momentum), and one matrix too large to
+    pack."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.emb = nn.Embedding(40, 16)
+        self.emb2 = nn.Embedding(30, 8)
+        self.emb3 = nn.Embedding(20, 4)
         self.small = nn.Linear(16, 32)
         self.conv = nn.Conv1d(4, 8, 3)
         self.norm = nn.LayerNorm(32)
@@ -39,6 +43,8 @@ def _grads(model, step: int) -> None:
     for p in model.parameters():
         p.grad = 1e-2 * torch.randn(p.shape, generator=gen).to(p.dtype)
     model.emb.weight.grad[step % 7 :: 3] = 0  # rows absent from the batch
+    model.emb2.weight.grad[step % 2 :: 2] = 0
+    model.emb3.weight.grad[(step + 1) % 2 :: 2] = 0
 
 
 def _run(model, monkeypatch, pack: bool, steps: int = 4, bad=None, late=None) -> LearnedOptimizer:
@@ -109,19 +115,24 @@ def test_packed_step_moves_every_small_tensor(monkeypatch):
 @pytest.mark.parametrize("pack", [True, False], ids=["packed", "one-by-one"])
 def test_a_zero_head_rule_keeps_only_the_momentum_it_reads(monkeypatch, pack):
     """The shipped rule evaluates no network, so only the 0.9 momentum (``moment_rows``) is
-    read, written and kept: 8 bytes of state per float32 parameter, as AdamW's."""
+    read, written and kept: 8 bytes of state per float32 parameter, as AdamW's; a
+    row-sparse table keeps the 0.99 momentum too, which its step-size adaptation reads."""
     model = _Mixed()
     opt = _run(model, monkeypatch, pack, steps=2)
     assert active_parts(opt.net.theta()) == Parts(tensor_net=False, element_net=False)
+    tables = {"emb2.weight", "emb3.weight"}
     for name, p in model.named_parameters():
         m = opt.state[p]["m"]
-        assert m.shape == (1, *p.shape) and m.abs().max() > 0, name
+        assert opt.state[p]["sparse_rows"] == (name in tables), name
+        rows = 2 if name in tables else 1
+        assert m.shape == (rows, *p.shape) and m.reshape(rows, -1).abs().amax(1).min() > 0, name
 
 
 def test_the_momenta_follow_the_rule_across_theta_changes_and_state_dicts(monkeypatch):
     """A rule with networks keeps all three momenta; swapping in theta that reads more rows
     starts them at zero, and a state dict saved with three rows loads into the shipped rule
-    (its first row kept); both then step like a fresh run of the same rule would."""
+    (its first row kept, and the second for a row-sparse table); both then step like a
+    fresh run of the same rule would."""
     model = _Mixed()
     net, _ = load_checkpoint("default")
     assert active_parts(net.theta()) != Parts(tensor_net=False, element_net=False)
@@ -132,15 +143,24 @@ def test_the_momenta_follow_the_rule_across_theta_changes_and_state_dicts(monkey
         assert (opt.state[p]["m"].reshape(3, -1).abs().amax(dim=1) > 0).all(), name
     shipped = LearnedOptimizer(model.parameters(), compile=False)
     shipped.load_state_dict(opt.state_dict())
+    rows = {n: 1 + bool(opt.state[p]["sparse_rows"]) for n, p in model.named_parameters()}
+    assert sorted(n for n, k in rows.items() if k == 2) == ["emb2.weight", "emb3.weight"]
     for name, p in model.named_parameters():  # converted on loading, before any step
-        assert shipped.state[p]["m"].shape == (1, *p.shape), name
-    first = {n: opt.state[p]["m"][0].clone() for n, p in model.named_parameters()}
+        assert shipped.state[p]["m"].shape == (rows[name], *p.shape), name
+    first = {n: opt.state[p]["m"][:2].clone() for n, p in model.named_parameters()}
     _grads(model, 1)
     shipped.step()
     for name, p in model.named_parameters():
         m = shipped.state[p]["m"]
-        assert m.shape == (1, *p.shape), name
-        torch.testing.assert_close(m[0], 0.9 * first[name] + 0.1 * p.grad.float(), msg=name)
+        assert m.shape == (rows[name], *p.shape), name
+        for row, decay in zip(range(rows[name]), (0.9, 0.99)):
+            want = decay * first[name][row] + (1 - decay) * p.grad.float()
+            torch.testing.assert_close(m[row], want, msg=name)
+    # gossip mixes the rows every tensor has (in place: views of the state); a table's
+    # 0.99 momentum stays its own, so ranks whose tables differ in it still agree in shape
+    shared = gossip_local(shipped).shared_state()[len(rows) :]
+    for p, m in zip(model.parameters(), shared):
+        assert m.shape == (1, *p.shape) and m.data_ptr() == shipped.state[p]["m"].data_ptr()
     # theta that reads the slower momenta again: they start at zero, then move; state
     # shared for gossip before that step already has the rows the rule reads
     shipped.net = net
