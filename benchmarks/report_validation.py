@@ -103,6 +103,9 @@ SCHEDULE_PHRASES = {
 @section("validation_before_sparse_lag")
 @section("validation_sparse_lag")
 @section("validation_sparse_lag_wsd_half")
+@section("validation_switch300")
+@section("validation_switch600")
+@section("validation_switch1000")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
