@@ -34,7 +34,7 @@ from learned_opt.config import NetConfig
 from learned_opt.features import init_state
 from learned_opt.network import LearnedOptimizerNet, Theta
 from learned_opt.optimizer import LearnedOptimizer
-from learned_opt.step import fit_moment_rows, moment_rows
+from learned_opt.step import fit_state_rows, moment_rows
 
 
 @runtime_checkable
@@ -161,8 +161,7 @@ class LearnedLocal(TorchLocal):
                 if "v" not in state:
                     state = init_state(p, rows)
                 else:  # kept for a rule that read other rows: converted in place
-                    own = moment_rows(opt.parts, bool(state.get("sparse_rows")))
-                    state["m"] = fit_moment_rows(state["m"], own)
+                    fit_state_rows(state, opt.parts)
                 vs.append(state["v"])
                 ms.append(state["m"][:rows])  # a view: an embedding table's 0.99 row stays local
         return vs + ms

@@ -23,7 +23,7 @@ from .config import NetConfig
 from .features import compute_dtype, init_state
 from .kernel import Kernels, kernel_state
 from .network import LearnedOptimizerNet, Theta
-from .step import Parts, active_parts, fit_moment_rows, moment_rows
+from .step import Parts, active_parts, fit_state_rows, moment_rows
 
 
 def checked_lr(lr, where: str = "lr") -> float:
@@ -286,9 +286,7 @@ class LearnedOptimizer(Optimizer):
                 state["nonfinite_skips"] = 0
                 state["sparse_rows"] = sparse
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
-            rows = moment_rows(self.parts, bool(state.get("sparse_rows")))
-            if state["m"].shape[0] != rows:  # saved, or kept, for a rule reading other rows
-                state["m"] = fit_moment_rows(state["m"], rows)
+            fit_state_rows(state, self.parts)  # saved, or kept, for a rule reading other rows
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
@@ -363,10 +361,8 @@ class LearnedOptimizer(Optimizer):
                     self.state[p][key] = value.to(p.device, compute_dtype(p), copy=True)
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True)
-            state = self.state[p]
-            if "m" in state:  # saved by a rule that read other momenta
-                rows = moment_rows(self.parts, bool(state.get("sparse_rows")))
-                state["m"] = fit_moment_rows(state["m"], rows)
+            if "m" in self.state[p]:  # saved by a rule that read other momenta
+                fit_state_rows(self.state[p], self.parts)
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""

@@ -102,6 +102,15 @@ def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
     return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])
 
 
+def fit_state_rows(state: dict, parts: Parts) -> None:
+    """Fit a tensor's optimizer state (a dict holding ``m``, and its ``sparse_rows`` mark if
+    it has one) to the momenta the step under ``parts`` reads for it, in place:
+    :func:`fit_moment_rows` to :func:`moment_rows` (saved, or kept, for a rule that read
+    other rows)."""
+    rows = moment_rows(parts, bool(state.get("sparse_rows")))
+    state["m"] = fit_moment_rows(state["m"], rows)
+
+
 def active_parts(theta: Theta) -> Parts:
     """The :class:`Parts` of ``theta`` whose output heads hold a non-zero value (one look at
     theta; call again after changing it)."""
@@ -156,9 +165,8 @@ def reduce_sums(
 ) -> TensorSums:
     """The reduce stage after masking: per-tensor sums of the masked gradient ``g_in``, the
     momentum before this step that the adaptation reads (:func:`adapt_momentum`) and the
-    new second moment. ``ok`` and
-    ``g_sum_squares`` (of the raw gradient) come from :func:`~learned_opt.features.stepped`'s
-    test, made before the gradient is masked."""
+    new second moment. ``ok`` and ``g_sum_squares`` (of the raw gradient) come from
+    :func:`~learned_opt.features.stepped`'s test, made before the gradient is masked."""
     zero = torch.zeros((), dtype=g_in.dtype, device=g_in.device)
     g_sum_squares = torch.where(ok, g_sum_squares, zero)
     sizes = constant(tuple(max(n, 1) for n in layout.numels), g_in.dtype, g_in.device)
