@@ -224,10 +224,11 @@ def tensor_stats(ms: Tensor, v_mean: Tensor, shape: Tensor) -> Tensor:
 
 
 def time_features(step: Tensor | float, cfg: NetConfig, like: Tensor) -> Tensor:
-    """``tanh(step / tau - 1)`` for each ``tau`` in ``cfg.time_taus``, shape ``(T,)``."""
+    """``tanh(step / tau - 1)`` for each ``tau`` in ``cfg.time_taus``: shape ``(n,)`` for one
+    step count, ``(..., n)`` for a tensor of them (a stack of tensors, each with its own)."""
     taus = constant(cfg.time_taus, like.dtype, like.device)
     step = torch.as_tensor(step, dtype=like.dtype, device=like.device)
-    return torch.tanh(step / taus - 1.0)
+    return torch.tanh(step.unsqueeze(-1) / taus - 1.0)
 
 
 def bias_correction(decay: float, step: Tensor | float, like: Tensor) -> Tensor | float:

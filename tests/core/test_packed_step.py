@@ -38,6 +38,16 @@ class _Mixed(nn.Module):
         self.bf16 = nn.Parameter(torch.randn(24).to(torch.bfloat16))
 
 
+class _Twins(_Mixed):
+    """:class:`_Mixed` with a second linear layer and a second row-sparse table of the same
+    shapes as its own: stacks of same-shape matrices, vectors and tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.twin = nn.Linear(16, 32)
+        self.emb2_twin = nn.Embedding(30, 8)
+
+
 def _grads(model, step: int) -> None:
     gen = torch.Generator().manual_seed(step)
     for p in model.parameters():
@@ -45,13 +55,24 @@ def _grads(model, step: int) -> None:
     model.emb.weight.grad[step % 7 :: 3] = 0  # rows absent from the batch
     model.emb2.weight.grad[step % 2 :: 2] = 0
     model.emb3.weight.grad[(step + 1) % 2 :: 2] = 0
+    if isinstance(model, _Twins):
+        model.emb2_twin.weight.grad[(step + 1) % 2 :: 2] = 0
 
 
-def _run(model, monkeypatch, pack: bool, steps: int = 4, bad=None, late=None) -> LearnedOptimizer:
+_STACK_KEY = kernel._stack_key
+
+
+def _run(
+    model, monkeypatch, pack: bool, steps: int = 4, bad=None, late=None, net=None, stack=None
+) -> LearnedOptimizer:
     """``steps`` steps; ``bad``: a parameter name whose gradient is NaN at step 2; ``late``:
-    a parameter that has no gradient at step 0 (so its step count trails the others)."""
+    a parameter that has no gradient at step 0 (so its step count trails the others).
+    ``pack``: small tensors packed; ``stack`` (default: ``pack``): tensors of one shape
+    stacked. Without either, every tensor steps in a call of its own."""
     monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
-    opt = LearnedOptimizer(model.parameters(), compile=False)
+    stack = pack if stack is None else stack
+    monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if stack else lambda p, g, s: id(p))
+    opt = LearnedOptimizer(model.parameters(), net=net, compile=False)
     for step in range(steps):
         _grads(model, step)
         named = dict(model.named_parameters())
@@ -98,6 +119,40 @@ def test_packed_tensors_take_their_own_step(monkeypatch, case):
         named = dict(model.named_parameters())
         assert float(packed_opt.state[named[case["late"]]]["step"]) == 3
         assert float(packed_opt.state[named["small.bias"]]["step"]) == 4
+
+
+@pytest.mark.parametrize("where", ["traced", "eager"])
+@pytest.mark.parametrize("rule", ["shipped", "default"], ids=["zero-heads", "networks"])
+@pytest.mark.parametrize(
+    "case", [{}, {"bad": "small.bias"}, {"bad": "twin.weight"}, {"late": "norm.weight"}],
+    ids=["plain", "nan-vector", "nan-matrix", "trailing-step-count"],
+)  # fmt: skip
+def test_stacked_tensors_of_one_shape_take_their_own_step(monkeypatch, case, rule, where):
+    """The tensors of one shape that are not packed step as the rows of one call, each with
+    its own step count and finite flag: the same step as one call each. Traced (the
+    kernel's graph, or an accelerator) every tensor may stack; eagerly on CPU those the
+    packer leaves (none here: packing is off). The rule with networks reads the step
+    counts in its time features too."""
+    net = load_checkpoint(rule)[0] if rule == "default" else None
+    model = _Twins()
+    one_by_one = copy.deepcopy(model)
+    single_opt = _run(one_by_one, monkeypatch, False, net=net, **case)
+    stacks = []
+    stack = kernel._step_stacked
+    monkeypatch.setattr(
+        kernel, "_step_stacked", lambda *a, **k: stacks.append(len(a[3])) or stack(*a, **k)
+    )
+    if where == "traced":
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    stacked_opt = _run(model, monkeypatch, False, net=net, stack=True, **case)
+    # at the first step: the two weights, the two row-sparse tables and the four 32-vectors
+    # (three, while one trails)
+    assert sorted(stacks[:3]) == [2, 2, 3 if "late" in case else 4]
+    _assert_same(model, stacked_opt, one_by_one, single_opt)
+    if "bad" in case:
+        named = dict(model.named_parameters())
+        skips = {n: stacked_opt.state[p]["nonfinite_skips"] for n, p in named.items()}
+        assert skips == {n: int(n == case["bad"]) for n in named}
 
 
 def test_packed_step_moves_every_small_tensor(monkeypatch):
