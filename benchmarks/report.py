@@ -123,6 +123,7 @@ def _first_steps(result: dict) -> str:
 @section("step_overhead_one_momentum")
 @section("step_overhead_aot")
 @section("step_overhead_aot_contention")
+@section("step_overhead_stacked")
 def render_step_overhead(result: dict) -> str:
     """Step cost against AdamW: the optimizer step alone and the whole training step."""
 
@@ -157,7 +158,7 @@ def render_step_overhead(result: dict) -> str:
     )
 
 
-@section("step_overhead_aot_contention:brief")
+@section("step_overhead_stacked:brief")
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
     measured as is (no competing processes)."""
