@@ -284,6 +284,8 @@ class Kernels:
         taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped."""
         lr_t = self._lr_tensor(float(lr), states[0]["v"].dtype, params[0].device)
+        if params[0].device.type == "cpu":
+            _yield_threads(_worker().busy())
         # plain tensors sharing the parameters' memory, as the copies the kernel was built on
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled()):
@@ -360,6 +362,8 @@ class Kernels:
             if entry.queued and not entry.done.wait(timeout):
                 return False
         _worker().join_if_idle(timeout)
+        if not _worker().busy():
+            _yield_threads(False)
         return self.ready()
 
 
@@ -412,7 +416,37 @@ def _signature(cfg, parts, params, grads, states) -> tuple:
          s.get("sparse_rows"))
         for p, g, s in zip(params, grads, states)
     )  # fmt: skip
-    return cfg, parts, tensors, torch.get_num_threads()
+    return cfg, parts, tensors, kernel_threads()
+
+
+#: While a kernel builds, a CPU training process steps and trains with this many fewer
+#: intra-op threads (never fewer than one), so that the build, a child process at low
+#: priority, has a core of its own instead of the slices the training threads leave it.
+#: Measured on 2 cores with the 0.5M transformer training at 2 threads
+#: (``benchmarks/step_overhead.py``, ``cold_start``): see the results page.
+YIELD_THREADS = 1
+_YIELDED: list[tuple[int, int]] = []  # (the training's thread count, the count while yielding)
+
+
+def kernel_threads() -> int:
+    """The thread count a kernel is built for and keyed by: the training process's own,
+    also while it yields threads to a build (:data:`YIELD_THREADS`)."""
+    return _YIELDED[0][0] if _YIELDED else torch.get_num_threads()
+
+
+def _yield_threads(building: bool) -> None:
+    """On the training thread, at a step: while ``building`` set torch's thread count
+    :data:`YIELD_THREADS` lower, and once no build is left restore it (unless the
+    program set another count meanwhile, which then stands)."""
+    if building and not _YIELDED and YIELD_THREADS > 0:
+        threads = torch.get_num_threads()
+        if threads > 1:
+            _YIELDED.append((threads, max(1, threads - YIELD_THREADS)))
+            torch.set_num_threads(_YIELDED[0][1])
+    elif not building and _YIELDED:
+        threads, during = _YIELDED.pop()
+        if torch.get_num_threads() == during:
+            torch.set_num_threads(threads)
 
 
 class _Worker:
@@ -456,6 +490,10 @@ class _Worker:
                 )
                 self.thread.start()
 
+    def busy(self) -> bool:
+        """Whether a build is queued or in progress (the thread is alive)."""
+        return self.thread is not None
+
     def join_if_idle(self, timeout: float | None = None) -> None:
         """Wait for the thread to exit if no job is left (it is about to)."""
         with self.lock:
@@ -494,7 +532,7 @@ class _Worker:
         theta, cfg, parts, params, grads, states, lr = args
         job = {
             "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
-            "grads": grads, "states": states, "lr": lr, "threads": torch.get_num_threads(),
+            "grads": grads, "states": states, "lr": lr, "threads": kernel_threads(),
             "nice": CHILD_NICE, "out": str(path), "parent": os.getpid(),
         }  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}

@@ -434,6 +434,9 @@ class _Submissions:
     def submit(self, entry, args):
         self.at_step.append(self.step)
 
+    def busy(self) -> bool:
+        return False
+
 
 @pytest.fixture
 def submissions(monkeypatch, tmp_path) -> _Submissions:
@@ -542,3 +545,61 @@ def test_a_bucket_plan_is_kept_until_a_tensor_changes_layout():
 
     assert entry_of(other, matrix) is not entry_of(first, matrix)
     assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
+
+
+def test_a_cpu_training_yields_a_thread_to_a_build_and_takes_it_back(monkeypatch, tmp_path):
+    """While a kernel builds, the training process steps with one thread fewer, so that the
+    build has a core; its kernels stay keyed and built for the training's own count (no
+    new kind of bucket meanwhile), and once they are loaded the count is restored."""
+    import threading
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    release, built_for = threading.Event(), []
+
+    def build(self, args, path):
+        built_for.append(kernel.kernel_threads())
+        release.wait(COMPILE_TIMEOUT)
+        path.write_bytes(b"stand-in")
+
+    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(kernel, "load_package", lambda path: kernel.step_tensors)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _, _, opt = _golden_optimizer()
+        for _ in range(COMPILE_AFTER):  # the last one queues the builds
+            opt.step()
+        assert torch.get_num_threads() == 2
+        opt.step()
+        assert torch.get_num_threads() == 1 and kernel.kernel_threads() == 2
+        kinds = set(opt._kernels._entries)
+        opt.step()
+        assert set(opt._kernels._entries) == kinds
+        release.set()
+        assert opt.wait_compiled(timeout=COMPILE_TIMEOUT)
+        assert torch.get_num_threads() == 2 and kernel.kernel_threads() == 2
+        assert len(built_for) == len(kinds) and set(built_for) == {2}
+    finally:
+        release.set()
+        torch.set_num_threads(threads)
+
+
+def test_a_thread_count_the_program_sets_while_a_build_runs_stands():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        kernel._yield_threads(True)
+        assert torch.get_num_threads() == 2 and kernel.kernel_threads() == 3
+        kernel._yield_threads(True)  # still building: yielded once, not twice
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(4)  # the program's own choice
+        kernel._yield_threads(False)
+        assert torch.get_num_threads() == 4 and kernel.kernel_threads() == 4
+        torch.set_num_threads(1)
+        kernel._yield_threads(True)  # one thread: nothing to yield
+        assert torch.get_num_threads() == 1 and kernel.kernel_threads() == 1
+    finally:
+        kernel._yield_threads(False)
+        torch.set_num_threads(threads)
