@@ -35,6 +35,8 @@ import os
 import sys
 import time
 
+import torch
+
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, curves_png, machine, write_json
@@ -341,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in sides:  # fail before any work: bad checkpoint file, unimportable factory
         single.resolve_side(side)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what machine() records
     name = args.out or ("quality_heldout_quick" if args.quick else "quality_heldout")
     previous = RESULTS / f"{name}.json"
     measured = {}  # --cached-only keeps the record of the run that measured

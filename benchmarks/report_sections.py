@@ -539,3 +539,22 @@ def render_kernel_call(r: dict) -> str:
         + f"\n\nms of one kernel call (ratio to AdamW's `step()` on the same model), "
         f"{r['setup']}. {_measured(r)} Command: `{r['command']}`."
     )
+
+
+@section("build_race")
+def render_build_race(r: dict) -> str:
+    """Steps done over time while the kernel builds, with and without yielding a thread."""
+    marks = sorted({int(m) for run in r["runs"].values() for m in run["steps_at"]})
+    header = ["setting", "kernel ready", *(f"steps at {m} s" for m in marks)]
+    rows = []
+    for name, run in r["runs"].items():
+        ready = run["kernel_ready"]
+        cell = f"{ready['seconds']:.0f} s (step {ready['step']})" if ready else "not in the run"
+        rows.append([name, cell, *(run["steps_at"].get(str(m), "-") for m in marks)])
+    return (
+        markdown_table(header, rows)
+        + f"\n\n{r['workload']} at {r['threads']} threads, trained for {r['seconds']:.0f} s "
+        "in a new process with an empty compile cache, one process at a time (load "
+        f"average {r['load_average_before']:.1f} before). {_measured(r)} Command: "
+        f"`{r['command']}`."
+    )
