@@ -14,7 +14,9 @@ taken :data:`COMPILE_AFTER_SECONDS` in all (and the kind has stepped at least
 of the tensors, one kind at a time, by a child process at low priority, which writes the
 package to :func:`kernel_dir`. The worker thread then loads it (milliseconds: nothing is
 traced in this process), and the steps after that run the kernel. If building fails, one
-warning says why and the reference keeps stepping that kind.
+warning says why and the reference keeps stepping that kind. While a build runs, a CPU
+training process steps and trains with one thread fewer (:data:`YIELD_THREADS`), so that
+the child has a core.
 
 A package is built once per host and user: the worker holds a file lock while it builds,
 so the other ranks of a ``torchrun`` job wait (stepping eagerly meanwhile) and then load
@@ -422,8 +424,10 @@ def _signature(cfg, parts, params, grads, states) -> tuple:
 #: While a kernel builds, a CPU training process steps and trains with this many fewer
 #: intra-op threads (never fewer than one), so that the build, a child process at low
 #: priority, has a core of its own instead of the slices the training threads leave it.
-#: Measured on 2 cores with the 0.5M transformer training at 2 threads
-#: (``benchmarks/step_overhead.py``, ``cold_start``): see the results page.
+#: Measured on 2 cores, training the 0.5M transformer at 2 threads from an empty cache
+#: (``benchmarks/build_race.py``): the kernel was ready after 81 s instead of not within
+#: the 300 s of the run; training did 3% fewer steps in the first minute and 26% more by
+#: 300 s. A training at one thread has none to yield.
 YIELD_THREADS = 1
 _YIELDED: list[tuple[int, int]] = []  # (the training's thread count, the count while yielding)
 
@@ -599,7 +603,8 @@ class _Worker:
 #: Seconds a child process may compile one kind of bucket before it is stopped (the
 #: reference then keeps stepping that kind).
 CHILD_COMPILE_TIMEOUT = 1800
-#: The child's niceness: the training process keeps the cores it needs. The price: on 2
+#: The child's niceness: the training process keeps the cores it needs, and the child
+#: builds on the one it yields (:data:`YIELD_THREADS`). Without that, on 2
 #: cores busy with training at 2 threads the 0.5M transformer's kernel was ready after
 #: 1023 s (``step_overhead_aot.json``); at niceness 0 after 158 s, but training ran at
 #: 0.4-0.6 times its speed while gcc compiled, so that it was behind until about 400 s
