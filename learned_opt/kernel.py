@@ -51,7 +51,7 @@ from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
 from .segments import FlatLayout, one_segment
-from .step import Parts, flat_step, moment_rows, tensor_step
+from .step import Parts, flat_step, moment_rows
 
 #: A kind of bucket is compiled once it has stepped eagerly at least this many times, and
 #: the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECONDS` in all: a
@@ -109,8 +109,8 @@ def step_tensors(
     reads each tensor's finite flag, to mask only where needed, and the tensors of at most
     :data:`PACK_NUMEL` elements with the same dtypes, step count and ``sparse_rows`` mark
     are stepped in one call (:func:`_step_packed`). Then the tensors of one shape, dtypes
-    and mark step as the rows of one call (:func:`_step_stacked`), and the others one
-    call each."""
+    and mark step as the rows of one call (:func:`_step_stacked`; a tensor alone, as a
+    view)."""
     # eagerly on CPU: the host reads flags and step counts, and small tensors are packed
     eager_cpu = bool(params) and params[0].device.type == "cpu"
     eager_cpu = eager_cpu and not torch.compiler.is_compiling()
@@ -134,29 +134,13 @@ def step_tensors(
     stacks: dict[tuple, list[int]] = {}  # the tensors of one shape step as rows of one call
     for i in singles:
         stacks.setdefault(_stack_key(params[i], grads[i], states[i]), []).append(i)
-    for index in (index for index in stacks.values() if len(index) > 1):
+    for index in stacks.values():
         flags = _step_stacked(
             theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
             [states[i] for i in index], lr, read_mask=eager_cpu,
         )  # fmt: skip
         for i, ok in zip(index, flags.unbind()):
             oks[i] = ok
-    singles = [i for i in singles if oks[i] is None]
-    for i in singles:
-        p, g, s = params[i], grads[i], states[i]
-        step = s["step"] + 1
-        log_lr = s["log_lr"] if cfg.adapts_lr else None
-        out = tensor_step(
-            theta, cfg, p, g, s["m"], s["v"], step, lr, log_lr, parts=parts, return_finite=True,
-            sparse_rows=s.get("sparse_rows", False), read_mask=eager_cpu,
-        )  # fmt: skip
-        p.copy_(out[0])
-        s["m"][: len(out[1])].copy_(out[1])  # the momenta the step reads (moment_rows)
-        s["v"].copy_(out[2])
-        if log_lr is not None:
-            s["log_lr"].copy_(out[3])
-        s["step"].add_(out[-1].to(s["step"].dtype))
-        oks[i] = out[-1]
     return torch.stack(oks) if oks else torch.ones(0, dtype=torch.bool)
 
 
@@ -203,6 +187,11 @@ def _stack_key(p: Tensor, g: Tensor, s: dict) -> tuple:
     return (tuple(p.shape), p.dtype, g.dtype, s["v"].dtype, bool(s.get("sparse_rows")))
 
 
+def _as_rows(tensors: list[Tensor]) -> Tensor:
+    """The tensors as the rows of one: a view of a tensor alone, else a stacked copy."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 def _step_stacked(
     theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, read_mask: bool = False
 ) -> Tensor:
@@ -221,12 +210,12 @@ def _step_stacked(
     shape, sparse = params[0].shape, bool(states[0].get("sparse_rows"))
     dtype = compute_dtype(params[0])
     rows = moment_rows(parts, sparse)
-    p = torch.stack([t.reshape(-1) for t in params]).to(dtype)
-    g = torch.stack([t.reshape(-1) for t in grads]).to(dtype)
-    m = torch.stack([s["m"][:rows].reshape(rows, -1) for s in states])
-    v = torch.stack([s["v"].reshape(-1) for s in states])
-    step = torch.stack([s["step"] for s in states]).reshape(-1, 1) + 1
-    log_lr = torch.stack([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
+    p = _as_rows([t.reshape(-1) for t in params]).to(dtype)
+    g = _as_rows([t.reshape(-1) for t in grads]).to(dtype)
+    m = _as_rows([s["m"][:rows].reshape(rows, -1) for s in states])
+    v = _as_rows([s["v"].reshape(-1) for s in states])
+    step = _as_rows([s["step"] for s in states]).reshape(-1, 1) + 1
+    log_lr = _as_rows([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
     out = flat_step(
         theta, cfg, one_segment(shape, sparse), p, g, m, v, step, lr, log_lr=log_lr,
         return_finite=True, parts=parts, read_mask=read_mask,
