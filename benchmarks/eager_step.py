@@ -70,20 +70,21 @@ SIDES = ("masked", "mask_read", "packed")
 
 def _side(name: str):
     """Patch the step for side ``name``; returns a function that undoes it."""
-    tensor_step, pack_numel = kernel.tensor_step, kernel.PACK_NUMEL
+    step, stack_key, pack_numel = kernel._step_stacked, kernel._stack_key, kernel.PACK_NUMEL
     if name == "masked":
 
         def masked(*args, **kw):
-            return tensor_step(*args, **{**kw, "read_mask": False})
+            return step(*args, **{**kw, "read_mask": False})
 
-        kernel.tensor_step = masked
+        kernel._step_stacked = masked
     if name in ("masked", "mask_read"):
         kernel.PACK_NUMEL = 0
+        kernel._stack_key = lambda p, g, s: id(p)  # one call per tensor: no stacks
     elif name.startswith("packed_"):
         kernel.PACK_NUMEL = int(name.removeprefix("packed_"))
 
     def undo():
-        kernel.tensor_step, kernel.PACK_NUMEL = tensor_step, pack_numel
+        kernel._step_stacked, kernel._stack_key, kernel.PACK_NUMEL = step, stack_key, pack_numel
 
     return undo
 

@@ -21,10 +21,11 @@ def _tiny() -> nn.Module:
 
 
 def test_sides_take_the_same_step_and_the_table_shows_them():
-    step, bound = kernel.tensor_step, kernel.PACK_NUMEL
+    step, key, bound = kernel._step_stacked, kernel._stack_key, kernel.PACK_NUMEL
     sides = (*eager_step.SIDES, "packed_4")
     row = eager_step.measure(_tiny, steps=2, repeats=1, sides=sides)
-    assert kernel.tensor_step is step and kernel.PACK_NUMEL == bound  # patches undone
+    assert kernel._step_stacked is step and kernel._stack_key is key  # patches undone
+    assert kernel.PACK_NUMEL == bound
     assert set(row["ms"]) == {"masked", "mask_read", "packed", "packed_4", "adamw"}
     assert all(v > 0 for v in row["ms"].values())
     diff = row["max_rel_diff_vs_masked"]
@@ -45,8 +46,8 @@ def test_a_masked_side_really_masks(monkeypatch):
         seen.append(kw["read_mask"])
         return step(*args, **kw)
 
-    step = kernel.tensor_step
-    monkeypatch.setattr(kernel, "tensor_step", spy)
+    step = kernel._step_stacked
+    monkeypatch.setattr(kernel, "_step_stacked", spy)
     undo = eager_step._side("masked")
     try:
         model = eager_step._model(_tiny)
