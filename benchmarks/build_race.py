@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import machine, write_json
+from benchmarks.common import compile_env, machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = (30, 60, 90, 120, 180, 240, 300, 420, 600)
@@ -60,11 +60,7 @@ print(json.dumps({"kernel_ready": ready, "steps_at": done}))
 def run(yield_threads: int, seconds: float, threads: int) -> dict:
     """One training run in a new process with an empty compile cache."""
     with tempfile.TemporaryDirectory() as cache:
-        env = {
-            **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads),
-            "LEARNED_OPT_COMPILE": "1",
-        }  # fmt: skip
-        env.pop("LEARNED_OPT_KERNEL_DIR", None)
+        env = compile_env(cache, threads)
         marks = ",".join(str(m) for m in MARKS if m <= seconds)
         out = subprocess.run(
             [sys.executable, "-c", _RUN, str(yield_threads), str(seconds), marks], env=env,

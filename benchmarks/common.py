@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import statistics
 import time
@@ -71,6 +72,18 @@ def compare_at(learned: list[list[float]], baselines: dict, h: int) -> dict:
 def _mean(xs: list[float]) -> float:
     finite = [x for x in xs if math.isfinite(x)]
     return statistics.fmean(finite) if len(finite) == len(xs) else math.inf
+
+
+def compile_env(cache: str, threads: int) -> dict[str, str]:
+    """The environment of a child process that trains with compiling on, at ``threads``
+    threads, with the inductor cache ``cache`` holding its kernel folder (any
+    ``LEARNED_OPT_KERNEL_DIR`` dropped, so that an empty ``cache`` means no kernel built)."""
+    env = {
+        **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads),
+        "LEARNED_OPT_COMPILE": "1",
+    }  # fmt: skip
+    env.pop("LEARNED_OPT_KERNEL_DIR", None)
+    return env
 
 
 def write_json(name: str, payload: dict, quiet: bool = False) -> Path:

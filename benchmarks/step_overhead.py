@@ -48,6 +48,7 @@ from learned_opt.orthogonal import is_matrix
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
+from benchmarks.common import compile_env  # noqa: E402
 from benchmarks.muon_adamw import MuonWithAdamW  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
@@ -360,11 +361,7 @@ def cold_start(threads: int) -> dict:
     root = Path(__file__).resolve().parent.parent
     result = {"workload": "transformer-0.5M", "threads": threads}
     with tempfile.TemporaryDirectory() as cache:
-        env = {
-            **os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads),
-            "LEARNED_OPT_COMPILE": "1",
-        }  # fmt: skip
-        env.pop("LEARNED_OPT_KERNEL_DIR", None)
+        env = compile_env(cache, threads)
         for prefix in ("", "warm_"):
             out = subprocess.run(
                 [sys.executable, "-c", _COLD_START], env=env, cwd=root, capture_output=True,

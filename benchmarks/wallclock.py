@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -42,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, compile_env, machine, write_json
 
 #: The recorded suites whose rows are timed, and the seed their step times are taken at.
 SUITES = {"heldout": "quality_heldout.json", "validation": "validation_final.json"}
@@ -93,8 +92,7 @@ def child(spec: dict) -> dict:
 def run_fresh(spec: dict, cache: str) -> dict:
     """:func:`child` in a new interpreter (one thread, compiling on, inductor cache
     ``cache``)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LEARNED_OPT_COMPILE": "1",
-           "TORCHINDUCTOR_CACHE_DIR": cache}  # fmt: skip
+    env = compile_env(cache, 1)
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.wallclock", "--child", json.dumps(spec)],
         env=env, cwd=ROOT, capture_output=True, text=True,
