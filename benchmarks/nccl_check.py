@@ -56,7 +56,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(ROOT))  # after the laid-out package
-from benchmarks.check_harness import build_installed_layout, sync  # noqa: E402
+from benchmarks.check_harness import build_installed_layout, sync, use_layout  # noqa: E402
 from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
 
 #: size label -> (vocab, d_model, layers) of ``step_overhead.GPT`` (sequences of 64 tokens)
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"nccl_check: {world} ranks, {transport}, sizes {' '.join(args.sizes)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="nccl_check_") as tmp:
-        sys.path.insert(0, str(build_installed_layout(Path(tmp) / "site")))
+        use_layout(build_installed_layout(Path(tmp) / "site"))
         for size in args.sizes:
             left = deadline - time.monotonic()
             row = run_size(args, size, world, left) if left >= 30 else None

@@ -159,10 +159,19 @@ def render_cuda_check(r: dict) -> str:
         for f in flat.get("rows", [])
     ]
     flat_table = markdown_table(["width", "pass", "ms", "elements/s"], flat_rows)
+    parts = [status]
+    if step:
+        parts.append(f"Step time on the GPU, the optimizers taking turns:\n\n{timing}")
+    if flat_rows:
+        parts.append(
+            f"`flat_step` (meta-training) on {flat.get('workers')} workers x "
+            f"{flat.get('elements_per_worker', 0):,} elements:\n\n{flat_table}"
+        )
+    if r.get("runs"):
+        runs = "; ".join(f"{run['date'][11:16]} UTC: {run['checks']}" for run in r["runs"])
+        parts.append(f"The checks come from {len(r['runs'])} runs on one machine ({runs}).")
     return (
-        f"{status}\n\nStep time on the GPU, the optimizers taking turns:\n\n{timing}\n\n"
-        f"`flat_step` (meta-training) on {flat.get('workers')} workers x "
-        f"{flat.get('elements_per_worker', 0):,} elements:\n\n{flat_table}\n\n"
+        "\n\n".join(parts) + "\n\n"
         f"Measured {r['date'][:10]} on one {env.get('gpu')} ({env.get('gpu_memory_gb')} GB), "
         f"torch {env.get('torch')}, CUDA {env.get('cuda')}, NCCL {env.get('nccl')}. Command: "
         "`python3 benchmarks/cuda_check.py --out DIR` on the GPU machine, then the JSON copied "

@@ -3,8 +3,9 @@
 :func:`step_tensors` steps a list of tensors in place with :func:`learned_opt.step.tensor_step`,
 the differentiable reference. Eagerly it is the reference itself; exported by the public
 ``torch.export`` and compiled ahead of time by AOTInductor (one package per kind of
-bucket of tensors, on CPU and GPU alike) it is the kernel, whose elementwise work
-inductor fuses into a few loops over each tensor.
+bucket of tensors) it is the kernel, whose elementwise work inductor fuses into a few
+loops over each tensor. Kernels are built for CPU tensors only (:data:`KERNEL_DEVICES`):
+on a GPU the reference steps.
 
 ``step()`` never waits for a compile. A :class:`Kernels` steps the tensors in buckets of
 one shape and holds one kernel per kind of bucket (device, dtypes, shapes, strides); the
@@ -244,6 +245,14 @@ def compile_after_seconds(seconds: float):
         COMPILE_AFTER_SECONDS = previous
 
 
+#: The devices whose tensors step through compiled kernels; others step the reference.
+#: Not CUDA: on an H200 with torch 2.11.0+cu130, loading any CUDA AOTInductor package (a
+#: one-line ``x * 2 + 1`` too, on the main thread or another) ended the process with a
+#: segmentation fault inside ``aoti_load_package``, where an error or the reference was
+#: owed (``benchmarks/results/cuda_aoti_probe.json``, ``cuda_check.json``).
+KERNEL_DEVICES = frozenset({"cpu"})
+
+
 def compiling_enabled() -> bool:
     """False where :data:`COMPILE_ENV` is ``0`` (or ``false``)."""
     value = os.environ.get(COMPILE_ENV, "1").strip().lower()
@@ -279,9 +288,9 @@ class Kernels:
             _yield_threads(_worker().busy())
         # plain tensors sharing the parameters' memory, as the copies the kernel was built on
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-        if not (self.compile and compiling_enabled()):
-            return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         device = params[0].device.type
+        if not (self.compile and compiling_enabled() and device in KERNEL_DEVICES):
+            return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         # the kernel and the reference step outside autocast, which would otherwise cast
         # the matrix products of a step() called inside it
         outside = contextlib.nullcontext()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -14,9 +15,12 @@ GLIBC = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
 
 
 def _child(code: str, **env) -> str:
-    """``code`` run in a fresh interpreter (the setting is per process), its stdout."""
+    """``code`` run in a fresh interpreter (the setting is per process), its stdout; only
+    the path settings are passed on (a checkout laid out on ``PYTHONPATH`` stays the one
+    imported)."""
+    keep = {k: os.environ[k] for k in ("PYTHONPATH", "PYTHONSAFEPATH") if k in os.environ}
     out = subprocess.run(
-        [sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", **env},
+        [sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin", **keep, **env},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-800:]

@@ -287,3 +287,25 @@ def test_flat_step_cuda_nan_gradient_leaves_that_segment():
 def test_cuda_runs_are_bitwise_repeatable():
     res = determinism_check("cuda")
     assert res["ok"], res
+
+
+@needs_cuda
+def test_cuda_tensors_step_the_reference_and_queue_no_kernel(monkeypatch):
+    """CUDA packages crashed ``aoti_load_package`` (``learned_opt.kernel.KERNEL_DEVICES``):
+    with the compile enabled and its thresholds at zero, CUDA tensors still queue no build
+    and step like the reference."""
+    from learned_opt import LearnedOptimizer, kernel
+
+    monkeypatch.setattr(kernel, "COMPILE_AFTER", 0)
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    monkeypatch.delenv(kernel.COMPILE_ENV, raising=False)
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64, 64, device="cuda")) for _ in range(2)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt, ref = LearnedOptimizer(ps), LearnedOptimizer(qs, compile=False)
+    for _ in range(3):
+        for p, q in zip(ps, qs):
+            p.grad = q.grad = torch.randn_like(p)
+        opt.step(), ref.step()
+    assert not opt._kernels._entries and not kernel._worker().busy()
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))

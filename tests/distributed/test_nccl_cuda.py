@@ -38,7 +38,7 @@ def comm():
 def _packed(comm, ys, loss):
     layout = comm._layout(ys)
     send, _ = comm._buffers_for(layout, ys[0].device, 0)
-    comm._pack(layout, ys, loss, send)
+    layout.pack(ys, loss, send)
     return layout, send
 
 
