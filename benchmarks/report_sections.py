@@ -187,9 +187,17 @@ def render_gossip_step(r: dict) -> str:
         for name, ms in r["step_ms"].items()
     ]
     header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
+    robust = "; ".join(
+        f"{name}: {100 * share:+.1f}%" for name, share in r.get("robust_overhead", {}).items()
+    )
+    robust = (
+        f' Robust mixing (`robust="clip"`) when nobody attacks, against the same row without it: {robust}.'
+        if robust
+        else ""
+    )
     return (
         markdown_table(header, rows)
-        + f"\n\n{r['setup']}. Measured {r['date'][:10]}, {r['machine']}, torch {r['torch']}. "
+        + f"\n\n{r['setup']}.{robust} Measured {r['date'][:10]}, {r['machine']}, torch {r['torch']}. "
         f"Command: `{r['command']}`."
     )
 
