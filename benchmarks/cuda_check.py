@@ -303,6 +303,26 @@ def check_two_ranks(ctx: Context, r: dict, backend: str, mode: str) -> None:
         require(r["returncode"] == 0 and len(results) == 2, "the two-rank run did not finish")
 
 
+def check_aoti_load(ctx: Context, r: dict) -> None:
+    """``benchmarks/cuda_aoti_probe.py``: whether a one-line CUDA AOTInductor package loads
+    here (on the main thread and on another, each in a fresh process). Where it does,
+    CUDA kernels could be built again (``learned_opt.kernel.KERNEL_DEVICES``)."""
+    if not ctx.cuda:
+        raise CheckSkipped("needs CUDA")
+    out = ctx.scratch / "aoti_probe"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "cuda_aoti_probe.py"), "--out", str(out),
+           "--timeout", str(max(ctx.limit / 2 - 5, 10))]  # fmt: skip
+    record_run(r, run_subprocess(ctx, "aoti-probe", cmd))
+    found = out / "cuda_aoti_probe.json"
+    require(found.exists(), "the probe wrote no result")
+    r["scenarios"] = {
+        name: {k: row.get(k) for k in ("returncode", "seconds", "stdout")}
+        for name, row in json.loads(found.read_text())["scenarios"].items()
+    }
+    bad = [name for name, row in r["scenarios"].items() if row["returncode"] != 0]
+    require(not bad, f"a CUDA package did not load: {bad}")
+
+
 def check_meta_smoke(ctx: Context, r: dict) -> None:
     """``learned-opt-meta fit --config meta_train/configs/smoke.yaml`` on the device."""
     if importlib.util.find_spec("jsonargparse") is None:
@@ -345,6 +365,12 @@ CHECKS = [
         "them on the host); its collectives work",
     ),
     Check("meta_train_smoke", check_meta_smoke, 75),
+    Check(
+        "aoti_cuda_load",
+        check_aoti_load,
+        200,
+        expect="torch 2.11.0+cu130 on an H200 ended the process loading any CUDA package",
+    ),
 ]
 
 
