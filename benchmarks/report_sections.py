@@ -575,3 +575,30 @@ def render_build_race(r: dict) -> str:
         f"average {r['load_average_before']:.1f} before). {_measured(r)} Command: "
         f"`{r['command']}`."
     )
+
+
+@section("ns_precision")
+def render_ns_precision(r: dict) -> str:
+    ms = {(tuple(t["shape"]), t["path"], t["dtype"]): t["ms"] for t in r["timings"]}
+    shapes = list(dict.fromkeys(tuple(t["shape"]) for t in r["timings"]))
+    rows = [
+        [f"{s[0]} x {s[1]}"]
+        + [f"{ms[(s, p, d)]:.2f}" for p in ("plain", "gram") for d in ("float32", "bfloat16")]
+        for s in shapes
+    ]
+    timing = markdown_table(
+        ["matrix", "plain float32 ms", "plain bfloat16 ms", "Gram float32 ms", "Gram bfloat16 ms"],
+        rows,
+    )
+    quality = markdown_table(
+        ["input (256 x 1024)", "path", "dtype", "singular values", "distance to float32"],
+        [
+            [q["input"], q["path"], q["dtype"], f"{q['sv_min']:.3g} to {q['sv_max']:.3g}",
+             f"{q['rel_to_float32']:.3g}"]
+            for q in r["quality"]
+        ],
+    )  # fmt: skip
+    return (
+        f"{timing}\n\n{quality}\n\nMeasured {r['date']} on {r['machine']}, torch {r['torch']}. "
+        f"Command: `{r['command'].strip()}`."
+    )
