@@ -106,6 +106,12 @@ SCHEDULE_PHRASES = {
 @section("validation_switch300")
 @section("validation_switch600")
 @section("validation_switch1000")
+@section("validation_rate02_wsd_half")
+@section("validation_rate02")
+@section("validation_rate02_decentralized")
+@section("validation_rate03_decentralized")
+@section("validation_rate01_wsd_half")
+@section("validation_orthomax2_wsd_half")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]

@@ -192,7 +192,23 @@ def test_under_gossip_config():
     assert floor_only.under_gossip().lr_adapt_min == floor_only.lr_adapt_min_gossip
     old = ADAPT.to_dict()
     del old["lr_adapt_max_gossip"], old["lr_adapt_min_gossip"]  # written before the fields
+    del old["lr_adapt_rate_gossip"]
     assert NetConfig.from_dict(old) == ADAPT
+    assert gossip.lr_adapt_rate == ADAPT.lr_adapt_rate  # no gossip rate: the same rate
+
+
+def test_under_gossip_the_adaptation_moves_at_its_gossip_rate():
+    """``lr_adapt_rate_gossip`` sets the rate a worker adapts at under gossip and nowhere
+    else: with consistent gradients the log multiplier climbs 0.1 per step alone and 0.3
+    per step under gossip (the same until the ceilings)."""
+    cfg = replace(ADAPT, lr_adapt_rate=0.1, lr_adapt_rate_gossip=0.3)
+    assert cfg.under_gossip().lr_adapt_rate == 0.3
+    assert cfg.under_gossip().under_gossip() == cfg.under_gossip()
+    alone, _ = _train(cfg, lambda t, p: torch.ones(50), 6)
+    mixed, _ = _train(cfg, lambda t, p: torch.ones(50), 6, gossip=True)
+    base, _ = _train(replace(ADAPT, lr_adapt_rate=0.3), lambda t, p: torch.ones(50), 6, gossip=True)
+    assert 0 < alone < mixed
+    assert mixed == pytest.approx(base)
 
 
 def test_simulated_workers_step_under_the_gossip_ceiling():
@@ -265,6 +281,8 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_max_gossip": -1.0}, "lr_adapt_max_gossip"),
         ({"lr_adapt_min_gossip": 0.5}, "lr_adapt_min_gossip"),
         ({"lr_adapt_min_gossip": float("nan")}, "lr_adapt_min_gossip"),
+        ({"lr_adapt_rate_gossip": 0.0}, "lr_adapt_rate_gossip"),
+        ({"lr_adapt_rate_gossip": float("nan")}, "lr_adapt_rate_gossip"),
         ({"lr_adapt_max_ortho": -1.0}, "lr_adapt_max_ortho"),
         ({"lr_adapt_max_ortho": float("nan")}, "lr_adapt_max_ortho"),
     ],
