@@ -303,6 +303,45 @@ def check_two_ranks(ctx: Context, r: dict, backend: str, mode: str) -> None:
         require(r["returncode"] == 0 and len(results) == 2, "the two-rank run did not finish")
 
 
+#: The stage whose meta-steps ``meta_train_throughput`` times, and the meta-steps it times
+#: (the difference of a run of ``META_STEPS[1]`` and one of ``META_STEPS[0]``, so that the
+#: start-up, Lightning's import and the first step's set-up drop out).
+META_STAGE = "adapt2x_tensor_stage4.yaml"
+META_STEPS = (2, 12)
+
+
+def check_meta_throughput(ctx: Context, r: dict) -> None:
+    """Meta-training's throughput on the GPU against this machine's CPU: the seconds per
+    meta-step of a real stage (``META_STAGE`` over ``default.yaml``, its PES unrolls of
+    100-3000 inner steps on the broad family), each side the same seeded meta-steps."""
+    if importlib.util.find_spec("jsonargparse") is None:
+        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
+    configs = ROOT / "meta_train" / "configs"
+    sides = ["gpu", "cpu"] if ctx.cuda else ["cpu"]
+    r.update(stage=META_STAGE, meta_steps=META_STEPS, seconds={}, seconds_per_meta_step={})
+    for accelerator in sides:
+        took = []
+        for steps in META_STEPS:
+            cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit",
+                   "--config", str(configs / "default.yaml"), "--config", str(configs / META_STAGE),
+                   f"--trainer.max_steps={steps}", "--trainer.max_time=null",
+                   f"--trainer.accelerator={accelerator}", "--trainer.enable_progress_bar=false",
+                   f"--trainer.default_root_dir={ctx.scratch / f'meta_{accelerator}_{steps}'}"]  # fmt: skip
+            t0 = time.monotonic()
+            run = run_subprocess(ctx, f"meta-{accelerator}-{steps}", cmd, cwd=ROOT)
+            took.append(time.monotonic() - t0)
+            require(run["returncode"] == 0, f"meta-training on {accelerator} failed")
+        r["seconds"][accelerator] = [round(t, 1) for t in took]
+        per_step = (took[1] - took[0]) / (META_STEPS[1] - META_STEPS[0])
+        r["seconds_per_meta_step"][accelerator] = round(per_step, 2)
+        ctx.log(f"   meta-training on {accelerator}: {per_step:.2f} s per meta-step")
+        ctx.write_json()
+    if len(sides) == 2:
+        r["gpu_speedup"] = round(
+            r["seconds_per_meta_step"]["cpu"] / r["seconds_per_meta_step"]["gpu"], 2
+        )
+
+
 def check_aoti_load(ctx: Context, r: dict) -> None:
     """``benchmarks/cuda_aoti_probe.py``: whether a one-line CUDA AOTInductor package loads
     here (on the main thread and on another, each in a fresh process). Where it does,
@@ -365,6 +404,7 @@ CHECKS = [
         "them on the host); its collectives work",
     ),
     Check("meta_train_smoke", check_meta_smoke, 75),
+    Check("meta_train_throughput", check_meta_throughput, 300),
     Check(
         "aoti_cuda_load",
         check_aoti_load,
