@@ -310,23 +310,33 @@ META_STAGE = "adapt2x_tensor_stage4.yaml"
 META_STEPS = (2, 12)
 
 
+def _meta_fit(configs: list[str], accelerator: str, root: Path, *overrides: str) -> list[str]:
+    """The command of ``learned-opt-meta fit`` on ``configs`` (names under
+    ``meta_train/configs``, in order) on ``accelerator``, its logs under ``root``; raises
+    :class:`CheckSkipped` where LightningCLI cannot run."""
+    if importlib.util.find_spec("jsonargparse") is None:
+        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
+    cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit"]
+    for name in configs:
+        cmd += ["--config", str(ROOT / "meta_train" / "configs" / name)]
+    return [*cmd, f"--trainer.accelerator={accelerator}", f"--trainer.default_root_dir={root}",
+            *overrides]  # fmt: skip
+
+
 def check_meta_throughput(ctx: Context, r: dict) -> None:
     """Meta-training's throughput on the GPU against this machine's CPU: the seconds per
     meta-step of a real stage (``META_STAGE`` over ``default.yaml``, its PES unrolls of
     100-3000 inner steps on the broad family), each side the same seeded meta-steps."""
-    if importlib.util.find_spec("jsonargparse") is None:
-        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
-    configs = ROOT / "meta_train" / "configs"
     sides = ["gpu", "cpu"] if ctx.cuda else ["cpu"]
     r.update(stage=META_STAGE, meta_steps=META_STEPS, seconds={}, seconds_per_meta_step={})
     for accelerator in sides:
         took = []
         for steps in META_STEPS:
-            cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit",
-                   "--config", str(configs / "default.yaml"), "--config", str(configs / META_STAGE),
-                   f"--trainer.max_steps={steps}", "--trainer.max_time=null",
-                   f"--trainer.accelerator={accelerator}", "--trainer.enable_progress_bar=false",
-                   f"--trainer.default_root_dir={ctx.scratch / f'meta_{accelerator}_{steps}'}"]  # fmt: skip
+            cmd = _meta_fit(
+                ["default.yaml", META_STAGE], accelerator, ctx.scratch / f"meta_{accelerator}_{steps}",
+                f"--trainer.max_steps={steps}", "--trainer.max_time=null",
+                "--trainer.enable_progress_bar=false",
+            )  # fmt: skip
             t0 = time.monotonic()
             run = run_subprocess(ctx, f"meta-{accelerator}-{steps}", cmd, cwd=ROOT)
             took.append(time.monotonic() - t0)
@@ -364,13 +374,8 @@ def check_aoti_load(ctx: Context, r: dict) -> None:
 
 def check_meta_smoke(ctx: Context, r: dict) -> None:
     """``learned-opt-meta fit --config meta_train/configs/smoke.yaml`` on the device."""
-    if importlib.util.find_spec("jsonargparse") is None:
-        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
     accelerator = "gpu" if ctx.cuda else "cpu"
-    cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit", "--config",
-           str(ROOT / "meta_train" / "configs" / "smoke.yaml"),
-           f"--trainer.accelerator={accelerator}",
-           f"--trainer.default_root_dir={ctx.scratch / 'meta_smoke'}"]  # fmt: skip
+    cmd = _meta_fit(["smoke.yaml"], accelerator, ctx.scratch / "meta_smoke")
     record_run(r, run_subprocess(ctx, "meta-smoke", cmd))
     r["accelerator"] = accelerator
     require(r["returncode"] == 0, "meta-training smoke run failed")

@@ -598,7 +598,4 @@ def render_ns_precision(r: dict) -> str:
             for q in r["quality"]
         ],
     )  # fmt: skip
-    return (
-        f"{timing}\n\n{quality}\n\nMeasured {r['date']} on {r['machine']}, torch {r['torch']}. "
-        f"Command: `{r['command'].strip()}`."
-    )
+    return f"{timing}\n\n{quality}\n\n{_measured(r)} Command: `{r['command'].strip()}`."

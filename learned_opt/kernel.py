@@ -284,11 +284,11 @@ class Kernels:
         taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped."""
         lr_t = self._lr_tensor(float(lr), states[0]["v"].dtype, params[0].device)
-        if params[0].device.type == "cpu":
+        device = params[0].device.type
+        if device == "cpu":
             _yield_threads(_worker().busy())
         # plain tensors sharing the parameters' memory, as the copies the kernel was built on
         params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-        device = params[0].device.type
         if not (self.compile and compiling_enabled() and device in KERNEL_DEVICES):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         # the kernel and the reference step outside autocast, which would otherwise cast
