@@ -170,21 +170,32 @@ def robust_weights(
     return [w * s.to(w.dtype) for w, s in zip(weights, scale.unbind(1))]
 
 
+def distance_lists(xs: Sequence[Tensor], neighbor_xs: Sequence[Sequence[Tensor]]) -> Tensor:
+    """``[D, T]``: ``||x_j - x||`` of neighbour ``j`` for tensor ``t``, for one worker:
+    ``xs[t]`` and its list of neighbour tensors ``neighbor_xs[t]``, one fused pass each
+    (no autograd). A neighbour that sent NaN or Inf has a non-finite distance."""
+    with torch.no_grad():
+        dist = [torch.dist(xj, x) for x, nbs in zip(xs, neighbor_xs) for xj in nbs]
+        if len({d.dtype for d in dist}) > 1:
+            dist = [d.double() for d in dist]
+        return torch.stack(dist).view(len(xs), -1).T
+
+
 def robust_weight_lists(
     xs: Sequence[Tensor],
     neighbor_xs: Sequence[Sequence[Tensor]],
     weights: Sequence[Sequence[Tensor | float]],
     multiple: float = CLIP_MULTIPLE,
+    dist: Tensor | None = None,
 ) -> list[list[float]]:
     """:func:`robust_weights` for one worker, without autograd, in few operations (a real
     worker's step): ``xs[t]`` with its list of neighbour tensors ``neighbor_xs[t]`` and
     list of weights ``weights[t]`` (floats or 0-d tensors), as :func:`mix` takes them.
-    Returns the clipped weights as lists of floats."""
+    ``dist``: their :func:`distance_lists`, when already computed. Returns the clipped
+    weights as lists of floats."""
     with torch.no_grad():
-        dist = [torch.dist(xj, x) for x, nbs in zip(xs, neighbor_xs) for xj in nbs]
-        if len({d.dtype for d in dist}) > 1:
-            dist = [d.double() for d in dist]
-        dist = torch.stack(dist).view(len(xs), -1).T  # [D, T]
+        if dist is None:
+            dist = distance_lists(xs, neighbor_xs)
         flat = [float(w) for ws in weights for w in ws]
         w = torch.tensor(flat, dtype=dist.dtype, device=dist.device).view(len(xs), -1).T
         return (w * clip_scales(dist, w, multiple)).T.tolist()

@@ -34,6 +34,7 @@ from .mixing import (
     check_rule,
     learned_edge_weight,
     mix,
+    distance_lists,
     parse_robust,
     robust_weight_lists,
     tensor_rules,
@@ -448,11 +449,14 @@ class ProcessGroupCommunicator(GroupCollectives):
                 "this rank's data and loss"
             )
         keep = [k for k in range(len(ex.peers)) if ex.finite[k]]
-        excluded = [ex.peers[k] for k in range(len(ex.peers)) if not ex.finite[k]]
         for k in keep if ex.sent is not None else []:
             if ex.sent[k] is not None:  # a late exchange: mix the difference it carries
                 for got, y, sent in zip(ex.tensors[k], ys, ex.sent[k]):
                     got.add_(y).sub_(sent)
+        dist = None
+        if self._clip is not None and keep:
+            keep, dist = self._verified(ys, ex, keep)
+        excluded = [ex.peers[k] for k in range(len(ex.peers)) if k not in keep]
         self.nonfinite_excluded += len(excluded)
         if self._codec is not None:  # mix the public copies, see compression
             mixed, weights = self._mix_copies(job, ex, ys, keep, own_loss, rules, theta, cfg, out)
@@ -462,8 +466,8 @@ class ProcessGroupCommunicator(GroupCollectives):
                 for t in range(len(ys))
             ]
             neighbours = [[ex.tensors[k][t] for k in keep] for t in range(len(ys))]
-            if self._clip is not None and keep:  # all clipped before any is mixed in place
-                weights = robust_weight_lists(ys, neighbours, weights, self._clip)
+            if dist is not None and keep:  # all clipped before any is mixed in place
+                weights = robust_weight_lists(ys, neighbours, weights, self._clip, dist)
             targets = out if out is not None else [None] * len(ys)
             mixed = [mix(y, nb, w, out=o) for y, nb, w, o in zip(ys, neighbours, weights, targets)]
         info = {
@@ -473,6 +477,19 @@ class ProcessGroupCommunicator(GroupCollectives):
             "bytes_sent": self.bytes_sent,
         }
         return mixed, info
+
+    def _verified(self, ys, ex: _Exchanged, keep: list[int]) -> tuple[list[int], Tensor | None]:
+        """Robust mixing trusts no neighbour's finite flag: of ``keep``, the neighbours
+        whose tensors are all finite, and (without compression) their distances
+        (:func:`~.mixing.distance_lists`, ``[D, T]``), which this check computes anyway: a
+        NaN or Inf makes a distance non-finite. With compression the (small) payloads are
+        checked before they reach the public copies."""
+        if self._codec is not None:
+            ok = [all(bool(torch.isfinite(t).all()) for t in ex.tensors[k]) for k in keep]
+            return [k for k, good in zip(keep, ok) if good], None
+        dist = distance_lists(ys, [[ex.tensors[k][t] for k in keep] for t in range(len(ys))])
+        ok = torch.isfinite(dist).all(1)
+        return [k for k, good in zip(keep, ok.tolist()) if good], dist[ok]
 
     def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rules, theta, cfg, out):
         """Compressed mix: ``y_i += gamma * sum_j w_ij (h_j - h_i)``, with the weights taken

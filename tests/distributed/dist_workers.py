@@ -7,6 +7,8 @@ single-process reference in ``test_process_group.py``.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import torch.nn.functional as F
 
@@ -19,6 +21,7 @@ from learned_opt.distributed import (
     ProcessGroupCommunicator,
     get_topology,
 )
+from learned_opt.distributed.packing import Layout
 
 STEPS = 20
 KINDS = {
@@ -127,8 +130,19 @@ def robust_payload(rank: int) -> torch.Tensor:
     return torch.full((4,), 1e6 if rank == 1 else float(rank))
 
 
+_HONEST_PACK = Layout.pack
+
+
+def _forged_pack(layout, ys, loss, buf) -> bool:
+    """``Layout.pack`` of a malicious rank: NaN sent with the finite flag set."""
+    _HONEST_PACK(layout, ys, loss, buf)
+    layout.header(buf)[1] = 1.0
+    return True
+
+
 def _robust_mix(rank: int, n: int) -> dict:
-    """``robust="clip"`` on the ring: step 0 rank 1 sends 1e6, step 1 it sends NaN."""
+    """``robust="clip"`` on the ring: step 0 rank 1 sends 1e6, step 1 it sends NaN, step 2
+    NaN with a forged finite flag; then the same forged NaN through a top-k exchange."""
     comm = ProcessGroupCommunicator(
         get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip"
     )
@@ -140,9 +154,31 @@ def _robust_mix(rank: int, n: int) -> dict:
             comm.mix([nan], 1)
         except GossipError:
             pass
-        return {"mixed": mixed[0].tolist(), "excluded": [1]}
+        with mock.patch.object(Layout, "pack", _forged_pack):
+            comm.mix([nan], 2)
+        squeezed = ProcessGroupCommunicator(
+            get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip",
+            compression="topk:1.0",
+        )  # fmt: skip
+        squeezed.mix([robust_payload(rank)], 0)  # the first exchange is sent whole
+        with mock.patch.object(Layout, "pack", _forged_pack):
+            squeezed.mix([nan], 1)
+        return {"mixed": mixed[0].tolist(), "excluded": [1], "forged": [[1], True, [1], True]}
     _, info = comm.mix([nan], 1)
-    return {"mixed": mixed[0].tolist(), "excluded": info["excluded"]}
+    forged, forged_info = comm.mix([robust_payload(rank)], 2)
+    squeezed = ProcessGroupCommunicator(
+        get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip", compression="topk:1.0"
+    )
+    squeezed.mix([robust_payload(rank)], 0)
+    topk, topk_info = squeezed.mix([robust_payload(rank)], 1)
+    return {
+        "mixed": mixed[0].tolist(),
+        "excluded": info["excluded"],
+        "forged": [
+            forged_info["excluded"], bool(torch.isfinite(forged[0]).all()),
+            topk_info["excluded"], bool(torch.isfinite(topk[0]).all()),
+        ],
+    }  # fmt: skip
 
 
 def exchange_suite(rank: int, n: int) -> dict:

@@ -68,6 +68,8 @@ def test_robust_mix_clips_a_bad_neighbour_and_excludes_nan(exchange_results):
         assert res["robust"]["mixed"] == pytest.approx(expect.tolist(), rel=1e-6)
         if rank in (0, 2):  # rank 1's 1e6 all but left out, its NaN left out
             assert max(res["robust"]["mixed"]) < 4 and res["robust"]["excluded"] == [1]
+            # a NaN under a forged finite flag is left out too, exact or compressed
+            assert res["robust"]["forged"] == [[1], True, [1], True]
 
 
 def test_consensus_shrinks_with_mixing_alone(exchange_results):
