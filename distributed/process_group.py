@@ -32,9 +32,9 @@ from .deadline import DeadlineExchange, _Failed
 from .membership import GossipError
 from .mixing import (
     check_rule,
+    distance_lists,
     learned_edge_weight,
     mix,
-    distance_lists,
     parse_robust,
     robust_weight_lists,
     tensor_rules,
