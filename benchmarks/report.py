@@ -103,6 +103,11 @@ def _first_steps(result: dict) -> str:
     first = cold.get("first_step_seconds", cold.get("seconds"))
     if first is not None:
         parts.append(f"the first step took {first:.1f} s")
+    if cold.get("first_kernel_seconds") is not None:
+        parts.append(
+            f"the kernel of the costliest kind of bucket was ready after "
+            f"{cold['first_kernel_seconds']:.0f} s"
+        )
     if cold.get("kernel_ready_seconds") is not None:
         parts.append(f"the compiled kernel was ready after {cold['kernel_ready_seconds']:.0f} s")
     where = f"{cold.get('workload', 'the first workload')}, {cold.get('threads', '?')} threads"

@@ -11,10 +11,12 @@ on a GPU the reference steps.
 one shape and holds one kernel per kind of bucket (device, dtypes, shapes, strides); the
 first steps of a new kind run the reference, and once the optimizer's eager steps have
 taken :data:`COMPILE_AFTER_SECONDS` in all (and the kind has stepped at least
-:data:`COMPILE_AFTER` times) one process-wide worker thread has the kernel built on copies
-of the tensors, one kind at a time, by a child process at low priority, which writes the
-package to :func:`kernel_dir`. The worker thread then loads it (milliseconds: nothing is
-traced in this process), and the steps after that run the kernel. If building fails, one
+:data:`COMPILE_AFTER` times) one process-wide worker thread has the kernels built on copies
+of the tensors by a child process at low priority: one child for all the kinds queued
+together (torch's and the compiler's start-up are paid once), building them in turn and
+writing each package to :func:`kernel_dir`. The worker thread loads each package as it
+appears (milliseconds: nothing is traced in this process), and the steps after that run
+its kernel. If building fails, one
 warning says why and the reference keeps stepping that kind. While a build runs, a CPU
 training process steps and trains with one thread fewer (:data:`YIELD_THREADS`), so that
 the child has a core.
@@ -42,7 +44,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -337,6 +339,7 @@ class Kernels:
         return plan
 
     def _step_bucket(self, entry: _Entry, args: tuple) -> Tensor:
+        """Step one bucket: its kernel, or the reference (and queue its compile once due)."""
         if entry.fn is not None:
             return entry.fn(*args)
         entry.eager_steps += 1
@@ -348,7 +351,9 @@ class Kernels:
             _worker().submit(entry, args)
         start = time.perf_counter()
         oks = step_tensors(*args)
-        self.eager_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.eager_seconds += seconds
+        entry.eager_seconds += seconds
         return oks
 
     def ready(self) -> bool:
@@ -401,6 +406,7 @@ class _Entry:
     def __init__(self):
         self.fn: Callable | None = None
         self.eager_steps = 0
+        self.eager_seconds = 0.0  # what the reference has cost this kind
         self.queued = False
         self.built = False  # its package was on disk at its first step
         self.done = threading.Event()
@@ -452,9 +458,9 @@ def _yield_threads(building: bool) -> None:
 
 
 class _Worker:
-    """The process-wide compiler: one thread builds or finds the kernels of the queued sets
-    of tensors, one at a time, and exits once the queue is empty (a later job starts a fresh
-    thread).
+    """The process-wide compiler: one thread finds or builds the kernels of the queued sets
+    of tensors, all those queued together at once (:meth:`_build_and_load`), and exits
+    once the queue is empty (a later job starts a fresh thread).
 
     The thread never traces or runs a kernel: a child process builds the package
     (:func:`build_package`) and the thread loads it (:func:`load_package`). Tracing in
@@ -518,26 +524,39 @@ class _Worker:
         if thread is not None:
             thread.join()
 
-    def _next(self):
-        """The next job, or None (and the thread marked gone) when the queue is empty."""
+    def _take(self) -> list:
+        """Every job queued within :data:`GATHER_SECONDS`, or ``[]`` (and the thread
+        marked gone) when the queue is empty."""
+        time.sleep(GATHER_SECONDS)  # the other kinds of the same step, or other optimizers
         with self.lock:
-            try:
-                return self.jobs.get_nowait()
-            except queue.Empty:
+            jobs = []
+            while not self.jobs.empty():
+                jobs.append(self.jobs.get_nowait())
+            if not jobs:
                 self.thread = None
-                return None
+            return jobs
 
-    def _build_in_child(self, args: tuple, path: Path) -> None:
-        """Build the package of ``args`` at ``path`` in a child process at low priority
-        (:data:`CHILD_NICE`; the training process keeps the cores it needs), or raise a
-        ``RuntimeError`` that says why it did not."""
-        theta, cfg, parts, params, grads, states, lr = args
-        job = {
-            "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
-            "grads": grads, "states": states, "lr": lr, "threads": kernel_threads(),
-            "nice": CHILD_NICE, "out": str(path), "parent": os.getpid(),
-        }  # fmt: skip
+    def _build_in_child(
+        self, builds: list[tuple[tuple, Path]], built: Callable[[int], None] = lambda i: None
+    ) -> None:
+        """Build the packages of ``builds`` (``(args, path)`` each), in order, in one child
+        process at low priority (:data:`CHILD_NICE`; the training process keeps the cores
+        it needs): the child pays torch's and the compiler's start-up once for all of
+        them. ``built(i)`` is called as the package of ``builds[i]`` appears, while the
+        child goes on with the next. Raises a ``RuntimeError`` that says why when a
+        package was not built (those before it were)."""
+        jobs = []
+        for args, path in builds:
+            theta, cfg, parts, params, grads, states, lr = args
+            jobs.append({
+                "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts),
+                "params": params, "grads": grads, "states": states, "lr": lr,
+                "out": str(path),
+            })  # fmt: skip
+        job = {"builds": jobs, "threads": kernel_threads(), "nice": CHILD_NICE,
+               "parent": os.getpid()}  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        paths, seen = [path for _, path in builds], 0
         with tempfile.TemporaryDirectory() as folder:
             job_path, log_path = os.path.join(folder, "job.pt"), os.path.join(folder, "log")
             torch.save(job, job_path)
@@ -552,55 +571,99 @@ class _Worker:
                         )  # fmt: skip
                     except OSError as e:
                         raise RuntimeError(f"cannot start a compile process: {e}") from None
+                deadline = time.monotonic() + CHILD_COMPILE_TIMEOUT * len(builds)
                 try:
-                    code = self.child.wait(timeout=CHILD_COMPILE_TIMEOUT)
-                except subprocess.TimeoutExpired:
-                    code = f"timeout after {CHILD_COMPILE_TIMEOUT} s"
+                    code = None
+                    while code is None and time.monotonic() < deadline:
+                        code = self._wait_child(BUILT_POLL_SECONDS)
+                        while seen < len(paths) and paths[seen].is_file():
+                            built(seen)
+                            seen += 1
+                    if code is None:
+                        code = f"timeout after {CHILD_COMPILE_TIMEOUT} s a package"
                 finally:
                     self.child.kill()  # no-op once it has exited
                     self.child.wait()
-                    for partial in path.parent.glob(f".partial-{self.child.pid}-*"):
-                        partial.unlink(missing_ok=True)  # what a stopped child left
+                    for path in paths:
+                        for partial in path.parent.glob(f".partial-{self.child.pid}-*"):
+                            partial.unlink(missing_ok=True)  # what a stopped child left
                     self.child = None
-            if code != 0 or not path.is_file():
+            if seen < len(paths):
                 with open(log_path, errors="replace") as log:
                     lines = [line.strip() for line in log if line.strip()]
                 why = lines[-1] if lines else f"exit status {code}"
                 raise RuntimeError(f"the compile process failed: {why}")
 
+    def _wait_child(self, seconds: float):
+        """The child's exit status, or None if it still runs after ``seconds``."""
+        try:
+            return self.child.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
     def _run(self) -> None:
-        while (job := self._next()) is not None:
-            ref, args = job
-            entry = ref()
-            if entry is None:
-                continue
+        while jobs := self._take():
+            entries = [(ref(), args) for ref, args in jobs]
+            entries = [(entry, args) for entry, args in entries if entry is not None]
+            entries.sort(key=lambda job: -job[0].eager_seconds)  # the costliest kind first
+            del jobs
             try:
-                with _host_lock():  # one process of the host builds, the others load
-                    path = package_path(args)
-                    if not path.is_file():
-                        self._build_in_child(args, path)
-                        prune_packages(path.parent, keep=path)
-                    if self.closed:  # the interpreter is exiting
-                        continue
-                    entry.fn = load_package(path)
-            except Exception as e:  # any failure of the compiler: keep the reference
-                if self.closed:  # cut short by the exit
-                    continue
-                warnings.warn(
-                    f"learned_opt: compiling the step kernel failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
-                    f"eager reference step (correct, slower)",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
+                self._build_and_load(entries)
             finally:
-                entry.done.set()
-                del entry, args, job
+                for entry, _ in entries:
+                    entry.done.set()
+                del entries
+
+    def _build_and_load(self, entries: list) -> None:
+        """Load the kernel of every ``(entry, args)``: from its package if one is on disk,
+        else built first, all of them in one child; a failure warns once per entry and
+        leaves it the reference."""
+        failed: dict[int, Exception] = {}
+
+        def load(i: int, path: Path) -> None:
+            try:
+                entries[i][0].fn = load_package(path)
+            except Exception as e:  # a package that does not load: the reference steps
+                failed[i] = e
+
+        todo: list[int] = []
+        try:
+            with _host_lock():  # one process of the host builds, the others load
+                paths = [package_path(args) for _, args in entries]
+                for i, path in enumerate(paths):
+                    if path.is_file():
+                        load(i, path)
+                    else:
+                        todo.append(i)
+                if todo and not self.closed:
+                    builds = [(entries[i][1], paths[i]) for i in todo]
+                    try:
+                        self._build_in_child(builds, lambda k: load(todo[k], paths[todo[k]]))
+                    finally:
+                        prune_packages(paths[todo[0]].parent, keep=[paths[i] for i in todo])
+        except Exception as e:  # any failure of the compiler: keep the reference
+            failed.update({i: e for i in todo if entries[i][0].fn is None and i not in failed})
+        if self.closed:  # cut short by the exit
+            return
+        for e in failed.values():
+            warnings.warn(
+                f"learned_opt: compiling the step kernel failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
+                f"eager reference step (correct, slower)",
+                RuntimeWarning,
+                stacklevel=1,
+            )
 
 
 #: Seconds a child process may compile one kind of bucket before it is stopped (the
 #: reference then keeps stepping that kind).
 CHILD_COMPILE_TIMEOUT = 1800
+#: How often the compile thread looks for the next package of its child (seconds).
+BUILT_POLL_SECONDS = 0.2
+#: Seconds the compile thread waits for more jobs before it takes the queue: the kinds of
+#: bucket of one step (and of an optimizer's other dtypes) are queued within it, and one
+#: child builds them all.
+GATHER_SECONDS = 0.5
 #: The child's niceness: the training process keeps the cores it needs, and the child
 #: builds on the one it yields (:data:`YIELD_THREADS`). Without that, on 2
 #: cores busy with training at 2 threads the 0.5M transformer's kernel was ready after
@@ -742,11 +805,11 @@ KEEP_PACKAGES = 64
 
 
 def prune_packages(
-    folder: Path, keep: Path | None = None, limit: int = KEEP_PACKAGES
+    folder: Path, keep: Sequence[Path] = (), limit: int = KEEP_PACKAGES
 ) -> list[Path]:
     """Remove the packages of ``folder`` beyond the ``limit`` most recently used (a load
-    touches its file), never ``keep``; returns the removed paths. Each model, torch
-    version and source revision builds packages of its own, and without this they
+    touches its file), never those in ``keep``; returns the removed paths. Each model,
+    torch version and source revision builds packages of its own, and without this they
     would pile up in the folder for good."""
     found = []
     for path in folder.glob("*.pt2"):
@@ -754,8 +817,9 @@ def prune_packages(
             found.append((path.stat().st_mtime, path))
         except FileNotFoundError:  # removed meanwhile
             continue
-    others = [path for _, path in sorted(found, reverse=True) if path != keep]
-    room = limit - 1 if len(others) < len(found) else limit  # ``keep`` takes a place
+    kept = set(keep)
+    others = [path for _, path in sorted(found, reverse=True) if path not in kept]
+    room = limit - (len(found) - len(others))  # the kept ones take their places
     removed = others[max(room, 0) :]
     for path in removed:
         path.unlink(missing_ok=True)
@@ -812,18 +876,19 @@ def _check_private(path: Path) -> None:
 
 
 def compile_job(path: str) -> None:
-    """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of the saved
-    tensors (a file it owns; loaded with ``weights_only``), at low priority."""
+    """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of each saved
+    set of tensors in turn (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
     _exit_with_parent(job["parent"])
     if hasattr(os, "nice"):
         os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
-    args = (
-        job["theta"], NetConfig.from_dict(job["cfg"]), Parts(*job["parts"]), job["params"],
-        job["grads"], job["states"], job["lr"],
-    )  # fmt: skip
-    build_package(args, Path(job["out"]))
+    for build in job["builds"]:
+        args = (
+            build["theta"], NetConfig.from_dict(build["cfg"]), Parts(*build["parts"]),
+            build["params"], build["grads"], build["states"], build["lr"],
+        )  # fmt: skip
+        build_package(args, Path(build["out"]))
 
 
 def _exit_with_parent(parent: int, poll: float = 1.0) -> None:

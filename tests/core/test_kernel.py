@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -56,10 +57,14 @@ def compiled(tmp_path_factory):
     mp.setenv(KERNEL_DIR_ENV, str(tmp_path_factory.mktemp("kernels")))
     mp.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)  # tiny tensors: compile them anyway
     mp.setattr(kernel, "CHILD_NICE", 0)  # on a busy test machine a niced child waits long
-    builds = []  # the packages a child process built
+    builds, children = [], []  # the packages a child process built; the children started
     build = kernel._Worker._build_in_child
-    mp.setattr(kernel._Worker, "_build_in_child",
-               lambda self, args, path: build(self, args, path) or builds.append(path))  # fmt: skip
+
+    def counted(self, jobs, built=lambda i: None):
+        children.append(len(jobs))
+        build(self, jobs, lambda i: built(i) or builds.append(jobs[i][1]))
+
+    mp.setattr(kernel._Worker, "_build_in_child", counted)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the tests run (conftest): a kernel is built per count
     try:
@@ -68,7 +73,7 @@ def compiled(tmp_path_factory):
             opt.step()
         queued_while_stepping = not opt.wait_compiled(timeout=0)
         ready = opt.wait_compiled(timeout=COMPILE_TIMEOUT)
-        opt.builds = builds
+        opt.builds, opt.children = builds, children
         torch.set_num_threads(threads)
         yield inputs, params, opt, queued_while_stepping, ready
     finally:
@@ -87,6 +92,7 @@ def test_a_child_process_built_each_kernel_into_the_kernel_folder(compiled):
     this one, it would stall the training thread. Its package is a private file."""
     _, _, opt, *_ = compiled
     assert len(opt.builds) == len(opt._kernels._entries) > 0
+    assert opt.children == [len(opt.builds)]  # one child built every kind, in one start-up
     for path in opt.builds:
         assert path.parent == kernel.kernel_dir() and path.is_file()
         assert path.stat().st_mode & 0o022 == 0
@@ -181,8 +187,52 @@ def test_a_child_that_fails_says_why_in_one_line(monkeypatch, tmp_path, child, w
         monkeypatch.setattr(kernel, "_CHILD", child)
     worker = kernel._Worker()
     with pytest.raises(RuntimeError, match=why):
-        worker._build_in_child(_job_args(), tmp_path / "k.pt2")
+        worker._build_in_child([(_job_args(), tmp_path / "k.pt2")])
     assert worker.child is None and not (tmp_path / "k.pt2").exists()
+
+
+def test_a_child_hands_over_each_package_as_it_is_built(monkeypatch, tmp_path):
+    """One child builds every queued kind in turn; each package is handed over (loaded)
+    as it appears, and a later failure still says why."""
+    monkeypatch.setattr(kernel, "_CHILD", (
+        "import sys, time, torch; job = torch.load(sys.argv[1], weights_only=True); "
+        "open(job['builds'][0]['out'], 'wb').write(b'k'); time.sleep(1); "
+        "sys.exit('the second kind failed')"
+    ))  # fmt: skip
+    worker, seen = kernel._Worker(), []
+    paths = [tmp_path / "first.pt2", tmp_path / "second.pt2"]
+    with pytest.raises(RuntimeError, match="the second kind failed"):
+        worker._build_in_child([(_job_args(), path) for path in paths], seen.append)
+    assert seen == [0] and paths[0].is_file() and not paths[1].exists()
+
+
+def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tmp_path):
+    """The compile thread takes every queued job at once: the packages missing from the
+    kernel folder are built by one child, the costliest kind first, and every entry is
+    loaded and released."""
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    calls, loaded = [], []
+
+    def build(self, jobs, built):
+        calls.append([path.name for _, path in jobs])
+        for i, (_, path) in enumerate(jobs):
+            path.write_bytes(b"stand-in")
+            built(i)
+
+    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(kernel, "load_package", lambda path: loaded.append(path.name) or len)
+    args = [_job_args(), _job_args(), _job_args()]
+    args[1][3][0] = torch.zeros(5)  # another shape: another package
+    args[2][3][0] = torch.zeros(7)
+    kernel.package_path(args[0]).write_bytes(b"built before")  # found, not built
+    worker, entries = kernel._Worker(), [kernel._Entry() for _ in args]
+    entries[2].eager_seconds = 1.0  # the costliest in eager steps: built first
+    for entry, a in zip(entries, args):
+        worker.jobs.put((weakref.ref(entry), a))
+    worker._run()  # on this thread: every job is queued before it looks
+    names = [kernel.package_path(a).name for a in args]
+    assert calls == [[names[2], names[1]]] and loaded == [names[0], names[2], names[1]]
+    assert all(e.done.is_set() and e.fn is len for e in entries) and worker.thread is None
 
 
 def test_a_failed_build_warns_once_and_the_reference_keeps_stepping(monkeypatch, tmp_path):
@@ -233,7 +283,7 @@ def _aged_packages(folder, count: int) -> list:
 def test_pruning_keeps_the_most_recently_used_packages(tmp_path):
     old, *rest = _aged_packages(tmp_path, 5)
     (tmp_path / ".lock").write_bytes(b"")
-    removed = kernel.prune_packages(tmp_path, keep=old, limit=2)
+    removed = kernel.prune_packages(tmp_path, keep=[old], limit=2)
     assert sorted(removed) == rest[:3]  # the longest unused; the one to keep counts
     assert sorted(tmp_path.glob("*.pt2")) == [old, rest[3]]
     assert (tmp_path / ".lock").exists()  # only packages are pruned
@@ -248,9 +298,11 @@ def test_a_new_build_prunes_the_longest_unused_packages(monkeypatch, tmp_path):
     aged = _aged_packages(tmp_path, kernel.KEEP_PACKAGES)
     built = tmp_path / "new.pt2"
 
-    def build(self, args, path):
-        path.write_bytes(b"stand-in")
-        os.utime(path, (1.0, 1.0))  # older than all: kept all the same
+    def build(self, jobs, built):
+        for i, (_, path) in enumerate(jobs):
+            path.write_bytes(b"stand-in")
+            os.utime(path, (1.0, 1.0))  # older than all: kept all the same
+            built(i)
 
     monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
     monkeypatch.setattr(kernel, "package_path", lambda args: built)
@@ -558,10 +610,12 @@ def test_a_cpu_training_yields_a_thread_to_a_build_and_takes_it_back(monkeypatch
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
     release, built_for = threading.Event(), []
 
-    def build(self, args, path):
-        built_for.append(kernel.kernel_threads())
+    def build(self, jobs, built):
+        built_for.extend([kernel.kernel_threads()] * len(jobs))
         release.wait(COMPILE_TIMEOUT)
-        path.write_bytes(b"stand-in")
+        for i, (_, path) in enumerate(jobs):
+            path.write_bytes(b"stand-in")
+            built(i)
 
     monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
     monkeypatch.setattr(kernel, "load_package", lambda path: kernel.step_tensors)
