@@ -33,8 +33,10 @@ BASELINES = {"D-SGD": "sgd", "D-Adam": "adam", "DSGT": "dsgt"}
 
 
 def setting_key(setting: dict) -> str:
-    """The cache key of a setting's tuned baselines (each over its full grid)."""
-    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + "|gridNone"
+    """The cache key of a setting's tuned baselines (each over its full grid); a
+    "sampled" setting's names its objective (see :func:`averaged_train_loss`)."""
+    objective = "|objective=ranks" if partition_of(setting) == "sampled" else ""
+    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + objective + "|gridNone"
 
 
 def partition_of(setting: dict) -> str:
@@ -43,10 +45,22 @@ def partition_of(setting: dict) -> str:
     return setting.get("partition", "dirichlet")
 
 
-def averaged_train_loss(task, traj) -> float:
-    """Loss of the workers' average on the whole training set (inf if not finite)."""
+def averaged_train_loss(task, traj, population: bool = False) -> float:
+    """The decentralized objective at the workers' average (inf if not finite): the mean
+    of the workers' losses on their own data. Where the workers' shards partition the
+    training set that is the loss on the whole training set. Where each drew its own
+    sample (``partition="sampled"``: overlapping, skewed, some examples in no shard) it
+    is the loss on their samples together, which the training minimises; the whole
+    training set is then a population under label shift (``population=True``)."""
     avg = {k: v.mean(0) for k, v in traj.layout.unflatten(traj.params).items()}
-    loss = task.evaluate(avg, split="train", max_examples=task.data.num_train)["loss"]
+    shards = torch.cat(list(traj.batches.shards))
+    whole = len(shards) == task.data.num_train and bool(
+        (torch.sort(shards).values == torch.arange(task.data.num_train)).all()
+    )
+    if whole or population:
+        loss = task.evaluate(avg, split="train", max_examples=task.data.num_train)["loss"]
+    else:
+        loss = task.evaluate(avg, split="train", indices=shards)["loss"]
     return loss if math.isfinite(loss) else math.inf
 
 
@@ -68,7 +82,10 @@ def run_averaged(task_name: str, opt: InnerOptimizer, setting: dict) -> dict:
         if t % every == 0 or t == steps - 1:
             value = float(f"{averaged_train_loss(task, traj):.6g}")
         curve.append(value)
-    return {"curve": curve, "consensus": consensus_distance(traj)}
+    out = {"curve": curve, "consensus": consensus_distance(traj)}
+    if partition_of(setting) == "sampled":
+        out["population_final"] = averaged_train_loss(task, traj, population=True)
+    return out
 
 
 def baseline_job(task_name: str, setting: dict) -> dict:

@@ -110,6 +110,7 @@ SCHEDULE_PHRASES = {
 @section("validation_rate02")
 @section("validation_rate02_decentralized")
 @section("validation_rate03_decentralized")
+@section("validation_objective_decentralized")
 @section("validation_rate01_wsd_half")
 @section("validation_orthomax2_wsd_half")
 def render_validation(r: dict) -> str:

@@ -108,4 +108,7 @@ def dec_row(setting: dict, learned: dict, baselines: dict) -> dict:
         "baseline_lrs": {k: v["lr"] for k, v in s["baselines"].items()},
         "diverged": single.diverged(learned["curve"]),
         "worse_than_dadam": not s["learned_final"] <= s["baselines"]["D-Adam"]["final"],
+        # sampled ranks: the averaged model's loss on the whole training set as well
+        **({"population_final": r4(learned["population_final"])}
+           if "population_final" in learned else {}),
     }  # fmt: skip

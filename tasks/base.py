@@ -365,12 +365,18 @@ class Task:
 
     @torch.no_grad()
     def evaluate(
-        self, params: Params, split: str = "test", max_examples: int = 2048
+        self,
+        params: Params,
+        split: str = "test",
+        max_examples: int = 2048,
+        indices: torch.Tensor | None = None,
     ) -> dict[str, float]:
         """Loss (and accuracy for classification and LM) on the test or train split.
 
-        The loss includes the L2 term. Batch norm normalises with the evaluated
-        examples' own statistics (there are no running statistics).
+        ``indices``: evaluate on these examples of the split instead (repeats count as
+        often as they appear; ``max_examples`` is then not applied). The loss includes
+        the L2 term. Batch norm normalises with the evaluated examples' own statistics
+        (there are no running statistics).
         """
         if split not in ("test", "train"):
             raise ValueError(f"unknown split {split!r}; valid choices: ('test', 'train')")
@@ -380,7 +386,10 @@ class Task:
             else (self.data.x_train, self.data.y_train)
         )
         device = next(iter(params.values())).device
-        x, y = x[:max_examples].to(device), y[:max_examples].to(device)
+        if indices is not None:
+            x, y = x[indices.cpu()].to(device), y[indices.cpu()].to(device)
+        else:
+            x, y = x[:max_examples].to(device), y[:max_examples].to(device)
         out = self.model.apply(params, x)
         loss = self.criterion(out, self.targets((x, y))) + self.penalty(params)
         result = {"loss": float(loss)}

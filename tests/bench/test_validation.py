@@ -16,6 +16,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from benchmarks import heldout_decentralized as dec  # noqa: E402
 from benchmarks import validation as val  # noqa: E402
 from benchmarks import validation_anchors as anchors  # noqa: E402
 from benchmarks import validation_scores as scores  # noqa: E402
@@ -145,3 +146,30 @@ def test_the_gossip_rule_choice_runs_only_the_decentralized_settings(tmp_path, m
         assert "median_speedup" not in c["summary"]  # no single-worker problem ran
     ranked = sorted(out["candidates"], key=lambda c: choice.rank_key(c["summary"]))
     assert out["best"] == ranked[0]["label"]
+
+
+def test_sampled_ranks_are_scored_on_their_own_samples_and_partitions_on_the_whole_set():
+    """The decentralized objective at the averaged model: on the ranks' samples together
+    (repeats counted) where each drew its own, on the whole training set where the shards
+    partition it; a sampled run also records the whole set's loss (a population)."""
+    from learned_opt.meta_train.inner import InnerOptimizer, new_trajectory
+    from learned_opt.tasks import get_task
+
+    task = get_task("val_blobs_softmax")
+    for partition in ("sampled", "dirichlet"):
+        traj = new_trajectory(task, 4, "ring", partition, 0.3, 0, 4)
+        avg = {k: v.mean(0) for k, v in traj.layout.unflatten(traj.params).items()}
+        whole = task.evaluate(avg, split="train", max_examples=task.data.num_train)["loss"]
+        shards = torch.cat(list(traj.batches.shards))
+        on_shards = task.evaluate(avg, split="train", indices=shards)["loss"]
+        got = dec.averaged_train_loss(task, traj)
+        assert got == pytest.approx(on_shards if partition == "sampled" else whole, rel=1e-6)
+        assert dec.averaged_train_loss(task, traj, population=True) == whole
+    assert on_shards == pytest.approx(whole, rel=1e-5)  # a partition: the same examples
+    setting = dict(task="val_blobs_softmax", workers=4, topology="ring", partition="sampled",
+                   alpha=0.3, horizon=3, every=1, seed=0)  # fmt: skip
+    run = dec.run_averaged("val_blobs_softmax", InnerOptimizer("adam", 1e-2, "metropolis"),
+                           setting)  # fmt: skip
+    assert len(run["curve"]) == 3 and run["population_final"] > 0
+    assert dec.setting_key(setting).endswith("|objective=ranks|gridNone")
+    assert "objective" not in dec.setting_key(dict(setting, partition="dirichlet"))
