@@ -132,21 +132,51 @@ def shape_direction(
     :meth:`~learned_opt.segments.FlatLayout.matrices`) says which segments are orthogonalised. Matrices are replaced by
     their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the
     other segments are kept, or scaled to unit RMS with ``cfg.normalize``.
+
+    Matrices of one shape, or of transposed shapes (a tall matrix iterates on its
+    transpose anyway), take one batched Newton-Schulz iteration (:func:`ortho_directions`):
+    the layers of a small deep model, packed into one flat vector, cost one iteration's
+    operations instead of one per layer.
     """
     numels = [int(torch.Size(s).numel()) for s in shapes]
     if not cfg.normalize and not any(matrices):
         return direction
     starts = [0, *itertools.accumulate(numels)]
-    pieces = []
-    for shape, matrix, lo, hi in zip(shapes, matrices, starts, starts[1:]):
+    pieces: list[Tensor | None] = [None] * len(shapes)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, (shape, matrix, lo, hi) in enumerate(zip(shapes, matrices, starts, starts[1:])):
         if matrix:
-            m = m1[..., lo:hi]
-            z = ortho_input(
-                m, m.square().mean(dim=-1, keepdim=True), None if d is None else d[..., lo:hi]
-            )
-            pieces.append(ortho_direction(cfg, shape, z))
+            groups.setdefault((min(shape), max(shape)), []).append(k)
         elif cfg.normalize:
-            pieces.append(unit_rms(direction[..., lo:hi]))
+            pieces[k] = unit_rms(direction[..., lo:hi])
         else:
-            pieces.append(direction[..., lo:hi])
+            pieces[k] = direction[..., lo:hi]
+    for ks in groups.values():
+        zs = []
+        for k in ks:
+            m = m1[..., starts[k] : starts[k + 1]]
+            dk = None if d is None else d[..., starts[k] : starts[k + 1]]
+            zs.append(ortho_input(m, m.square().mean(dim=-1, keepdim=True), dk))
+        for k, piece in zip(ks, ortho_directions(cfg, [tuple(shapes[k]) for k in ks], zs)):
+            pieces[k] = piece
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
+def ortho_directions(
+    cfg: NetConfig, shapes: list[tuple[int, int]], zs: list[Tensor]
+) -> list[Tensor]:
+    """:func:`ortho_direction` of matrices whose shapes are equal or transposed, in one
+    batched Newton-Schulz iteration (each tall one on its transpose, as alone)."""
+    if len(zs) == 1:
+        return [ortho_direction(cfg, shapes[0], zs[0])]
+    wide = min(shapes[0]), max(shapes[0])
+    mats = []
+    for shape, z in zip(shapes, zs):
+        x = z.reshape(*z.shape[:-1], *shape)
+        mats.append(x if shape == wide else x.transpose(-1, -2))
+    o = newton_schulz(torch.stack(mats), cfg.ns_steps)
+    out = []
+    for shape, z, x in zip(shapes, zs, o.unbind(0)):
+        x = x if shape == wide else x.transpose(-1, -2)
+        out.append((cfg.ortho_step_mult / cfg.step_mult) * unit_rms(x.reshape(z.shape)))
+    return out

@@ -7,7 +7,14 @@ from torch.func import grad, vmap
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, save_checkpoint
 from learned_opt.features import init_state
 from learned_opt.kernel import step_tensors
-from learned_opt.orthogonal import is_matrix, newton_schulz, unit_rms
+from learned_opt.orthogonal import (
+    is_matrix,
+    newton_schulz,
+    ortho_direction,
+    ortho_input,
+    shape_direction,
+    unit_rms,
+)
 from learned_opt.segments import FlatLayout
 from learned_opt.step import ALL_PARTS, flat_step, init_flat_state
 
@@ -35,6 +42,26 @@ def test_the_gram_iteration_gives_the_plain_iteration(shape):
         y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
     expect = y if shape[0] <= shape[1] else y.T
     torch.testing.assert_close(newton_schulz(x, 5), expect, rtol=1e-9, atol=1e-10)
+
+
+def test_matrices_of_equal_or_transposed_shapes_share_one_iteration_with_the_same_result():
+    """Packed layers of one shape (or transposed shapes) take one batched Newton-Schulz
+    iteration; each gets the direction it gets alone, in every row (worker)."""
+    shapes = [(16, 48), (48, 16), (8,), (16, 48), (24, 24), (16, 40)]
+    matrices = [is_matrix(s, ORTHO) for s in shapes]
+    assert matrices == [True, True, False, True, True, True]
+    numels = [torch.Size(s).numel() for s in shapes]
+    gen = torch.Generator().manual_seed(0)
+    m1 = torch.randn(3, sum(numels), generator=gen, dtype=torch.float64)
+    direction = torch.randn(3, sum(numels), generator=gen, dtype=torch.float64)
+    got = shape_direction(ORTHO, shapes, direction, m1, None, matrices).split(numels, dim=-1)
+    for shape, matrix, m, dk, out in zip(shapes, matrices, m1.split(numels, -1),
+                                         direction.split(numels, -1), got):  # fmt: skip
+        alone = dk
+        if matrix:
+            z = ortho_input(m, m.square().mean(dim=-1, keepdim=True), None)
+            alone = ortho_direction(ORTHO, shape, z)
+        torch.testing.assert_close(out, alone, rtol=1e-9, atol=1e-12)
 
 
 def test_which_tensors_are_matrices():
