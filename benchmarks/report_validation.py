@@ -111,6 +111,8 @@ SCHEDULE_PHRASES = {
 @section("validation_rate02_decentralized")
 @section("validation_rate03_decentralized")
 @section("validation_objective_decentralized")
+@section("validation_stage3_now_wsd_half")
+@section("validation_stage3_now")
 @section("validation_rate01_wsd_half")
 @section("validation_orthomax2_wsd_half")
 def render_validation(r: dict) -> str:
