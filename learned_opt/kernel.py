@@ -626,23 +626,30 @@ class _Worker:
             except Exception as e:  # a package that does not load: the reference steps
                 failed[i] = e
 
-        todo: list[int] = []
+        todo: dict[Path, list[int]] = {}  # a package to build, and the entries it serves
         try:
             with _host_lock():  # one process of the host builds, the others load
-                paths = [package_path(args) for _, args in entries]
-                for i, path in enumerate(paths):
+                for i, (_, args) in enumerate(entries):
+                    path = package_path(args)
                     if path.is_file():
                         load(i, path)
-                    else:
-                        todo.append(i)
+                    else:  # entries of two optimizers of one model share a package
+                        todo.setdefault(path, []).append(i)
                 if todo and not self.closed:
-                    builds = [(entries[i][1], paths[i]) for i in todo]
+                    paths = list(todo)
+                    builds = [(entries[todo[path][0]][1], path) for path in paths]
+
+                    def built(k: int) -> None:
+                        for i in todo[paths[k]]:
+                            load(i, paths[k])
+
                     try:
-                        self._build_in_child(builds, lambda k: load(todo[k], paths[todo[k]]))
+                        self._build_in_child(builds, built)
                     finally:
-                        prune_packages(paths[todo[0]].parent, keep=[paths[i] for i in todo])
+                        prune_packages(paths[0].parent, keep=paths)
         except Exception as e:  # any failure of the compiler: keep the reference
-            failed.update({i: e for i in todo if entries[i][0].fn is None and i not in failed})
+            waiting = [i for ids in todo.values() for i in ids]
+            failed.update({i: e for i in waiting if entries[i][0].fn is None and i not in failed})
         if self.closed:  # cut short by the exit
             return
         for e in failed.values():

@@ -221,9 +221,10 @@ def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tm
 
     monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
     monkeypatch.setattr(kernel, "load_package", lambda path: loaded.append(path.name) or len)
-    args = [_job_args(), _job_args(), _job_args()]
+    args = [_job_args(), _job_args(), _job_args(), _job_args()]
     args[1][3][0] = torch.zeros(5)  # another shape: another package
     args[2][3][0] = torch.zeros(7)
+    args[3][3][0] = torch.zeros(5)  # another optimizer's kind of the same package as 1
     kernel.package_path(args[0]).write_bytes(b"built before")  # found, not built
     worker, entries = kernel._Worker(), [kernel._Entry() for _ in args]
     entries[2].eager_seconds = 1.0  # the costliest in eager steps: built first
@@ -231,7 +232,8 @@ def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tm
         worker.jobs.put((weakref.ref(entry), a))
     worker._run()  # on this thread: every job is queued before it looks
     names = [kernel.package_path(a).name for a in args]
-    assert calls == [[names[2], names[1]]] and loaded == [names[0], names[2], names[1]]
+    assert calls == [[names[2], names[1]]]  # each package built once
+    assert loaded == [names[0], names[2], names[1], names[1]]
     assert all(e.done.is_set() and e.fn is len for e in entries) and worker.thread is None
 
 
