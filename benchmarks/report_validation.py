@@ -111,6 +111,7 @@ SCHEDULE_PHRASES = {
 @section("validation_rate02_decentralized")
 @section("validation_rate03_decentralized")
 @section("validation_objective_decentralized")
+@section("validation_snr_gossip_decentralized")
 @section("validation_stage3_now_wsd_half")
 @section("validation_stage3_now")
 @section("validation_rate01_wsd_half")

@@ -92,6 +92,14 @@ class NetConfig:
     # alone and keeps 0.3 under gossip, where 0.2 lowered the decentralized validation
     # settings' lowest row (0.58x against 0.74x; validation_rate02_decentralized.json).
     lr_adapt_rate_gossip: float | None = None
+    # The signal-to-noise factor of orthogonalised matrices: their step is scaled by
+    # min(1, rms(m1_hat) / rms(g))^ortho_snr per tensor (bias-corrected 0.9 momentum over
+    # the root of the bias-corrected second moment's mean; see step.momentum_snr). An
+    # orthogonalised step has the same size whatever the gradient's noise, where Adam's
+    # per-element m/sqrt(v) shrinks in noise (to about 0.23 for pure noise at 0.9); 0 turns
+    # it off. ortho_snr_gossip is the exponent under gossip (None: ortho_snr).
+    ortho_snr: float = 0.0
+    ortho_snr_gossip: float | None = None
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -131,6 +139,10 @@ class NetConfig:
             raise ValueError(
                 f"NetConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
             )
+        for name in ("ortho_snr", "ortho_snr_gossip"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= float(value) <= 4:
+                raise ValueError(f"NetConfig.{name} must be in [0, 4], got {value!r}")
         if self.lr_adapt_rate_gossip is not None and not float(self.lr_adapt_rate_gossip) > 0:
             raise ValueError(
                 "NetConfig.lr_adapt_rate_gossip must be None or > 0, got "
@@ -194,7 +206,10 @@ def _under_gossip(cfg: NetConfig) -> NetConfig:
     ceiling = min(float(cfg.lr_adapt_max), float(cfg.lr_adapt_max_gossip))
     floor = max(float(cfg.lr_adapt_min), float(cfg.lr_adapt_min_gossip))
     rate = cfg.lr_adapt_rate if cfg.lr_adapt_rate_gossip is None else cfg.lr_adapt_rate_gossip
-    same = (ceiling, floor, rate) == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate)
-    if not cfg.adapts_lr or same:
+    snr = cfg.ortho_snr if cfg.ortho_snr_gossip is None else cfg.ortho_snr_gossip
+    if not cfg.adapts_lr:
+        ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
+    new = (ceiling, floor, rate, snr)
+    if new == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr):
         return cfg
-    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate)
+    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr)

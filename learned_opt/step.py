@@ -26,10 +26,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .config import NetConfig
+from .config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
 from .features import (
     adam_direction,
     adapt_log_lr,
+    bias_correction,
     compute_dtype,
     constant,
     element_features,
@@ -248,6 +249,10 @@ def flat_step(
     scales, bias, scale = tensor_context(
         theta, cfg, ms, sums.v_mean, stats, step, lr, new_log_lr, parts
     )
+    if cfg.ortho_snr and any(matrices):
+        snr = momentum_snr(m_new[..., 0, :], sums.v_mean, step, layout)
+        mask = constant(matrices, torch.bool, p.device)
+        scale = torch.where(mask, scale * snr**cfg.ortho_snr, scale)
     d = log_mag = None
     if parts.element_net:
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
@@ -266,6 +271,18 @@ def flat_step(
     if log_lr is not None:
         out = (*out, new_log_lr)
     return (*out, sums.ok) if return_finite else out
+
+
+def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor:
+    """Per tensor (``[..., T]``), ``min(1, rms(m1_hat) / sqrt(mean(v_hat)))``: the
+    bias-corrected 0.9 momentum's RMS over the gradient's, about 1 where gradients agree
+    from step to step and ``sqrt(0.1 / 1.9)``, 0.23, for pure noise (see
+    :attr:`~learned_opt.config.NetConfig.ortho_snr`)."""
+    bc1 = bias_correction(MOMENTUM_DECAYS[0], step, m1)
+    bc2 = bias_correction(SECOND_MOMENT_DECAY, step, m1)
+    m_ms = segment_mean(m1 * m1, layout)
+    ratio = m_ms * bc2 / (bc1 * bc1 * v_mean + 1e-30)
+    return torch.sqrt(torch.clamp(ratio, max=1.0))
 
 
 def tensor_step(

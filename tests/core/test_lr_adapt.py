@@ -13,7 +13,7 @@ from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
 from learned_opt.features import adapt_ceiling, adapt_log_lr, init_state
 from learned_opt.meta_train.inner import InnerOptimizer
 from learned_opt.segments import FlatLayout
-from learned_opt.step import flat_step, init_flat_state, tensor_step
+from learned_opt.step import flat_step, init_flat_state, momentum_snr, tensor_step
 
 ADAPT = NetConfig(output="ortho", ortho_min_dim=16, lr_adapt_rate=0.3)
 SHAPES = [(64, 32), (64, 32), (300, 70), (5,), (3, 2), (16, 8, 3, 3), ()]
@@ -209,6 +209,47 @@ def test_under_gossip_the_adaptation_moves_at_its_gossip_rate():
     base, _ = _train(replace(ADAPT, lr_adapt_rate=0.3), lambda t, p: torch.ones(50), 6, gossip=True)
     assert 0 < alone < mixed
     assert mixed == pytest.approx(base)
+
+
+def test_the_momentum_snr_is_one_for_steady_gradients_and_small_for_noise():
+    layout = FlatLayout(("steady", "noise"), ((64, 64), (64, 64)))
+    gen = torch.Generator().manual_seed(0)
+    m = torch.zeros(1, 2 * 4096, dtype=torch.float64)
+    v = torch.zeros_like(m)
+    steady = torch.randn(4096, generator=gen, dtype=torch.float64)
+    for t in range(1, 201):
+        g = torch.cat([steady, torch.randn(4096, generator=gen, dtype=torch.float64)])[None]
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        v_mean = torch.stack([v[:, :4096].mean(-1), v[:, 4096:].mean(-1)], -1)
+        snr = momentum_snr(m, v_mean, t, layout)
+        if t == 1:  # bias-corrected: the first step's momentum is the gradient itself
+            assert snr[0].tolist() == pytest.approx([1.0, 1.0])
+    assert snr[0, 0] == pytest.approx(1.0)
+    assert snr[0, 1] == pytest.approx(math.sqrt(0.1 / 1.9), rel=0.1)
+
+
+def test_under_gossip_matrices_step_by_their_momentum_snr():
+    """``ortho_snr_gossip`` scales an orthogonalised matrix's step under gossip only: on a
+    pure-noise gradient its steps shrink to about a quarter; alone they do not; a vector
+    (the Adam form) is not scaled."""
+    cfg = replace(ADAPT, lr_adapt_rate=0.0, ortho_snr_gossip=1.0)
+    assert cfg.under_gossip().ortho_snr == 1.0 and cfg.ortho_snr == 0.0
+    assert cfg.under_gossip().under_gossip() == cfg.under_gossip()
+    sizes = {}
+    for label, config in (("alone", cfg), ("gossip", cfg.under_gossip())):
+        gen = torch.Generator().manual_seed(0)
+        p = [torch.zeros(32, 32, requires_grad=True), torch.zeros(32, requires_grad=True)]
+        opt = LearnedOptimizer(p, net=LearnedOptimizerNet(config), compile=False)
+        for _ in range(60):
+            before = [t.detach().clone() for t in p]
+            for t in p:
+                t.grad = torch.randn(t.shape, generator=gen)
+            opt.step()
+        sizes[label] = [float((t.detach() - b).square().mean().sqrt()) for t, b in zip(p, before)]
+    assert 0.15 < sizes["gossip"][0] / sizes["alone"][0] < 0.4
+    assert sizes["gossip"][1] == pytest.approx(sizes["alone"][1])
+    with pytest.raises(ValueError, match="ortho_snr_gossip"):
+        NetConfig(ortho_snr_gossip=-1.0)
 
 
 def test_simulated_workers_step_under_the_gossip_ceiling():
