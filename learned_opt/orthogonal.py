@@ -102,7 +102,12 @@ def ortho_direction(cfg: NetConfig, shape, z: Tensor) -> Tensor:
     """The step direction of matrices of ``shape`` from their :func:`ortho_input` ``z``
     (``[..., numel]``, leading dims stack matrices): Newton-Schulz, then unit RMS per
     matrix, relative to the Adam form's ``step_mult``."""
-    o = newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps)
+    return _scaled(cfg, newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps), z)
+
+
+def _scaled(cfg: NetConfig, o: Tensor, z: Tensor) -> Tensor:
+    """An orthogonalised matrix ``o`` as a step direction in ``z``'s flat layout: unit RMS
+    per matrix, relative to the Adam form's ``step_mult``."""
     return (cfg.ortho_step_mult / cfg.step_mult) * unit_rms(o.reshape(z.shape))
 
 
@@ -177,6 +182,5 @@ def ortho_directions(
     o = newton_schulz(torch.stack(mats), cfg.ns_steps)
     out = []
     for shape, z, x in zip(shapes, zs, o.unbind(0)):
-        x = x if shape == wide else x.transpose(-1, -2)
-        out.append((cfg.ortho_step_mult / cfg.step_mult) * unit_rms(x.reshape(z.shape)))
+        out.append(_scaled(cfg, x if shape == wide else x.transpose(-1, -2), z))
     return out

@@ -386,10 +386,8 @@ class Task:
             else (self.data.x_train, self.data.y_train)
         )
         device = next(iter(params.values())).device
-        if indices is not None:
-            x, y = x[indices.cpu()].to(device), y[indices.cpu()].to(device)
-        else:
-            x, y = x[:max_examples].to(device), y[:max_examples].to(device)
+        rows = slice(max_examples) if indices is None else indices.cpu()
+        x, y = x[rows].to(device), y[rows].to(device)
         out = self.model.apply(params, x)
         loss = self.criterion(out, self.targets((x, y))) + self.penalty(params)
         result = {"loss": float(loss)}
