@@ -118,6 +118,9 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
 @section("validation_orthomax2_wsd_half")
+@section("validation_ns4_now")
+@section("validation_ns4_now_wsd_half")
+@section("validation_ns4_now_decentralized")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
