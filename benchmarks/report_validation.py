@@ -121,6 +121,9 @@ SCHEDULE_PHRASES = {
 @section("validation_ns4_now")
 @section("validation_ns4_now_wsd_half")
 @section("validation_ns4_now_decentralized")
+@section("validation_ns3_now")
+@section("validation_ns3_now_wsd_half")
+@section("validation_ns3_now_decentralized")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
