@@ -44,6 +44,7 @@ from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import load_checkpoint
 from learned_opt.meta_train.evaluation import BaselineCache
 from learned_opt.meta_train.inner import InnerOptimizer
+from learned_opt.step import active_parts
 from learned_opt.tasks import check_not_held_out
 
 CACHE = RESULTS / "gossip_validation_baselines.json"
@@ -108,7 +109,7 @@ def side_optimizer(checkpoint: str, fields: dict, mixing: str = "learned") -> In
     config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
     cfg = dataclasses.replace(net.config, **config)
     theta = dict(net.named_parameters())
-    return InnerOptimizer("learned", 1.0, mixing, theta, cfg, **worker)
+    return InnerOptimizer("learned", 1.0, mixing, theta, cfg, parts=active_parts(theta), **worker)
 
 
 def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:

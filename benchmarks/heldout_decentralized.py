@@ -108,7 +108,7 @@ def learned_job(task_name: str, setting: dict, checkpoint: str, timing_steps: in
     torch.set_num_threads(1)
     start = time.perf_counter()
     net, _ = load_checkpoint(checkpoint)
-    learned = make_inner_optimizer("learned", net=net, mixing="learned")
+    learned = make_inner_optimizer("learned", net=net, mixing="learned", parts=None)
     out = run_averaged(task_name, learned, setting)
     opts = {"learned": learned, **{k: InnerOptimizer(v, 1e-3) for k, v in BASELINES.items()}}
     timing = time_inner_steps(task_name, opts, setting, timing_steps)

@@ -56,7 +56,7 @@ def bench_setting(task_name, checkpoint, horizon, workers, topology, partition) 
         rows[label] = {"lr": tuned["lr"], "curve": out["curve"], "final": tuned["final"],
                        "averaged_model_loss": _averaged_loss(task, out), "consensus": out["consensus"]}  # fmt: skip
     net, _ = load_checkpoint(checkpoint)
-    out = run(make_inner_optimizer("learned", net=net, mixing="learned"))
+    out = run(make_inner_optimizer("learned", net=net, mixing="learned", parts=None))
     learned = {"curve": out["curve"], "final": final_loss(out["curve"]),
                "averaged_model_loss": _averaged_loss(task, out), "consensus": out["consensus"]}  # fmt: skip
     best = min(rows, key=lambda k: rows[k]["final"])

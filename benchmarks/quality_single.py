@@ -57,7 +57,8 @@ def bench_task(name: str, checkpoint: str, horizon: int) -> dict:
         baselines[kind]["best_lr"] = tuned["best_lr"]
     net, _ = load_checkpoint(checkpoint)
     learned = [
-        run_seed(make_inner_optimizer("learned", net=net, mixing="none"), s)["curve"] for s in SEEDS
+        run_seed(make_inner_optimizer("learned", net=net, mixing="none", parts=None), s)["curve"]
+        for s in SEEDS
     ]
     result = {"task": name, "num_params": task.num_params, "kind": task.kind}
     for h in horizons:

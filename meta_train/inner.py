@@ -24,7 +24,7 @@ from learned_opt.distributed.topology import get_topology
 from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
 from learned_opt.segments import FlatLayout, segment_mean
-from learned_opt.step import ALL_PARTS, Parts, flat_step, init_flat_state
+from learned_opt.step import ALL_PARTS, Parts, active_parts, flat_step, init_flat_state
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
@@ -112,18 +112,25 @@ class InnerOptimizer:
 
 
 def make_inner_optimizer(
-    kind: str, lr: float = 1.0, mixing: str = "metropolis", net=None, parts: Parts = ALL_PARTS
+    kind: str,
+    lr: float = 1.0,
+    mixing: str = "metropolis",
+    net=None,
+    parts: Parts | None = ALL_PARTS,
 ) -> InnerOptimizer:
     """Build an :class:`InnerOptimizer`; ``net`` (a ``LearnedOptimizerNet``) for "learned",
-    which evaluates ``parts`` of it."""
+    which evaluates ``parts`` of it: all of them by default (what meta-training
+    differentiates through), or ``None`` for those whose output heads are not zero
+    (:func:`~learned_opt.step.active_parts`: the same values, without the work a deployed
+    :class:`~learned_opt.LearnedOptimizer` leaves out; for evaluation and timing)."""
     if kind not in INNER_OPTIMIZERS:
         raise ValueError(f"unknown inner optimizer {kind!r}; valid: {INNER_OPTIMIZERS}")
     if kind == "learned":
         if net is None:
             raise ValueError("the learned inner optimizer needs a network (net=...)")
-        return InnerOptimizer(
-            kind, lr, mixing, dict(net.named_parameters()), net.config, parts=parts
-        )
+        theta = dict(net.named_parameters())
+        parts = active_parts(theta) if parts is None else parts
+        return InnerOptimizer(kind, lr, mixing, theta, net.config, parts=parts)
     return InnerOptimizer(kind, lr, mixing)
 
 
