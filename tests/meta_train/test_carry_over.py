@@ -184,3 +184,30 @@ def test_inner_step_without_networks_keeps_the_momenta_it_does_not_read():
     assert new["m"].shape == state["m"].shape
     assert torch.equal(new["m"][:, 1:], state["m"][:, 1:]) and new["m"][:, 0].abs().max() > 0
     assert not torch.equal(new_p, p)
+
+
+def test_evaluation_inner_optimizer_evaluates_only_nonzero_networks_with_the_same_values():
+    """``make_inner_optimizer(parts=None)`` (the benchmarks' evaluation runs) evaluates the
+    networks whose heads are not zero, as a deployed optimizer does, and steps exactly as
+    the optimizer that evaluates every part."""
+    net, _ = load_checkpoint("adapt_init_2x")
+    lean = make_inner_optimizer("learned", net=net, mixing="learned", parts=None)
+    full = make_inner_optimizer("learned", net=net, mixing="learned")
+    assert lean.parts == Parts(False, False) and full.parts == Parts(True, True)
+    layout = FlatLayout(("w", "b"), ((24, 20), (24,)))
+    torch.manual_seed(0)
+    p = torch.randn(3, 504)
+    states = [opt.init(p, layout) for opt in (lean, full)]
+    for step in (1, 2, 3):
+        g = torch.randn(3, 504)
+        (p_lean, states[0]), (p_full, states[1]) = (
+            opt.update(layout, p, g, state, step, gossip=True)
+            for opt, state in zip((lean, full), states)
+        )
+        assert torch.equal(p_lean, p_full)
+        assert torch.equal(states[0]["m"][:, 0], states[1]["m"][:, 0])
+        p = p_lean
+    trained = LearnedOptimizerNet(net.config)
+    with torch.no_grad():
+        trained.elem_out.bias.fill_(0.1)
+    assert make_inner_optimizer("learned", net=trained, parts=None).parts.element_net
