@@ -281,6 +281,22 @@ def learned_edge_weight(
     :func:`learned_opt.features.edge_features` and :func:`learned_opt.network.edge_weight`;
     differentiable in ``theta`` and the ``y``; works under ``torch.func.vmap``.
     """
+    if edge_head_is_zero(theta):  # the features cannot change the weight: skip reading y
+        deg = torch.as_tensor(max_degree, dtype=y_a.dtype, device=y_a.device)
+        return torch.sigmoid(torch.log(deg)) / deg  # edge_weight's value at z = 0, bitwise
     feats = edge_features(y_a, y_b, loss_a, loss_b, max_degree)
     time = time_features(step, cfg, feats)
     return edge_weight(theta, cfg, feats, max_degree, time)
+
+
+def edge_head_is_zero(theta: Theta) -> bool:
+    """Whether the edge head's output layer is zero and nothing differentiates through it:
+    every learned edge weight is then Metropolis-Hastings ``1 / (1 + max_degree)`` whatever
+    the features (:func:`~learned_opt.network.edge_weight` at ``z = 0``), so
+    :func:`learned_edge_weight` leaves out the features, which read both ends' tensors.
+    Meta-training (theta requiring gradients, autograd on) always evaluates the head, so
+    that a zero head still learns."""
+    w, b = theta["edge_out.weight"], theta["edge_out.bias"]
+    if torch.is_grad_enabled() and (w.requires_grad or b.requires_grad):
+        return False
+    return not bool(w.any() or b.any())

@@ -53,6 +53,37 @@ def test_learned_weight_zero_head_is_metropolis_and_symmetric():
     assert 0 <= float(w_ab.detach()) <= 1 / 3
 
 
+def test_zero_edge_head_skips_the_features_with_the_same_weight(monkeypatch):
+    """With a zero edge head and no gradient wanted, a learned weight is the head's value
+    at z = 0, bitwise, without the features (which read both tensors); with theta that
+    requires gradients under autograd (meta-training) the head is evaluated, so it learns."""
+    import learned_opt.distributed.mixing as mixing
+
+    net = LearnedOptimizerNet()
+    ya, yb = torch.randn(10), torch.randn(10)
+    with torch.no_grad():
+        full = mixing.edge_weight(
+            net.theta(), net.config, mixing.edge_features(ya, yb, 1.0, 2.0, 3),
+            3, mixing.time_features(5, net.config, torch.zeros(5)),
+        )  # fmt: skip
+    calls = []
+    features = mixing.edge_features
+    monkeypatch.setattr(mixing, "edge_features", lambda *a: calls.append(1) or features(*a))
+    with torch.no_grad():
+        lean = mixing.learned_edge_weight(net.theta(), net.config, ya, yb, 1.0, 2.0, 3, 5)
+    assert torch.equal(lean, full) and not calls
+    theta = {k: v.detach().clone().requires_grad_(True) for k, v in net.theta().items()}
+    w = mixing.learned_edge_weight(theta, net.config, ya, yb, 1.0, 2.0, 3, 5)
+    w.backward()
+    assert calls and theta["edge_out.weight"].grad.abs().sum() > 0
+    trained = {k: v.detach().clone() for k, v in net.theta().items()}
+    trained["edge_out.bias"] += 0.5
+    calls.clear()
+    with torch.no_grad():
+        mixing.learned_edge_weight(trained, net.config, ya, yb, 1.0, 2.0, 3, 5)
+    assert calls
+
+
 @pytest.mark.parametrize(
     "name,n",
     [
