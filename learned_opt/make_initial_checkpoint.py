@@ -100,8 +100,8 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "NetConfig.ortho_snr_gossip 1), chosen on the decentralized validation settings: "
         "median 1.34x the best tuned baseline against 0.98x, 2 settings ending above tuned "
         "D-Adam against 3 (benchmarks/results/validation_snr_gossip_decentralized.json). "
-        "Four Newton-Schulz iterations (was five; a sixth less of the step's cost at 0.5M "
-        "parameters) were chosen on the validation family: median 1.14x against 1.10x with "
+        "Four Newton-Schulz iterations (was five; the eager step 8-11% faster on a 0.4M "
+        "transformer) were chosen on the validation family: median 1.14x against 1.10x with "
         "the multiplier held and no problem below 0.9x (against two), 1.28x against 1.21x "
         "under wsd_half (the 2000-step Friedman MLP 0.80x against 1.00x), 1.33x against "
         "1.34x under gossip (benchmarks/results/validation_ns4_now*.json).",
