@@ -486,6 +486,7 @@ def _packed_label(side: str) -> str:
 
 
 @section("eager_step_split")
+@section("eager_step_ns4")
 @section("eager_step")
 def render_eager_step(r: dict) -> str:
     """The eager reference step: masking every step, the mask read on the host, and small
