@@ -38,7 +38,7 @@ from torch import Tensor
 
 from learned_opt.config import NetConfig
 from learned_opt.features import edge_features, time_features
-from learned_opt.network import Theta, edge_weight
+from learned_opt.network import Theta, edge_weight, head_is_nonzero
 
 #: Robust mixing rules: ``None`` (plain mixing) or ``"clip"`` / ``"clip:C"`` (self-centred
 #: clipping at ``C`` times the closest neighbour's distance).
@@ -299,4 +299,4 @@ def edge_head_is_zero(theta: Theta) -> bool:
     w, b = theta["edge_out.weight"], theta["edge_out.bias"]
     if torch.is_grad_enabled() and (w.requires_grad or b.requires_grad):
         return False
-    return not bool(w.any() or b.any())
+    return not head_is_nonzero(theta, "edge_out")

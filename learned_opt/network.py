@@ -73,6 +73,13 @@ class LearnedOptimizerNet(nn.Module):
         return tensor_step(self.theta(), self.config, p, g, m, v, step, lr)
 
 
+def head_is_nonzero(theta: Theta, name: str) -> bool:
+    """Whether the output layer ``name`` of theta (``tensor_out``, ``elem_out``,
+    ``edge_out``) holds a non-zero weight or bias: a zero one makes its network's output
+    exactly zero, whatever the features."""
+    return bool(theta[f"{name}.weight"].any() or theta[f"{name}.bias"].any())
+
+
 def _linear(theta: Theta, name: str, x: Tensor) -> Tensor:
     bias = theta.get(f"{name}.bias")
     return F.linear(

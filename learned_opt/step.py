@@ -42,7 +42,14 @@ from .features import (
     time_features,
     update_moments,
 )
-from .network import Theta, element_bias, element_layers, element_mlp, tensor_head
+from .network import (
+    Theta,
+    element_bias,
+    element_layers,
+    element_mlp,
+    head_is_nonzero,
+    tensor_head,
+)
 from .orthogonal import is_matrix, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
@@ -115,11 +122,10 @@ def fit_state_rows(state: dict, parts: Parts) -> None:
 def active_parts(theta: Theta) -> Parts:
     """The :class:`Parts` of ``theta`` whose output heads hold a non-zero value (one look at
     theta; call again after changing it)."""
-
-    def nonzero(name: str) -> bool:
-        return bool(theta[f"{name}.weight"].any() or theta[f"{name}.bias"].any())
-
-    return Parts(tensor_net=nonzero("tensor_out"), element_net=nonzero("elem_out"))
+    return Parts(
+        tensor_net=head_is_nonzero(theta, "tensor_out"),
+        element_net=head_is_nonzero(theta, "elem_out"),
+    )
 
 
 class TensorSums(NamedTuple):
