@@ -17,7 +17,12 @@ every step its loss and the seconds since the optimizer was built
 ratio of the seconds each needs to reach the level of the step speedup (the worse of the
 two best smoothed losses). Beside it: the step speedup of the same two curves, the
 steady-state estimate the suite reports (step speedup times the ratio of the step times
-once compiled), and the step at which the rule's kernel was ready (or none within the run).
+once compiled), the step at which the rule's kernel was ready (or none within the run),
+and the *AdamW-paced* wall-clock speedup: AdamW's seconds to the level over AdamW's own
+seconds after the rule's number of steps. That is the rule's wall-clock speedup if each of
+its steps cost what AdamW's does, with the costs both sides pay once (about a second for
+the first ``torch.optim`` optimizer of a process, which imports ``torch._dynamo``) counted
+on both sides: what a cheaper step could reach with these step counts, and no more.
 
     python -m benchmarks.wallclock --suite heldout            # quality_heldout.json's rows
     python -m benchmarks.wallclock --suite validation         # validation_final.json's rows
@@ -131,16 +136,19 @@ def score(row: dict, rule: dict, adamw: dict) -> dict:
     steps = steps_to_common_level(rule["curve"][:h], adamw["curve"][:h])
     if steps is None:  # a side diverged: no common level
         n_rule = n_adamw = t_rule = t_adamw = None
-        step_speedup = wall_speedup = 0.0
+        step_speedup = wall_speedup = paced = 0.0
     else:  # the seconds until the end of each side's step at the level
         n_rule, n_adamw = steps
         t_rule, t_adamw = rule["seconds"][n_rule - 1], adamw["seconds"][n_adamw - 1]
         step_speedup, wall_speedup = round(n_adamw / n_rule, 4), round(t_adamw / t_rule, 4)
+        # the rule's steps at AdamW's cost: AdamW's own clock after the rule's step count
+        paced = round(t_adamw / adamw["seconds"][n_rule - 1], 4)
         t_rule, t_adamw = round(t_rule, 3), round(t_adamw, 3)
     return {
         "task": row["task"], "horizon": h, "side": row["side"], "adamw": row["adamw"],
         "steps_rule": n_rule, "steps_adamw": n_adamw, "speedup": step_speedup,
         "seconds_rule": t_rule, "seconds_adamw": t_adamw, "wall_speedup": wall_speedup,
+        "adamw_paced_wall_speedup": paced,
         "first_step_seconds": rule["seconds"][0],
         "kernel_ready_step": rule["ready_step"],
         "recorded_speedup": row["recorded_speedup"],
@@ -199,8 +207,11 @@ def summarise(scored: list[dict]) -> dict:
     def med(key):
         return round(statistics.median(s[key] for s in scored), 4) if scored else None
 
+    paced = [s["adamw_paced_wall_speedup"] for s in scored if "adamw_paced_wall_speedup" in s]
     return {"median_speedup": med("speedup"), "median_wall_speedup": med("wall_speedup"),
             "median_recorded_wall_speedup": med("recorded_wall_speedup"),
+            "median_adamw_paced_wall_speedup":
+                round(statistics.median(paced), 4) if paced else None,
             "rows": len(scored)}  # fmt: skip
 
 

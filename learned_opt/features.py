@@ -118,7 +118,7 @@ def adapt_log_lr(
     """
     norms = safe_sqrt(g_sum_squares) * safe_sqrt(m_sum_squares)
     cosine = g_dot_m / (norms + TINY)
-    v_hat = v_mean / bias_correction(SECOND_MOMENT_DECAY, step, v_mean)
+    v_hat = corrected_v_mean(v_mean, step)
     rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
     brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
     rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, cfg.lr_adapt_rate)
@@ -239,6 +239,13 @@ def bias_correction(decay: float, step: Tensor | float, like: Tensor) -> Tensor 
         step = step.to(dtype=like.dtype, device=like.device)
         return -torch.expm1(step * math.log(decay))
     return 1.0 - decay**step
+
+
+def corrected_v_mean(v_mean: Tensor, step: Tensor | float) -> Tensor:
+    """The mean of the bias-corrected second moment ``v_hat`` from the mean of ``v``
+    after ``step`` steps: the squared RMS of the gradient that the step-size adaptation
+    brakes against and the momentum's signal-to-noise ratio divides by."""
+    return v_mean / bias_correction(SECOND_MOMENT_DECAY, step, v_mean)
 
 
 def adam_direction(m1: Tensor, v: Tensor, step: Tensor | float, eps: float) -> Tensor:

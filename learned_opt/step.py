@@ -26,13 +26,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
+from .config import MOMENTUM_DECAYS, NetConfig
 from .features import (
     adam_direction,
     adapt_log_lr,
     bias_correction,
     compute_dtype,
     constant,
+    corrected_v_mean,
     element_features,
     feature_scales,
     safe_sqrt,
@@ -285,9 +286,8 @@ def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor
     from step to step and ``sqrt(0.1 / 1.9)``, 0.23, for pure noise (see
     :attr:`~learned_opt.config.NetConfig.ortho_snr`)."""
     bc1 = bias_correction(MOMENTUM_DECAYS[0], step, m1)
-    bc2 = bias_correction(SECOND_MOMENT_DECAY, step, m1)
-    m_ms = segment_mean(m1 * m1, layout)
-    ratio = m_ms * bc2 / (bc1 * bc1 * v_mean + 1e-30)
+    m_hat_ms = segment_mean(m1 * m1, layout) / (bc1 * bc1)
+    ratio = m_hat_ms / (corrected_v_mean(v_mean, step) + 1e-30)
     return torch.sqrt(torch.clamp(ratio, max=1.0))
 
 

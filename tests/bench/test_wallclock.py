@@ -29,6 +29,13 @@ def test_score_times_each_side_to_the_shared_level():
     expected = adamw["seconds"][s["steps_adamw"] - 1] / rule["seconds"][s["steps_rule"] - 1]
     assert s["wall_speedup"] == pytest.approx(expected, abs=1e-4)
     assert s["wall_speedup"] < 1 < s["speedup"]  # fewer steps, but a slow start
+    # at AdamW's step cost the fewer steps would have won: AdamW's clock at the rule's count
+    paced = adamw["seconds"][s["steps_adamw"] - 1] / adamw["seconds"][s["steps_rule"] - 1]
+    assert s["adamw_paced_wall_speedup"] == pytest.approx(paced, abs=1e-4)
+    assert s["wall_speedup"] < 1 < s["adamw_paced_wall_speedup"]
+    assert wallclock.summarise([s])["median_adamw_paced_wall_speedup"] == pytest.approx(
+        s["adamw_paced_wall_speedup"]
+    )
 
 
 def test_score_cuts_the_curves_to_the_row_horizon():
