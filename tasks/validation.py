@@ -22,6 +22,8 @@ val_lstm_lm            character LSTM language model, pydoc topics, context 48  
 val_resmlp_ln          4 pre-LayerNorm residual blocks, width 96, 8 classes           ~80k
 val_attn_copy          2-layer causal transformer, Markov-then-copy sequences         ~60k
 val_mf_recsys          matrix factorisation, 4000 users x 300 items, dim 16           ~69k
+val_wide256_mlp        64-256-256-256-10 ReLU MLP, synthetic 64-feature classification ~150k
+val_lstm192_lm         character LSTM language model, hidden 192, context 32          ~190k
 =====================  ==========================================================  =======
 
 :data:`SINGLE_PROBLEMS` pairs tasks with horizons (200 to 3000 steps) and
@@ -96,6 +98,9 @@ def _sklearn_table(name: str) -> Dataset:
     elif name == "logreg60":
         x, y = skd.make_classification(4000, 60, n_informative=20, flip_y=0.05,
                                        random_state=_SEED + 1)  # fmt: skip
+    elif name == "wide64":
+        x, y = skd.make_classification(6000, 64, n_informative=24, n_classes=10,
+                                       n_clusters_per_class=2, random_state=_SEED + 3)  # fmt: skip
     else:  # resmlp
         x, y = skd.make_classification(6000, 32, n_informative=16, n_classes=8,
                                        n_clusters_per_class=2, random_state=_SEED + 2)  # fmt: skip
@@ -287,6 +292,13 @@ _BUILT = [
     _task("val_mf_recsys", lambda: MatrixFactorisation(4000, 300, 16), _ratings, 64,
           "matrix factorisation recommender, 4000 users x 300 items, 64 ratings a step "
           "(<= 1.6% of user rows get a gradient)"),
+    _task("val_wide256_mlp", lambda: _mlp(64, 256, 256, 256, 10), _table_of("wide64"), 64,
+          "64-256-256-256-10 ReLU MLP on a synthetic 64-feature, 10-class classification: "
+          "the family's only matrices wider than 128 in both dimensions (256 x 256)"),
+    _task("val_lstm192_lm", lambda: LSTMLM(VOCAB_SIZE, 32, 192),
+          functools.partial(load_dataset, "chars", context=32), 16,
+          "character LSTM LM (embedding 32, hidden 192: a 768 x 192 recurrent matrix) on "
+          "pydoc topics, context 32"),
 ]  # fmt: skip
 
 
@@ -306,6 +318,8 @@ SINGLE_PROBLEMS = [
     ("val_attn_copy", 1500, "attention"),
     ("val_friedman_mlp", 2000, "tabular, long"),
     ("val_resmlp_ln", 3000, "residual + LayerNorm"),
+    ("val_wide256_mlp", 1000, "256-wide MLP"),
+    ("val_lstm192_lm", 1000, "recurrent, 192 wide"),
 ]
 
 
