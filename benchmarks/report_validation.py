@@ -114,6 +114,7 @@ SCHEDULE_PHRASES = {
 @section("validation_snr_gossip_decentralized")
 @section("validation_stage3_now_wsd_half")
 @section("validation_stage3_now")
+@section("validation_adapt2x_tensor_stage6")
 @section("validation_adapt2x_tensor_stage5_wsd_half")
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
