@@ -126,6 +126,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns4_now")
 @section("validation_ns4_now_wsd_half")
 @section("validation_ns4_now_decentralized")
+@section("validation_moment_rows_decentralized")
 @section("validation_ns3_now")
 @section("validation_ns3_now_wsd_half")
 @section("validation_ns3_now_decentralized")

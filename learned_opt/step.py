@@ -140,11 +140,14 @@ class TensorSums(NamedTuple):
     m_sum_squares: Tensor | None  # sum of m_a^2, likewise
 
 
-def init_flat_state(p: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
-    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, 3, P]`` and ``v`` ``[B, P]``,
-    and with ``layout`` the per-tensor log step multipliers ``log_lr`` ``[B, T]``."""
+def init_flat_state(
+    p: Tensor, layout: FlatLayout | None = None, rows: int = 3
+) -> dict[str, Tensor]:
+    """Zero state for flat parameters ``[B, P]``: ``m`` ``[B, rows, P]`` (the first ``rows``
+    momenta: all three, or the :func:`moment_rows` a step reads) and ``v`` ``[B, P]``, and
+    with ``layout`` the per-tensor log step multipliers ``log_lr`` ``[B, T]``."""
     b, n = p.shape
-    state = {"m": p.new_zeros(b, 3, n), "v": p.new_zeros(b, n)}
+    state = {"m": p.new_zeros(b, rows, n), "v": p.new_zeros(b, n)}
     if layout is not None:
         state["log_lr"] = p.new_zeros(b, len(layout.shapes))
     return state

@@ -24,7 +24,14 @@ from learned_opt.distributed.topology import get_topology
 from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
 from learned_opt.segments import FlatLayout, segment_mean
-from learned_opt.step import ALL_PARTS, Parts, active_parts, flat_step, init_flat_state
+from learned_opt.step import (
+    ALL_PARTS,
+    Parts,
+    active_parts,
+    flat_step,
+    init_flat_state,
+    moment_rows,
+)
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
 #: tracking: its tracker ``y`` is mixed together with the parameters.
@@ -66,10 +73,15 @@ class InnerOptimizer:
 
     def init(self, params: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
         """Zero state for flat stacked parameters (of ``layout``: the learned optimizer's
-        per-tensor step multipliers need it when its config adapts them)."""
+        per-tensor step multipliers need it when its config adapts them). The learned
+        optimizer keeps the momenta its ``parts`` read (:func:`~learned_opt.step.moment_rows`),
+        as a deployed ``LearnedOptimizer`` does: one for a rule whose heads are zero, so
+        that under gossip its shared state is the deployed one, not three times its size."""
         if self.kind == "learned":
             adapts = self.cfg is not None and self.cfg.adapts_lr
-            return init_flat_state(params, layout if adapts else None)
+            sparse = layout is not None and any(layout.sparse_rows)
+            rows = moment_rows(self.parts, sparse)
+            return init_flat_state(params, layout if adapts else None, rows)
         if self.kind in ("adam", "adamw"):
             return {"m": torch.zeros_like(params), "v": torch.zeros_like(params)}
         if self.kind == "dsgt":

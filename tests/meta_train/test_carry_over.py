@@ -171,14 +171,31 @@ def test_sampler_augments_tasks_and_slots_keep_their_augmentation():
     assert torch.allclose(restored[0].task.loss(one[1], one[0]), first.task.loss(one[1], one[0]))
 
 
+def test_inner_state_keeps_the_momenta_its_parts_read():
+    """A fresh inner state holds the momenta the step reads (``moment_rows``), as a deployed
+    optimizer's does: one for a rule that evaluates no network (so that under gossip the
+    shared state mixed is the deployed one), all three when a network is evaluated."""
+    net, _ = load_checkpoint("adapt_init_2x")
+    layout = FlatLayout(("w", "b"), ((4, 3), (4,)))
+    p = torch.randn(2, 16)
+    lean = make_inner_optimizer("learned", net=net, parts=Parts(False, False))
+    assert lean.init(p, layout)["m"].shape == (2, 1, 16)
+    assert make_inner_optimizer("learned", net=net).init(p, layout)["m"].shape == (2, 3, 16)
+    sparse = FlatLayout(("emb",), ((8, 2),), (True,))
+    assert lean.init(p, sparse)["m"].shape == (2, 2, 16)  # a table reads the 0.99 momentum too
+    new_p, new = lean.update(layout, p, torch.randn(2, 16), lean.init(p, layout), 1, gossip=True)
+    assert new["m"].shape == (2, 1, 16) and not torch.equal(new_p, p)
+
+
 def test_inner_step_without_networks_keeps_the_momenta_it_does_not_read():
-    """An inner learned step that evaluates no network updates the 0.9 momentum and hands
-    the other two rows back unchanged, so the unroll's state keeps its shape."""
+    """An inner learned step that evaluates no network, handed a state with all three
+    momenta (one carried over from a rule that read them), updates the 0.9 momentum and
+    hands the other two rows back unchanged, so the unroll's state keeps its shape."""
     net, _ = load_checkpoint("adapt_init_2x")
     inner = make_inner_optimizer("learned", net=net, parts=Parts(False, False))
     layout = FlatLayout(("w", "b"), ((4, 3), (4,)))
     p = torch.randn(2, 16)
-    state = inner.init(p, layout)
+    state = make_inner_optimizer("learned", net=net).init(p, layout)
     state["m"][:, 1:] = 0.5
     new_p, new = inner.update(layout, p, torch.randn(2, 16), state, 1)
     assert new["m"].shape == state["m"].shape
