@@ -22,7 +22,7 @@ val_lstm_lm            character LSTM language model, pydoc topics, context 48  
 val_resmlp_ln          4 pre-LayerNorm residual blocks, width 96, 8 classes           ~80k
 val_attn_copy          2-layer causal transformer, Markov-then-copy sequences         ~60k
 val_mf_recsys          matrix factorisation, 4000 users x 300 items, dim 16           ~69k
-val_wide256_mlp        64-256-256-256-10 ReLU MLP, synthetic 64-feature classification ~150k
+val_wide256_mlp        64-256-256-256-10 ReLU MLP, synthetic 10-class data           ~150k
 val_lstm192_lm         character LSTM language model, hidden 192, context 32          ~190k
 =====================  ==========================================================  =======
 
