@@ -38,7 +38,7 @@ from torch import Tensor
 
 from learned_opt.config import NetConfig
 from learned_opt.features import edge_features, time_features
-from learned_opt.network import Theta, edge_weight, head_is_nonzero
+from learned_opt.network import Theta, edge_weight, head_is_nonzero, weight_of_logit
 
 #: Robust mixing rules: ``None`` (plain mixing) or ``"clip"`` / ``"clip:C"`` (self-centred
 #: clipping at ``C`` times the closest neighbour's distance).
@@ -282,8 +282,7 @@ def learned_edge_weight(
     differentiable in ``theta`` and the ``y``; works under ``torch.func.vmap``.
     """
     if edge_head_is_zero(theta):  # the features cannot change the weight: skip reading y
-        deg = torch.as_tensor(max_degree, dtype=y_a.dtype, device=y_a.device)
-        return torch.sigmoid(torch.log(deg)) / deg  # edge_weight's value at z = 0, bitwise
+        return weight_of_logit(y_a.new_zeros(()), max_degree)  # edge_weight's, bitwise
     feats = edge_features(y_a, y_b, loss_a, loss_b, max_degree)
     time = time_features(step, cfg, feats)
     return edge_weight(theta, cfg, feats, max_degree, time)

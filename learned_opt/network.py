@@ -159,8 +159,13 @@ def edge_weight(
     """
     x = torch.cat([edge_feats, time])
     h = F.relu(_linear(theta, "edge_in", x))
-    z = _linear(theta, "edge_out", h)[0]
-    deg = torch.as_tensor(max_degree, dtype=x.dtype, device=x.device)
+    return weight_of_logit(_linear(theta, "edge_out", h)[0], max_degree)
+
+
+def weight_of_logit(z: Tensor, max_degree) -> Tensor:
+    """The edge head's output ``z`` (0-d) as a mixing weight, ``sigmoid(log(d) + z) / d``
+    with ``d = max_degree``: Metropolis-Hastings ``1 / (1 + d)`` at ``z = 0``."""
+    deg = torch.as_tensor(max_degree, dtype=z.dtype, device=z.device)
     return torch.sigmoid(torch.log(deg) + z) / deg
 
 
