@@ -429,7 +429,7 @@ def render_wallclock(r: dict) -> str:
         rows.append([
             x["task"], x["horizon"], _x(x["speedup"]), f"**{_x(x['wall_speedup'])}**",
             "-" if recorded is None else _x(recorded),
-            _x(x["adamw_paced_wall_speedup"]) if "adamw_paced_wall_speedup" in x else "-",
+            "-" if x.get("adamw_paced_wall_speedup") is None else _x(x["adamw_paced_wall_speedup"]),
             "a run diverged" if x["seconds_rule"] is None
             else f"{x['seconds_rule']:.2f} / {x['seconds_adamw']:.2f}",
             x["kernel_ready_step"] if x["kernel_ready_step"] is not None else "not in the run",

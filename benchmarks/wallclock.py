@@ -142,7 +142,9 @@ def score(row: dict, rule: dict, adamw: dict) -> dict:
         t_rule, t_adamw = rule["seconds"][n_rule - 1], adamw["seconds"][n_adamw - 1]
         step_speedup, wall_speedup = round(n_adamw / n_rule, 4), round(t_adamw / t_rule, 4)
         # the rule's steps at AdamW's cost: AdamW's own clock after the rule's step count
-        paced = round(t_adamw / adamw["seconds"][n_rule - 1], 4)
+        # (None where AdamW's run ended, non-finite, before that many steps)
+        clock = adamw["seconds"]
+        paced = round(t_adamw / clock[n_rule - 1], 4) if n_rule <= len(clock) else None
         t_rule, t_adamw = round(t_rule, 3), round(t_adamw, 3)
     return {
         "task": row["task"], "horizon": h, "side": row["side"], "adamw": row["adamw"],
@@ -207,7 +209,8 @@ def summarise(scored: list[dict]) -> dict:
     def med(key):
         return round(statistics.median(s[key] for s in scored), 4) if scored else None
 
-    paced = [s["adamw_paced_wall_speedup"] for s in scored if "adamw_paced_wall_speedup" in s]
+    paced = [s["adamw_paced_wall_speedup"] for s in scored
+             if s.get("adamw_paced_wall_speedup") is not None]  # fmt: skip
     return {"median_speedup": med("speedup"), "median_wall_speedup": med("wall_speedup"),
             "median_recorded_wall_speedup": med("recorded_wall_speedup"),
             "median_adamw_paced_wall_speedup":

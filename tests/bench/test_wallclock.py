@@ -38,6 +38,18 @@ def test_score_times_each_side_to_the_shared_level():
     )
 
 
+def test_paced_speedup_is_none_where_adamw_stopped_before_the_rules_step_count():
+    """AdamW's run ended (a non-finite loss) after reaching the level but before the rule's
+    step count: there is no clock of AdamW's to pace the rule's steps by."""
+    rule = {"curve": [4.0, 3.0, 3.0, 1.0], "seconds": [1.0, 2.0, 3.0, 4.0], "ready_step": None}
+    adamw = {"curve": [4.0, 2.0, float("inf"), float("inf")], "seconds": [1.0, 2.0],
+             "ready_step": None}  # fmt: skip
+    s = wallclock.score(_row(horizon=4), rule, adamw)
+    assert (s["steps_rule"], s["steps_adamw"]) == (4, 2)  # past the end of AdamW's clock
+    assert s["adamw_paced_wall_speedup"] is None
+    assert wallclock.summarise([s])["median_adamw_paced_wall_speedup"] is None
+
+
 def test_score_cuts_the_curves_to_the_row_horizon():
     rule = {"curve": [4.0, 3.0, 0.0, 0.0], "seconds": [1.0, 2.0, 3.0, 4.0], "ready_step": 3}
     adamw = {"curve": [4.0, 3.0, 2.0, 2.0], "seconds": [1.0, 2.0, 3.0, 4.0], "ready_step": None}
