@@ -29,7 +29,6 @@ confirmation of a choice made here; a result of it is never a basis for choosing
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import sys
 import time
@@ -43,8 +42,8 @@ from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
 from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import load_checkpoint
 from learned_opt.meta_train.evaluation import BaselineCache
-from learned_opt.meta_train.inner import InnerOptimizer
-from learned_opt.step import active_parts
+from learned_opt.meta_train.inner import InnerOptimizer, make_inner_optimizer
+from learned_opt.network import with_config
 from learned_opt.tasks import check_not_held_out
 
 CACHE = RESULTS / "gossip_validation_baselines.json"
@@ -98,7 +97,6 @@ WORKER_FIELDS = {"share_state_every": int}
 def side_optimizer(checkpoint: str, fields: dict, mixing: str = "learned") -> InnerOptimizer:
     """The checkpoint's optimizer, ``fields`` of its config (or :data:`WORKER_FIELDS`)
     replaced, with ``mixing`` ("learned", or "none" for a single worker)."""
-    net, _ = load_checkpoint(checkpoint)
     worker = {}
     for key, kind in WORKER_FIELDS.items():
         if key in fields:
@@ -107,9 +105,8 @@ def side_optimizer(checkpoint: str, fields: dict, mixing: str = "learned") -> In
                 raise ValueError(f"{key} must be a whole number, got {value!r}")
             worker[key] = kind(value)
     config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
-    cfg = dataclasses.replace(net.config, **config)
-    theta = dict(net.named_parameters())
-    return InnerOptimizer("learned", 1.0, mixing, theta, cfg, parts=active_parts(theta), **worker)
+    net = with_config(load_checkpoint(checkpoint)[0], config)
+    return make_inner_optimizer("learned", 1.0, mixing, net, parts=None, **worker)
 
 
 def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:

@@ -129,12 +129,15 @@ def make_inner_optimizer(
     mixing: str = "metropolis",
     net=None,
     parts: Parts | None = ALL_PARTS,
+    **worker,
 ) -> InnerOptimizer:
     """Build an :class:`InnerOptimizer`; ``net`` (a ``LearnedOptimizerNet``) for "learned",
     which evaluates ``parts`` of it: all of them by default (what meta-training
     differentiates through), or ``None`` for those whose output heads are not zero
     (:func:`~learned_opt.step.active_parts`: the same values, without the work a deployed
-    :class:`~learned_opt.LearnedOptimizer` leaves out; for evaluation and timing)."""
+    :class:`~learned_opt.LearnedOptimizer` leaves out; for evaluation and timing).
+    ``worker``: the gossip fields of :class:`InnerOptimizer` (``share_state``,
+    ``share_state_every``)."""
     if kind not in INNER_OPTIMIZERS:
         raise ValueError(f"unknown inner optimizer {kind!r}; valid: {INNER_OPTIMIZERS}")
     if kind == "learned":
@@ -142,8 +145,8 @@ def make_inner_optimizer(
             raise ValueError("the learned inner optimizer needs a network (net=...)")
         theta = dict(net.named_parameters())
         parts = active_parts(theta) if parts is None else parts
-        return InnerOptimizer(kind, lr, mixing, theta, net.config, parts=parts)
-    return InnerOptimizer(kind, lr, mixing)
+        return InnerOptimizer(kind, lr, mixing, theta, net.config, parts=parts, **worker)
+    return InnerOptimizer(kind, lr, mixing, **worker)
 
 
 @dataclass

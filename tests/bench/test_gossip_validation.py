@@ -32,8 +32,12 @@ def test_a_side_overrides_its_config():
     opt = gv.side_optimizer("adapt_init", {"lr_adapt_max_gossip": 4.0})
     assert opt.kind == "learned" and opt.mixing == "learned"
     assert opt.cfg.lr_adapt_max_gossip == 4.0 and opt.cfg.under_gossip().lr_adapt_max == 4.0
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="no_such_field"):
         gv.side_optimizer("adapt_init", {"no_such_field": 1.0})
+    worker = gv.side_optimizer("adapt_init", {"share_state_every": 4, "lr_adapt_max_gossip": 3.0})
+    assert worker.share_state_every == 4 and worker.cfg.lr_adapt_max_gossip == 3.0
+    with pytest.raises(ValueError, match="whole number"):
+        gv.side_optimizer("adapt_init", {"share_state_every": 2.5})
 
 
 def test_bad_sides_fail_before_any_work(capsys):
