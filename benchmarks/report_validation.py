@@ -128,6 +128,8 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_reuse2")
 @section("validation_ns_reuse2_wsd_half")
 @section("validation_ns_reuse4")
+@section("validation_ns_reuse2_min64")
+@section("validation_ns_reuse2_min64_wsd_half")
 @section("validation_ns4_now")
 @section("validation_ns4_now_wsd_half")
 @section("validation_ns4_now_decentralized")
