@@ -130,6 +130,8 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_reuse4")
 @section("validation_ns_reuse2_min64")
 @section("validation_ns_reuse2_min64_wsd_half")
+@section("validation_ns_lagged2_min64")
+@section("validation_ns_lagged2_min64_wsd_half")
 @section("validation_ns4_now")
 @section("validation_ns4_now_wsd_half")
 @section("validation_ns4_now_decentralized")
