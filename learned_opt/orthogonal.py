@@ -52,12 +52,10 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
     Each iteration is ``y <- a y + (b A + c A^2) y`` with ``A = y y^T`` (``r <= c``; a tall
     matrix is transposed), three matrix products whose scalings fold into the products
     (``baddbmm``'s ``beta`` and ``alpha``). A matrix at least :data:`GRAM_RATIO` times wider
-    than tall takes the same iteration on its ``r x r`` Gram matrix ``S = x x^T``: every
-    iterate is ``y = Q x`` with ``Q`` a polynomial in ``S`` (so ``Q`` and ``S`` commute and
-    ``A = Q^2 S``), and ``Q <- a Q + (b A + c A^2) Q`` needs four ``r x r`` products instead of
-    two ``r x c`` ones and one ``r x r``; the first, from ``Q = I``, is ``a I + b S + c S^2``
-    (one product), and ``y = Q x`` once at the end. Same values up to rounding, about 2x
-    fewer FLOPs at ``c = 4 r``."""
+    than tall takes the same iteration on its ``r x r`` Gram matrix
+    (:func:`gram_polynomial`), four ``r x r`` products an iteration instead of two ``r x c``
+    ones and one ``r x r``, and ``y = Q x`` once at the end. Same values up to rounding,
+    about 2x fewer FLOPs at ``c = 4 r``."""
     a, b, c = NS_COEFFICIENTS
     wide = x.shape[-2] <= x.shape[-1]
     y = x if wide else x.transpose(-1, -2)
@@ -65,13 +63,7 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
     norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
     y = (y / (norm + 1e-7)).reshape(-1, r, cols)
     if cols >= GRAM_RATIO * r:
-        s = torch.bmm(y, y.transpose(-1, -2))
-        eye = torch.eye(r, dtype=y.dtype, device=y.device)
-        q = torch.baddbmm(s, s, s, beta=b, alpha=c) + a * eye  # the first iteration, Q = I
-        for _ in range(steps - 1):
-            gram = torch.bmm(torch.bmm(q, q), s)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            q = torch.baddbmm(q, poly, q, beta=a)
+        q = gram_polynomial(y, steps)
         if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
             return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(x.shape)
         y = torch.bmm(q, y)
@@ -82,6 +74,24 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
             y = torch.baddbmm(y, poly, y, beta=a)
     y = y.reshape(*lead, r, cols)
     return y if wide else y.transpose(-1, -2)
+
+
+def gram_polynomial(y: Tensor, steps: int) -> Tensor:
+    """``Q`` (``[B, r, r]``) such that ``Q y`` is :func:`newton_schulz`'s result for the
+    wide matrices ``y`` (``[B, r, c]``, ``r <= c``, already scaled to Frobenius norm at most
+    1): the quintic iteration run on the Gram matrix ``S = y y^T``. Every iterate is ``Q y``
+    with ``Q`` a polynomial in ``S`` (so ``Q`` and ``S`` commute and ``A = Q^2 S``), and
+    ``Q <- a Q + (b A + c A^2) Q``; the first iteration, from ``Q = I``, is
+    ``a I + b S + c S^2`` (one product)."""
+    a, b, c = NS_COEFFICIENTS
+    s = torch.bmm(y, y.transpose(-1, -2))
+    eye = torch.eye(y.shape[-2], dtype=y.dtype, device=y.device)
+    q = torch.baddbmm(s, s, s, beta=b, alpha=c) + a * eye
+    for _ in range(steps - 1):
+        gram = torch.bmm(torch.bmm(q, q), s)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        q = torch.baddbmm(q, poly, q, beta=a)
+    return q
 
 
 def unit_rms(x: Tensor, dim=-1) -> Tensor:

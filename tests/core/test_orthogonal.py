@@ -8,6 +8,7 @@ from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, save_c
 from learned_opt.features import init_state
 from learned_opt.kernel import step_tensors
 from learned_opt.orthogonal import (
+    gram_polynomial,
     is_matrix,
     newton_schulz,
     ortho_direction,
@@ -36,12 +37,14 @@ def test_the_gram_iteration_gives_the_plain_iteration(shape):
     as the iteration on the matrix itself, written out here."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     y = x if shape[0] <= shape[1] else x.T
-    y = y / (torch.linalg.vector_norm(y) + 1e-7)  # as newton_schulz scales it
+    y0 = y = y / (torch.linalg.vector_norm(y) + 1e-7)  # as newton_schulz scales it
     for _ in range(5):
         gram = y @ y.T
         y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
     expect = y if shape[0] <= shape[1] else y.T
     torch.testing.assert_close(newton_schulz(x, 5), expect, rtol=1e-9, atol=1e-10)
+    q = gram_polynomial(y0.unsqueeze(0), 5)[0]  # the polynomial itself, applied to y0
+    torch.testing.assert_close(q @ y0, y, rtol=1e-9, atol=1e-10)
 
 
 def test_matrices_of_equal_or_transposed_shapes_share_one_iteration_with_the_same_result():
