@@ -119,6 +119,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
 @section("validation_orthomax2_wsd_half")
+@section("validation_ns_every2")
 @section("validation_width_family")
 @section("validation_width_family_wsd_half")
 @section("validation_omax128")

@@ -14,7 +14,7 @@ from torch import Tensor
 
 #: Per-parameter state of a LearnedOptimizer: required keys, then optional ones.
 REQUIRED_STATE = ("m", "v")
-OPTIONAL_STATE = ("log_lr", "step", "sparse_rows", "nonfinite_skips")
+OPTIONAL_STATE = ("log_lr", "step", "sparse_rows", "nonfinite_skips", "q")
 #: Hyper-parameters of torch's built-in optimizers that a LearnedOptimizer's groups lack.
 FOREIGN_GROUP_KEYS = (
     "betas", "momentum", "eps", "amsgrad", "dampening", "nesterov", "weight_decay", "alpha",
@@ -53,6 +53,14 @@ def _check_entry(index: int, p: Tensor, entry: dict) -> None:
                 f"{where}: saved {key} has shape {_shape(value)}, expected {shape}: "
                 "state saved for other parameters, or in another order?"
             )
+    q = entry.get("q")
+    if q is not None and (
+        not isinstance(q, Tensor) or not q.is_floating_point() or p.dim() != 2
+        or _shape(q) != (min(p.shape),) * 2
+    ):  # fmt: skip
+        raise StateDictError(
+            f"{where}: saved q is not a floating-point {min(p.shape, default=0)}-square matrix"
+        )
     log_lr = entry.get("log_lr")
     if log_lr is not None and (not isinstance(log_lr, Tensor) or log_lr.numel() != 1):
         raise StateDictError(f"{where}: saved log_lr is not a one-element tensor")

@@ -54,6 +54,13 @@ class NetConfig:
     # it scales the matrices too wide to orthogonalise. See features.width_log_factor.
     adam_max_width: int = 0
     ns_steps: int = 5  # Newton-Schulz iterations ("ortho" only)
+    # Newton-Schulz on every ns_every-th step of a matrix whose smaller side is at least
+    # ns_reuse_min_dim ("ortho" only; 1: every step). On the steps between, the matrix
+    # keeps the Gram polynomial Q of its last iteration as optimizer state (an r x r matrix,
+    # r its smaller side) and steps along Q times its current unit-norm input: one product
+    # instead of ns_steps iterations (see orthogonal.newton_schulz_reusing).
+    ns_every: int = 1
+    ns_reuse_min_dim: int = 64
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
     # Per-tensor step-size adaptation (hypergradient; see features.adapt_log_lr): each
     # tensor keeps a log step multiplier that moves by lr_adapt_rate * cos(g_t, m1_{t-1})
@@ -150,7 +157,7 @@ class NetConfig:
             )
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
-        for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps"):
+        for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps", "ns_every", "ns_reuse_min_dim"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"NetConfig.{name} must be a positive integer")
         width = self.adam_max_width

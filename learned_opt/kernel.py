@@ -54,7 +54,7 @@ from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
 from .segments import FlatLayout, one_segment
-from .step import Parts, flat_step, moment_rows
+from .step import Parts, flat_step, gram_layout, moment_rows
 
 #: A kind of bucket is compiled once it has stepped eagerly at least this many times, and
 #: the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECONDS` in all: a
@@ -105,7 +105,9 @@ def step_tensors(
     ``states`` hold ``m``, ``v``, ``log_lr`` and ``step`` (a float tensor: the tensor's own
     step count, which its bias correction and time features read, and which only a
     stepped tensor advances), and may hold ``sparse_rows`` (a bool: a row-sparse matrix,
-    never orthogonalised). ``lr`` is the group's step multiplier, a 0-d tensor: an input
+    never orthogonalised) and ``q`` (the Gram polynomial that a matrix keeps between
+    Newton-Schulz iterations: every matrix that keeps one under ``cfg`` must hold it; see
+    :func:`~learned_opt.step.gram_layout`). ``lr`` is the group's step multiplier, a 0-d tensor: an input
     of the kernel, so that a scheduler may change it.
 
     Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host
@@ -165,10 +167,15 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1).unsqueeze(0)
     v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
     log_lr = torch.stack([s["log_lr"] for s in states]).unsqueeze(0) if cfg.adapts_lr else None
+    keeping = [states[k] for k in gram_layout(cfg, layout.shapes, layout.matrices(cfg))]
+    q = torch.cat([s["q"].reshape(-1) for s in keeping]).unsqueeze(0) if keeping else None
     out = flat_step(
-        theta, cfg, layout, p, g, m, v, states[0]["step"] + 1, lr, log_lr=log_lr,
+        theta, cfg, layout, p, g, m, v, states[0]["step"] + 1, lr, log_lr=log_lr, q=q,
         return_finite=True, parts=parts, read_mask=True,
     )  # fmt: skip
+    if keeping:
+        for s, new in zip(keeping, out[-2][0].split([s["q"].numel() for s in keeping])):
+            s["q"].copy_(new.view(s["q"].shape))
     numels = layout.numels
     for t, new in zip(params, out[0][0].split(numels)):
         t.copy_(new.view(t.shape))
@@ -219,13 +226,16 @@ def _step_stacked(
     v = _as_rows([s["v"].reshape(-1) for s in states])
     step = _as_rows([s["step"] for s in states]).reshape(-1, 1) + 1
     log_lr = _as_rows([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
+    q = _as_rows([s["q"].reshape(-1) for s in states]) if "q" in states[0] else None
     out = flat_step(
-        theta, cfg, one_segment(shape, sparse), p, g, m, v, step, lr, log_lr=log_lr,
+        theta, cfg, one_segment(shape, sparse), p, g, m, v, step, lr, log_lr=log_lr, q=q,
         return_finite=True, parts=parts, read_mask=read_mask,
     )  # fmt: skip
     ok = out[-1][:, 0]
     for j, (t, s) in enumerate(zip(params, states)):
         t.copy_(out[0][j].view(shape))
+        if q is not None:
+            s["q"].copy_(out[-2][j].view(s["q"].shape))
         s["m"][:rows].copy_(out[1][j].view(rows, *shape))
         s["v"].copy_(out[2][j].view(s["v"].shape))
         if log_lr is not None:
@@ -684,14 +694,21 @@ _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sy
 KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 
 
-#: The state tensors of a tensor that a kernel reads and writes, in the order it takes them.
+#: The state tensors of a tensor that a kernel reads and writes, in the order it takes them,
+#: then ``q`` (a matrix's kept Gram polynomial) where the tensor has one.
 STATE_KEYS = ("m", "v", "log_lr", "step")
 
 
+def state_keys(state: dict) -> tuple[str, ...]:
+    """The state tensors of ``state`` that a kernel takes, in order."""
+    return STATE_KEYS + (("q",) if "q" in state else ())
+
+
 def kernel_state(state: dict) -> dict:
-    """What a kernel steps of a tensor's optimizer state: its :data:`STATE_KEYS` and its
+    """What a kernel steps of a tensor's optimizer state: its :func:`state_keys` and its
     ``sparse_rows`` mark."""
-    return {k: state[k] for k in STATE_KEYS} | {"sparse_rows": bool(state.get("sparse_rows"))}
+    keys = state_keys(state)
+    return {k: state[k] for k in keys} | {"sparse_rows": bool(state.get("sparse_rows"))}
 
 
 def theta_inputs(theta) -> list[Tensor]:
@@ -708,7 +725,7 @@ def flat_inputs(theta: list[Tensor], params, grads, states, lr) -> list[Tensor]:
     out += params
     out += grads
     for s in states:
-        out += [s[k] for k in STATE_KEYS]
+        out += [s[k] for k in state_keys(s)]
     out.append(lr)
     return out
 
@@ -718,19 +735,20 @@ class _Step(torch.nn.Module):
     function of :func:`flat_inputs`'s list (``names``: theta's sorted names; ``sparse``:
     each tensor's ``sparse_rows`` mark, fixed in the kernel)."""
 
-    def __init__(self, cfg: NetConfig, parts: Parts, names: list[str], sparse: list[bool]):
+    def __init__(
+        self, cfg: NetConfig, parts: Parts, names: list[str], sparse: list[bool], keys: list
+    ):
         super().__init__()
         self.cfg, self.parts, self.names, self.sparse = cfg, parts, names, sparse
+        self.keys = keys  # each tensor's state_keys
 
     def forward(self, tensors: list[Tensor]) -> Tensor:
         k, n = len(self.names), len(self.sparse)
         theta = dict(zip(self.names, tensors[:k]))
         params, grads = tensors[k : k + n], tensors[k + n : k + 2 * n]
-        rest, width = tensors[k + 2 * n : -1], len(STATE_KEYS)
-        states = [
-            dict(zip(STATE_KEYS, rest[i * width : (i + 1) * width]), sparse_rows=sparse)
-            for i, sparse in enumerate(self.sparse)
-        ]
+        rest, states = iter(tensors[k + 2 * n : -1]), []
+        for sparse, keys in zip(self.sparse, self.keys):
+            states.append({key: next(rest) for key in keys} | {"sparse_rows": sparse})
         return step_tensors(theta, self.cfg, self.parts, params, grads, states, tensors[-1])
 
 
@@ -741,7 +759,8 @@ def build_package(args: tuple, path: Path) -> None:
     of it). The package steps the tensors in place and returns their stepped flags."""
     theta, cfg, parts, params, grads, states, lr = args
     with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
-        module = _Step(cfg, parts, sorted(theta), [bool(s.get("sparse_rows")) for s in states])
+        sparse = [bool(s.get("sparse_rows")) for s in states]
+        module = _Step(cfg, parts, sorted(theta), sparse, [state_keys(s) for s in states])
         inputs = flat_inputs(theta_inputs(theta), params, grads, states, lr)
         program = torch.export.export(module, (inputs,))
         partial = path.with_name(f".partial-{os.getpid()}-{path.name}")

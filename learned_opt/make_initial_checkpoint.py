@@ -80,6 +80,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
             "lr_adapt_rate_gossip": 0.3,
             "ortho_snr_gossip": 1.0,
             "ns_steps": 4,
+            "ns_every": 2,
         },  # fmt: skip
         _NOT_TRAINED
         + "adapt_init with twice its base steps: Adam(lr=2e-3) for the Adam-form tensors "
@@ -104,7 +105,14 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "transformer) were chosen on the validation family: median 1.14x against 1.10x with "
         "the multiplier held and no problem below 0.9x (against two), 1.28x against 1.21x "
         "under wsd_half (the 2000-step Friedman MLP 0.80x against 1.00x), 1.33x against "
-        "1.34x under gossip (benchmarks/results/validation_ns4_now*.json).",
+        "1.34x under gossip (benchmarks/results/validation_ns4_now*.json). Matrices whose "
+        "smaller side is at least 64 run Newton-Schulz on every other step of theirs and "
+        "apply the Gram polynomial of their last iteration between (NetConfig.ns_every 2; "
+        "about half their orthogonalisation's cost), chosen on the validation family: "
+        "median 1.15x against 1.14x, small problems 1.49x against 1.14x, the 256-wide MLP "
+        "0.81x against 0.56x, but the 2000-step Friedman MLP 0.72x against 1.01x; under "
+        "wsd_half 1.27x against 1.28x, runs of 1000 steps or more 1.20x against 1.00x; "
+        "under gossip 1.33x as before (benchmarks/results/validation_ns_reuse2_min64*.json).",
     ),
 }
 

@@ -23,6 +23,7 @@ from .config import NetConfig
 from .features import compute_dtype, init_state
 from .kernel import Kernels, kernel_state
 from .network import LearnedOptimizerNet, Theta
+from .orthogonal import reuses_gram
 from .step import Parts, active_parts, fit_state_rows, moment_rows
 
 
@@ -107,7 +108,10 @@ class LearnedOptimizer(Optimizer):
     steps, as torch's Adam does: a tensor whose first gradient arrives late takes a normal
     first step), ``sparse_rows`` (a matrix whose first gradient left at least half its rows
     at zero, as an embedding's does: it takes the Adam form, never the orthogonalised step;
-    see :func:`has_empty_rows`), and ``nonfinite_skips``: how many steps this tensor's update was skipped
+    see :func:`has_empty_rows`), ``q`` for a matrix that keeps the Gram polynomial of its
+    last Newton-Schulz iteration between iterations (``r x r``, ``r`` its smaller side; see
+    :attr:`~learned_opt.config.NetConfig.ns_every` and :func:`fit_gram_state`), and
+    ``nonfinite_skips``: how many steps this tensor's update was skipped
     because its gradient or the parameter itself held NaN or Inf. Such a gradient never
     reaches the parameter or the state, and a non-finite parameter never spreads to the
     rest of its tensor; a parameter that holds NaN or Inf warns once, naming it.
@@ -293,6 +297,7 @@ class LearnedOptimizer(Optimizer):
                 state["step"] = torch.tensor(
                     float(group["step"]), dtype=state["v"].dtype, device=p.device
                 )
+            fit_gram_state(state, p, self.net.config)
             items.append((p, p.grad, state))
         return items
 
@@ -372,3 +377,18 @@ class LearnedOptimizer(Optimizer):
     def load(cls, params, path: str | os.PathLike, **kwargs) -> LearnedOptimizer:
         """Build an optimizer for ``params`` from a checkpoint file or shipped name."""
         return cls(params, checkpoint=path, **kwargs)
+
+
+def fit_gram_state(state: dict, p: Tensor, cfg) -> None:
+    """Give a parameter's state the Gram polynomial ``q`` that its matrix keeps between
+    Newton-Schulz iterations under ``cfg`` (:func:`~learned_opt.orthogonal.reuses_gram`;
+    a row-sparse matrix is never orthogonalised), or drop one it no longer keeps. A new
+    ``q`` is the identity: a fresh state's first step iterates, and a state saved
+    without one (an older release, another rule) steps once along its unit-norm momentum
+    at most, until its next iteration."""
+    keeps = not state.get("sparse_rows") and reuses_gram(tuple(p.shape), cfg)
+    if not keeps:
+        state.pop("q", None)
+    elif "q" not in state:
+        r = min(p.shape)
+        state["q"] = torch.eye(r, dtype=state["v"].dtype, device=p.device)

@@ -57,35 +57,80 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
     ones and one ``r x r``, and ``y = Q x`` once at the end. Same values up to rounding,
     about 2x fewer FLOPs at ``c = 4 r``."""
     a, b, c = NS_COEFFICIENTS
+    y, wide = _unit_wide(x)
+    r, cols = y.shape[-2:]
+    if cols >= GRAM_RATIO * r:
+        return _times_q(gram_polynomial(y, steps), y, wide, x.shape)
+    for _ in range(steps):
+        gram = torch.bmm(y, y.transpose(-1, -2))
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        y = torch.baddbmm(y, poly, y, beta=a)
+    y = y.reshape(*x.shape[:-2], r, cols)
+    return y if wide else y.transpose(-1, -2)
+
+
+def newton_schulz_reusing(
+    x: Tensor, q: Tensor, refresh: bool | Tensor, steps: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`newton_schulz` of the matrices ``x`` (``[..., r, c]``, or their transposes)
+    where ``refresh`` holds, and elsewhere the last Gram polynomial ``q``
+    (``[..., r, r]``, ``r`` the smaller side) applied to ``x`` at unit norm; returns the
+    result and the polynomial it applied (``q`` itself when not refreshed).
+
+    On a refreshed step the iteration runs on the Gram matrix whatever the aspect ratio
+    (:func:`gram_polynomial`), so that ``Q`` exists to be kept. Between, directions that
+    grew since ``Q`` was computed are not equalised: a different rule, not a cheaper copy,
+    chosen on the validation family (:attr:`~learned_opt.config.NetConfig.ns_every`).
+    ``refresh`` is a bool, or a 0-d bool tensor in compiled code, where the choice is a
+    ``torch.cond`` inside the kernel."""
+    y, wide = _unit_wide(x)
+    r = y.shape[-2]
+    kept = q.reshape(-1, r, r)
+    if isinstance(refresh, bool):
+        new = gram_polynomial(y, steps) if refresh else kept
+    else:  # the branch takes S, a product's output: given y, a transposed matrix's values
+        # came out wrong under AOTInductor (torch 2.13); S costs one r x r x c product
+        s = torch.bmm(y, y.transpose(-1, -2))
+        new = torch.cond(
+            refresh, lambda s_, q_: polynomial_of_gram(s_, steps), lambda s_, q_: q_.clone(),
+            (s, kept),
+        )  # fmt: skip
+    return _times_q(new, y, wide, x.shape), new.reshape(q.shape)
+
+
+def _unit_wide(x: Tensor) -> tuple[Tensor, bool]:
+    """The matrices ``x`` (``[..., r, c]``) as ``[B, r', c']`` with ``r' <= c'`` (a tall
+    matrix transposed) at Frobenius norm (at most) 1, and whether they were wide."""
     wide = x.shape[-2] <= x.shape[-1]
     y = x if wide else x.transpose(-1, -2)
-    lead, (r, cols) = y.shape[:-2], y.shape[-2:]
+    r, cols = y.shape[-2:]
     norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
-    y = (y / (norm + 1e-7)).reshape(-1, r, cols)
-    if cols >= GRAM_RATIO * r:
-        q = gram_polynomial(y, steps)
-        if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
-            return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(x.shape)
-        y = torch.bmm(q, y)
-    else:
-        for _ in range(steps):
-            gram = torch.bmm(y, y.transpose(-1, -2))
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            y = torch.baddbmm(y, poly, y, beta=a)
-    y = y.reshape(*lead, r, cols)
-    return y if wide else y.transpose(-1, -2)
+    return (y / (norm + 1e-7)).reshape(-1, r, cols), wide
+
+
+def _times_q(q: Tensor, y: Tensor, wide: bool, shape) -> Tensor:
+    """``Q y`` (``[B, r, r]`` by ``[B, r, c]``) in the layout of the matrices ``shape`` that
+    :func:`_unit_wide` made ``y`` of."""
+    if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
+        return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(shape)
+    return torch.bmm(q, y).reshape(shape)
 
 
 def gram_polynomial(y: Tensor, steps: int) -> Tensor:
     """``Q`` (``[B, r, r]``) such that ``Q y`` is :func:`newton_schulz`'s result for the
     wide matrices ``y`` (``[B, r, c]``, ``r <= c``, already scaled to Frobenius norm at most
-    1): the quintic iteration run on the Gram matrix ``S = y y^T``. Every iterate is ``Q y``
-    with ``Q`` a polynomial in ``S`` (so ``Q`` and ``S`` commute and ``A = Q^2 S``), and
-    ``Q <- a Q + (b A + c A^2) Q``; the first iteration, from ``Q = I``, is
-    ``a I + b S + c S^2`` (one product)."""
+    1): the quintic iteration run on the Gram matrix ``S = y y^T``
+    (:func:`polynomial_of_gram`)."""
+    return polynomial_of_gram(torch.bmm(y, y.transpose(-1, -2)), steps)
+
+
+def polynomial_of_gram(s: Tensor, steps: int) -> Tensor:
+    """:func:`gram_polynomial` from the Gram matrices ``s`` (``[B, r, r]``). Every iterate
+    is ``Q y`` with ``Q`` a polynomial in ``S`` (so ``Q`` and ``S`` commute and
+    ``A = Q^2 S``), and ``Q <- a Q + (b A + c A^2) Q``; the first iteration, from
+    ``Q = I``, is ``a I + b S + c S^2`` (one product)."""
     a, b, c = NS_COEFFICIENTS
-    s = torch.bmm(y, y.transpose(-1, -2))
-    eye = torch.eye(y.shape[-2], dtype=y.dtype, device=y.device)
+    eye = torch.eye(s.shape[-1], dtype=s.dtype, device=s.device)
     q = torch.baddbmm(s, s, s, beta=b, alpha=c) + a * eye
     for _ in range(steps - 1):
         gram = torch.bmm(torch.bmm(q, q), s)
@@ -128,6 +173,33 @@ def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
     return cfg.ortho_min_dim <= min(shape) <= cfg.ortho_max_dim
 
 
+def reuses_gram(shape, cfg: NetConfig) -> bool:
+    """Whether a matrix of ``shape`` keeps the Gram polynomial of its last Newton-Schulz
+    iteration between iterations under ``cfg`` (:attr:`~learned_opt.config.NetConfig.ns_every`):
+    optimizer state of :func:`gram_numel` elements."""
+    shape = tuple(shape)
+    return cfg.ns_every > 1 and is_matrix(shape, cfg) and min(shape) >= cfg.ns_reuse_min_dim
+
+
+def gram_numel(shape) -> int:
+    """Elements of the Gram polynomial a matrix of ``shape`` keeps: ``r x r``, ``r`` its
+    smaller side."""
+    return min(shape) ** 2
+
+
+def ns_due(cfg: NetConfig, step) -> bool | Tensor:
+    """Whether the matrices that keep their Gram polynomial (:func:`reuses_gram`) run
+    Newton-Schulz at ``step``, the 1-based step count after this update: at steps 1,
+    ``1 + ns_every``, ... ``step`` is a number or a tensor of per-row counts; rows stepped
+    together iterate together, so when any row is due all are (a row that is not takes a
+    fresh polynomial, as it would on its own next step). A bool, except in compiled code,
+    where it is a 0-d bool tensor that the kernel branches on."""
+    if not isinstance(step, Tensor):
+        return (int(step) - 1) % cfg.ns_every == 0
+    due = (torch.remainder(step - 1, cfg.ns_every) == 0).any()
+    return due if torch.compiler.is_compiling() else bool(due)
+
+
 def needs_whole_tensor(cfg: NetConfig, shape) -> bool:
     """Whether the output stage of a tensor of ``shape`` reduces over the whole tensor, so
     that a layout which sees it in chunks cannot step it."""
@@ -135,9 +207,17 @@ def needs_whole_tensor(cfg: NetConfig, shape) -> bool:
 
 
 def shape_direction(
-    cfg: NetConfig, shapes, direction: Tensor | None, m1: Tensor, d: Tensor | None, matrices
-) -> Tensor:
-    """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``.
+    cfg: NetConfig,
+    shapes,
+    direction: Tensor | None,
+    m1: Tensor,
+    d: Tensor | None,
+    matrices,
+    q: Tensor | None = None,
+    refresh: bool | Tensor = True,
+) -> tuple[Tensor, Tensor | None]:
+    """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``, and
+    the matrices' new Gram polynomials.
 
     ``shapes`` are the segments' shapes (those of a :class:`~learned_opt.segments.FlatLayout`);
     ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)`` (None when every
@@ -148,6 +228,12 @@ def shape_direction(
     their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the
     other segments are kept, or scaled to unit RMS with ``cfg.normalize``.
 
+    ``q`` (``[..., Q]``) holds the Gram polynomials of the matrices that keep one
+    (:func:`reuses_gram`), flattened, in segment order; those matrices take
+    :func:`newton_schulz_reusing` under ``refresh`` (:func:`ns_due`), and the result's
+    second item holds their new polynomials in the same layout. Without ``q`` (None, and
+    None is returned) every matrix runs Newton-Schulz.
+
     Matrices of one shape, or of transposed shapes (a tall matrix iterates on its
     transpose anyway), take one batched Newton-Schulz iteration (:func:`ortho_directions`):
     the layers of a small deep model, packed into one flat vector, cost one iteration's
@@ -155,9 +241,15 @@ def shape_direction(
     """
     numels = [int(torch.Size(s).numel()) for s in shapes]
     if not cfg.normalize and not any(matrices):
-        return direction
+        return direction, q
     starts = [0, *itertools.accumulate(numels)]
+    q_starts, q_at = {}, 0  # each keeping matrix's offset in q
+    if q is not None:
+        for k, shape in enumerate(shapes):
+            if matrices[k] and reuses_gram(shape, cfg):
+                q_starts[k], q_at = q_at, q_at + gram_numel(shape)
     pieces: list[Tensor | None] = [None] * len(shapes)
+    new_q: list[Tensor | None] = [None] * len(shapes)
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (shape, matrix, lo, hi) in enumerate(zip(shapes, matrices, starts, starts[1:])):
         if matrix:
@@ -172,25 +264,49 @@ def shape_direction(
             m = m1[..., starts[k] : starts[k + 1]]
             dk = None if d is None else d[..., starts[k] : starts[k + 1]]
             zs.append(ortho_input(m, m.square().mean(dim=-1, keepdim=True), dk))
-        for k, piece in zip(ks, ortho_directions(cfg, [tuple(shapes[k]) for k in ks], zs)):
-            pieces[k] = piece
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+        qs = None
+        if ks[0] in q_starts:
+            r = min(shapes[ks[0]])
+            qs = [q[..., q_starts[k] : q_starts[k] + r * r] for k in ks]
+        outs, kept = ortho_directions(cfg, [tuple(shapes[k]) for k in ks], zs, qs, refresh)
+        for i, k in enumerate(ks):
+            pieces[k] = outs[i]
+            if kept is not None:
+                new_q[k] = kept[i]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+    if q is None:
+        return out, None
+    kept_q = [t for t in new_q if t is not None]
+    return out, (kept_q[0] if len(kept_q) == 1 else torch.cat(kept_q, dim=-1))
 
 
 def ortho_directions(
-    cfg: NetConfig, shapes: list[tuple[int, int]], zs: list[Tensor]
-) -> list[Tensor]:
+    cfg: NetConfig,
+    shapes: list[tuple[int, int]],
+    zs: list[Tensor],
+    qs: list[Tensor] | None = None,
+    refresh: bool | Tensor = True,
+) -> tuple[list[Tensor], list[Tensor] | None]:
     """:func:`ortho_direction` of matrices whose shapes are equal or transposed, in one
-    batched Newton-Schulz iteration (each tall one on its transpose, as alone)."""
-    if len(zs) == 1:
-        return [ortho_direction(cfg, shapes[0], zs[0])]
+    batched Newton-Schulz iteration (each tall one on its transpose, as alone); with their
+    kept Gram polynomials ``qs`` (flat, ``[..., r * r]`` each), :func:`newton_schulz_reusing`
+    under ``refresh``, and the new polynomials are returned (else None)."""
+    if len(zs) == 1 and qs is None:
+        return [ortho_direction(cfg, shapes[0], zs[0])], None
     wide = min(shapes[0]), max(shapes[0])
     mats = []
     for shape, z in zip(shapes, zs):
         x = z.reshape(*z.shape[:-1], *shape)
         mats.append(x if shape == wide else x.transpose(-1, -2))
-    o = newton_schulz(torch.stack(mats), cfg.ns_steps)
+    x = torch.stack(mats)
+    kept = None
+    if qs is None:
+        o = newton_schulz(x, cfg.ns_steps)
+    else:
+        q = torch.stack(qs).reshape(*x.shape[:-2], wide[0], wide[0])
+        o, q = newton_schulz_reusing(x, q, refresh, cfg.ns_steps)
+        kept = list(q.reshape(len(qs), *qs[0].shape).unbind(0))
     out = []
     for shape, z, x in zip(shapes, zs, o.unbind(0)):
         out.append(_scaled(cfg, x if shape == wide else x.transpose(-1, -2), z))
-    return out
+    return out, kept

@@ -51,7 +51,7 @@ from .network import (
     head_is_nonzero,
     tensor_head,
 )
-from .orthogonal import is_matrix, shape_direction
+from .orthogonal import gram_numel, is_matrix, ns_due, reuses_gram, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
 
@@ -203,21 +203,26 @@ def flat_step(
     lr: float | Tensor = 1.0,
     *,
     log_lr: Tensor | None = None,
+    q: Tensor | None = None,
     return_finite: bool = False,
     parts: Parts = ALL_PARTS,
     read_mask: bool = False,
 ) -> tuple[Tensor, ...]:
     """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, k, P]``, ``k`` at
     least :func:`moment_rows`); returns
-    ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then the
-    ``[B, T]`` mask of segments that were stepped if ``return_finite``. ``step`` is the
+    ``(new_p, new_m, new_v)``, then ``new_log_lr`` if ``log_lr`` is given, then ``new_q``
+    if ``q`` is given, then the ``[B, T]`` mask of segments that were stepped if
+    ``return_finite``. ``step`` is the
     1-based step count after this update: a number, or a ``[B, 1]`` tensor (a count per
     row). ``new_m`` holds the first :func:`moment_rows` rows of ``m`` (``[B, k, P]``): the
     rows after them are unchanged.
 
     ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
     (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and
-    one that does not passes them through unchanged. ``parts``: the networks to evaluate
+    one that does not passes them through unchanged. ``q`` (``[B, Q]``, :func:`gram_layout`)
+    holds the Gram polynomials of the matrices that keep one between Newton-Schulz
+    iterations (:attr:`~learned_opt.config.NetConfig.ns_every`); without it every matrix
+    iterates at every step. ``parts``: the networks to evaluate
     (:func:`active_parts`; all of them by default).
 
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
@@ -267,9 +272,13 @@ def flat_step(
     if parts.element_net:
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
         d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
-    new_p = apply_update(
+    keeping = gram_layout(cfg, layout.shapes, matrices) if q is not None else ()
+    if q is not None and q.shape[-1] != sum(gram_numel(layout.shapes[k]) for k in keeping):
+        raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials more")
+    refresh = ns_due(cfg, step) if keeping else True
+    new_p, new_q = apply_update(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
-        layout.shapes, matrices,
+        layout.shapes, matrices, q if keeping else None, refresh,
     )  # fmt: skip
     out = (new_p, m_new, v_new)
     if masked:
@@ -278,9 +287,26 @@ def flat_step(
             torch.where(keep.unsqueeze(-2), m_new, m),
             torch.where(keep, v_new, v),
         )
+        if new_q is not None:
+            ok_q = [
+                sums.ok[..., k : k + 1].expand(*q.shape[:-1], gram_numel(layout.shapes[k]))
+                for k in keeping
+            ]
+            new_q = torch.where(ok_q[0] if len(ok_q) == 1 else torch.cat(ok_q, -1), new_q, q)
     if log_lr is not None:
         out = (*out, new_log_lr)
+    if q is not None:
+        out = (*out, q if new_q is None else new_q)
     return (*out, sums.ok) if return_finite else out
+
+
+def gram_layout(cfg: NetConfig, shapes, matrices=None) -> tuple[int, ...]:
+    """The segments (indices into ``shapes``) that keep a Gram polynomial under ``cfg``
+    (:func:`~learned_opt.orthogonal.reuses_gram`), in the order of :func:`flat_step`'s
+    ``q``: each ``r x r`` flattened (:func:`~learned_opt.orthogonal.gram_numel`)."""
+    if matrices is None:
+        matrices = tuple(is_matrix(tuple(s), cfg) for s in shapes)
+    return tuple(k for k, s in enumerate(shapes) if matrices[k] and reuses_gram(s, cfg))
 
 
 def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor:
@@ -389,8 +415,12 @@ def apply_update(
     scale: Tensor,
     shapes,
     matrices=None,
-) -> Tensor:
-    """The output parameterisation: the new parameter
+    q: Tensor | None = None,
+    refresh: bool | Tensor = True,
+) -> tuple[Tensor, Tensor | None]:
+    """The output parameterisation: the new parameter, and the matrices' new Gram
+    polynomials (``q`` and ``refresh``: see :func:`~learned_opt.orthogonal.shape_direction`;
+    None without ``q``). The new parameter is
 
         p + scale * clamp(adam_dir + d, +-max_direction) * exp(log_mag)
 
@@ -409,6 +439,6 @@ def apply_update(
         if d is not None:
             direction = direction + d
         direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
-    direction = shape_direction(cfg, shapes, direction, m1, d, matrices)
+    direction, new_q = shape_direction(cfg, shapes, direction, m1, d, matrices, q, refresh)
     magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
-    return torch.addcmul(p, direction, magnitude)
+    return torch.addcmul(p, direction, magnitude), new_q

@@ -29,6 +29,7 @@ from learned_opt.step import (
     Parts,
     active_parts,
     flat_step,
+    gram_layout,
     init_flat_state,
     moment_rows,
 )
@@ -81,7 +82,15 @@ class InnerOptimizer:
             adapts = self.cfg is not None and self.cfg.adapts_lr
             sparse = layout is not None and any(layout.sparse_rows)
             rows = moment_rows(self.parts, sparse)
-            return init_flat_state(params, layout if adapts else None, rows)
+            state = init_flat_state(params, layout if adapts else None, rows)
+            keeping = ()
+            if layout is not None:
+                keeping = gram_layout(self.cfg, layout.shapes, layout.matrices(self.cfg))
+            if keeping:  # each keeping matrix's Gram polynomial, flattened (flat_step's q)
+                eyes = [torch.eye(min(layout.shapes[k])).reshape(-1) for k in keeping]
+                q = torch.cat(eyes).to(params)
+                state["q"] = q.expand(params.shape[0], -1).clone()
+            return state
         if self.kind in ("adam", "adamw"):
             return {"m": torch.zeros_like(params), "v": torch.zeros_like(params)}
         if self.kind == "dsgt":
@@ -99,7 +108,7 @@ class InnerOptimizer:
             cfg = self.cfg.under_gossip() if gossip else self.cfg
             out = flat_step(
                 self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
-                log_lr=state.get("log_lr"), parts=self.parts,
+                log_lr=state.get("log_lr"), q=state.get("q"), parts=self.parts,
             )  # fmt: skip
             m = out[1]  # the momenta this step read; the rest stay (moment_rows)
             if m.shape[-2] < state["m"].shape[-2]:
@@ -107,6 +116,8 @@ class InnerOptimizer:
             new = {"m": m, "v": out[2]}
             if "log_lr" in state:
                 new["log_lr"] = out[3]
+            if "q" in state:
+                new["q"] = out[-1]
             return out[0], new
         if self.kind in ("adam", "adamw"):
             b1, b2 = MOMENTUM_DECAYS[0], SECOND_MOMENT_DECAY  # Adam's (0.9, 0.999)

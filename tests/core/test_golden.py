@@ -98,10 +98,14 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
     check_recorded(checkpoint, got, inputs, net.config.adapts_lr, rows)
 
 
-def _doubled_update(cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices=None):
+def _doubled_update(
+    cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices=None, q=None, refresh=True
+):
     """A changed output stage (twice the update), to be swapped into ``apply_update``."""
-    new = _original_apply_update(cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices)  # noqa: F821
-    return new + (new - p)
+    new, new_q = _original_apply_update(  # noqa: F821
+        cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices, q, refresh
+    )
+    return new + (new - p), new_q
 
 
 def test_changing_the_output_stage_once_changes_every_path(monkeypatch):

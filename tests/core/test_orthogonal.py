@@ -11,8 +11,11 @@ from learned_opt.orthogonal import (
     gram_polynomial,
     is_matrix,
     newton_schulz,
+    newton_schulz_reusing,
+    ns_due,
     ortho_direction,
     ortho_input,
+    reuses_gram,
     shape_direction,
     unit_rms,
 )
@@ -57,7 +60,7 @@ def test_matrices_of_equal_or_transposed_shapes_share_one_iteration_with_the_sam
     gen = torch.Generator().manual_seed(0)
     m1 = torch.randn(3, sum(numels), generator=gen, dtype=torch.float64)
     direction = torch.randn(3, sum(numels), generator=gen, dtype=torch.float64)
-    got = shape_direction(ORTHO, shapes, direction, m1, None, matrices).split(numels, dim=-1)
+    got = shape_direction(ORTHO, shapes, direction, m1, None, matrices)[0].split(numels, dim=-1)
     for shape, matrix, m, dk, out in zip(shapes, matrices, m1.split(numels, -1),
                                          direction.split(numels, -1), got):  # fmt: skip
         alone = dk
@@ -153,3 +156,93 @@ def test_meta_gradient_flows_through_the_orthogonalisation_under_vmap():
     gr = grad(loss)(theta)
     assert all(torch.isfinite(t).all() for t in gr.values())
     assert gr["elem_out.weight"].abs().sum() > 0
+
+
+REUSE = NetConfig(output="ortho", ns_every=2, ns_reuse_min_dim=8)
+
+
+@pytest.mark.parametrize("shape", [(8, 24), (12, 12), (40, 12)])
+def test_a_kept_polynomial_is_applied_to_the_new_input(shape):
+    """Refreshed, the reusing iteration gives Newton-Schulz's values and keeps the Gram
+    polynomial; not refreshed, it applies the kept polynomial to the new input at unit
+    norm, in the input's own layout (a tall matrix on its transpose)."""
+    gen = torch.Generator().manual_seed(3)
+    x1, x2 = (torch.randn(2, *shape, generator=gen, dtype=torch.float64) for _ in range(2))
+    r = min(shape)
+    fresh, q = newton_schulz_reusing(x1, torch.zeros(2, r, r, dtype=torch.float64), True, 5)
+    torch.testing.assert_close(fresh, newton_schulz(x1, 5), rtol=1e-9, atol=1e-10)
+    reused, kept = newton_schulz_reusing(x2, q, False, 5)
+    assert torch.equal(kept, q)
+    wide = x2 if shape[0] <= shape[1] else x2.transpose(-1, -2)
+    y = wide / torch.linalg.vector_norm(wide, dim=(-2, -1), keepdim=True)
+    expect = q @ y
+    expect = expect if shape[0] <= shape[1] else expect.transpose(-1, -2)
+    torch.testing.assert_close(reused, expect, rtol=1e-6, atol=1e-9)
+    as_tensor = newton_schulz_reusing(x2, q, torch.tensor(False), 5)  # the kernel's branch
+    torch.testing.assert_close(as_tensor[0], reused)
+
+
+def test_matrices_iterate_on_every_other_step_of_their_own():
+    """Under ``ns_every=2``, steps 1, 3, 5... run Newton-Schulz; rows stepped together
+    iterate when any of them is due."""
+    assert [ns_due(REUSE, t) for t in range(1, 6)] == [True, False, True, False, True]
+    assert ns_due(REUSE, torch.tensor([[2.0], [4.0]])) is False
+    assert ns_due(REUSE, torch.tensor([[2.0], [3.0]])) is True
+    assert all(ns_due(ORTHO, t) for t in range(1, 4))
+    assert [reuses_gram(s, REUSE) for s in [(8, 24), (4, 24), (24,), (300, 300)]] == [
+        True, False, False, False,
+    ]  # fmt: skip
+
+
+def test_the_optimizer_keeps_each_matrix_s_polynomial_between_iterations(tmp_path):
+    """The optimizer holds ``q`` for the matrices that keep one (not for a small matrix, a
+    vector or an embedding table), refreshes it on the due steps from the unit-norm
+    orthogonalised input (the 0.9 momentum at zero heads) and keeps it between; the
+    first step is Newton-Schulz's."""
+    path = save_checkpoint(LearnedOptimizerNet(REUSE), tmp_path / "reuse.pt")
+    plain_path = save_checkpoint(LearnedOptimizerNet(ORTHO), tmp_path / "plain.pt")
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(8, 24), (24, 8), (4, 24), (24,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    table = torch.nn.Parameter(torch.randn(40, 8, generator=gen))  # an embedding's rows
+    opt = LearnedOptimizer([*params, table], checkpoint=path, compile=False)
+    ref = LearnedOptimizer(plain, checkpoint=plain_path, compile=False)
+    kept = []
+    for t in range(1, 5):
+        for p, q in zip(params, plain):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        table.grad = torch.zeros_like(table)
+        table.grad[:3] = 1.0
+        opt.step()
+        ref.step()
+        if t == 1:
+            for p, q in zip(params, plain):
+                torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        kept.append(opt.state[params[0]]["q"].clone())
+        m = opt.state[params[0]]["m"][0]
+        y = m / torch.linalg.vector_norm(m)
+        if t % 2 == 1:
+            torch.testing.assert_close(kept[-1], gram_polynomial(y[None], REUSE.ns_steps)[0])
+        else:
+            assert torch.equal(kept[-1], kept[-2])
+    assert [("q" in opt.state[p]) for p in [*params, table]] == [True, True, False, False, False]
+    assert opt.state[params[1]]["q"].shape == (8, 8)
+
+
+def test_a_saved_polynomial_of_the_wrong_shape_is_refused(tmp_path):
+    path = save_checkpoint(LearnedOptimizerNet(REUSE), tmp_path / "reuse.pt")
+    p = torch.nn.Parameter(torch.randn(8, 24))
+    opt = LearnedOptimizer([p], checkpoint=path, compile=False)
+    p.grad = torch.randn(8, 24)
+    opt.step()
+    saved = opt.state_dict()
+    saved["state"][0]["q"] = torch.zeros(24, 24)
+    with pytest.raises(ValueError, match="saved q"):
+        opt.load_state_dict(saved)
+    del saved["state"][0]["q"]  # saved before polynomials were kept: starts from I
+    opt.load_state_dict(saved)
+    p.grad = torch.randn(8, 24)
+    opt.step()
+    assert torch.equal(opt.state[p]["q"], torch.eye(8))
