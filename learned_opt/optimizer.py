@@ -264,8 +264,9 @@ class LearnedOptimizer(Optimizer):
         ``step()`` itself never waits."""
         return self._kernels.wait(timeout)
 
-    def _group_items(self, group: dict) -> list[tuple[Tensor, Tensor, dict]]:
-        """``(param, grad, state)`` of the group's parameters to step; state created lazily.
+    def _group_items(self, group: dict, cfg: NetConfig) -> list[tuple[Tensor, Tensor, dict]]:
+        """``(param, grad, state)`` of the group's parameters to step under ``cfg``; state
+        created lazily.
 
         A parameter whose state is still empty and whose gradient is all zeros is left
         alone (no state, no move): from zero state the learned step is not zero, so
@@ -297,7 +298,7 @@ class LearnedOptimizer(Optimizer):
                 state["step"] = torch.tensor(
                     float(group["step"]), dtype=state["v"].dtype, device=p.device
                 )
-            fit_gram_state(state, p, self.net.config)
+            fit_gram_state(state, p, cfg)
             items.append((p, p.grad, state))
         return items
 
@@ -313,7 +314,7 @@ class LearnedOptimizer(Optimizer):
             cfg = self.config_transform(cfg)
         for index, group in enumerate(self.param_groups):
             lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
-            items = self._group_items(group)
+            items = self._group_items(group, cfg)
             if not items:
                 continue
             group["step"] += 1

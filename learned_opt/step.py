@@ -274,7 +274,8 @@ def flat_step(
         d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
     keeping = gram_layout(cfg, layout.shapes, matrices) if q is not None else ()
     if q is not None and q.shape[-1] != sum(gram_numel(layout.shapes[k]) for k in keeping):
-        raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials more")
+        size = sum(gram_numel(layout.shapes[k]) for k in keeping)
+        raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials {size}")
     refresh = ns_due(cfg, step) if keeping else True
     new_p, new_q = apply_update(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),

@@ -246,3 +246,19 @@ def test_a_saved_polynomial_of_the_wrong_shape_is_refused(tmp_path):
     p.grad = torch.randn(8, 24)
     opt.step()
     assert torch.equal(opt.state[p]["q"], torch.eye(8))
+
+
+def test_a_config_that_stops_keeping_polynomials_drops_them(tmp_path):
+    """A config transform under which a matrix no longer keeps a polynomial (here: no
+    matrix is orthogonalised) steps it without one, and its ``q`` is dropped."""
+    import dataclasses
+
+    path = save_checkpoint(LearnedOptimizerNet(REUSE), tmp_path / "reuse.pt")
+    p = torch.nn.Parameter(torch.randn(8, 24))
+    opt = LearnedOptimizer([p], checkpoint=path, compile=False)
+    p.grad = torch.randn(8, 24)
+    opt.step()
+    assert "q" in opt.state[p]
+    opt.config_transform = lambda cfg: dataclasses.replace(cfg, output="adam")
+    opt.step()
+    assert "q" not in opt.state[p]
