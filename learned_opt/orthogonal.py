@@ -57,63 +57,58 @@ def newton_schulz(x: Tensor, steps: int) -> Tensor:
     ones and one ``r x r``, and ``y = Q x`` once at the end. Same values up to rounding,
     about 2x fewer FLOPs at ``c = 4 r``."""
     a, b, c = NS_COEFFICIENTS
-    y, wide = _unit_wide(x)
-    r, cols = y.shape[-2:]
+    wide = x.shape[-2] <= x.shape[-1]
+    y = x if wide else x.transpose(-1, -2)
+    lead, (r, cols) = y.shape[:-2], y.shape[-2:]
+    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
+    y = (y / (norm + 1e-7)).reshape(-1, r, cols)
     if cols >= GRAM_RATIO * r:
-        return _times_q(gram_polynomial(y, steps), y, wide, x.shape)
-    for _ in range(steps):
-        gram = torch.bmm(y, y.transpose(-1, -2))
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        y = torch.baddbmm(y, poly, y, beta=a)
-    y = y.reshape(*x.shape[:-2], r, cols)
+        q = gram_polynomial(y, steps)
+        if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
+            return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(x.shape)
+        y = torch.bmm(q, y)
+    else:
+        for _ in range(steps):
+            gram = torch.bmm(y, y.transpose(-1, -2))
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            y = torch.baddbmm(y, poly, y, beta=a)
+    y = y.reshape(*lead, r, cols)
     return y if wide else y.transpose(-1, -2)
 
 
 def newton_schulz_reusing(
     x: Tensor, q: Tensor, refresh: bool | Tensor, steps: int
 ) -> tuple[Tensor, Tensor]:
-    """:func:`newton_schulz` of the matrices ``x`` (``[..., r, c]``, or their transposes)
-    where ``refresh`` holds, and elsewhere the last Gram polynomial ``q``
-    (``[..., r, r]``, ``r`` the smaller side) applied to ``x`` at unit norm; returns the
-    result and the polynomial it applied (``q`` itself when not refreshed).
+    """:func:`newton_schulz` of the matrices ``x`` (``[..., r, c]``) where ``refresh``
+    holds, and elsewhere the last Gram polynomial ``q`` (``[..., k, k]``, ``k`` the
+    smaller side) applied to ``x`` at unit norm; returns the result and the polynomial it
+    applied (``q`` itself when not refreshed).
 
     On a refreshed step the iteration runs on the Gram matrix whatever the aspect ratio
-    (:func:`gram_polynomial`), so that ``Q`` exists to be kept. Between, directions that
-    grew since ``Q`` was computed are not equalised: a different rule, not a cheaper copy,
-    chosen on the validation family (:attr:`~learned_opt.config.NetConfig.ns_every`).
-    ``refresh`` is a bool, or a 0-d bool tensor in compiled code, where the choice is a
-    ``torch.cond`` inside the kernel."""
-    y, wide = _unit_wide(x)
-    r = y.shape[-2]
-    kept = q.reshape(-1, r, r)
-    if isinstance(refresh, bool):
-        new = gram_polynomial(y, steps) if refresh else kept
-    else:  # the branch takes S, a product's output: given y, a transposed matrix's values
-        # came out wrong under AOTInductor (torch 2.13); S costs one r x r x c product
-        s = torch.bmm(y, y.transpose(-1, -2))
-        new = torch.cond(
-            refresh, lambda s_, q_: polynomial_of_gram(s_, steps), lambda s_, q_: q_.clone(),
-            (s, kept),
-        )  # fmt: skip
-    return _times_q(new, y, wide, x.shape), new.reshape(q.shape)
-
-
-def _unit_wide(x: Tensor) -> tuple[Tensor, bool]:
-    """The matrices ``x`` (``[..., r, c]``) as ``[B, r', c']`` with ``r' <= c'`` (a tall
-    matrix transposed) at Frobenius norm (at most) 1, and whether they were wide."""
+    (:func:`polynomial_of_gram`), so that ``Q`` exists to be kept: ``S = y y^T`` and
+    ``Q y`` for a wide matrix, ``S = y^T y`` and ``y Q^T`` for a tall one, which is thus
+    never transposed. Between, directions that grew since ``Q`` was computed are not
+    equalised: a different rule, not a cheaper copy, chosen on the validation family
+    (:attr:`~learned_opt.config.NetConfig.ns_every`). ``refresh`` is a bool, or a 0-d bool
+    tensor in compiled code, where the choice is a ``torch.cond`` inside the kernel (given
+    a transposed view of a matrix as its operand, AOTInductor's branch read wrong values on
+    torch 2.13; the matrices in their own layout read right)."""
     wide = x.shape[-2] <= x.shape[-1]
-    y = x if wide else x.transpose(-1, -2)
-    r, cols = y.shape[-2:]
-    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
-    return (y / (norm + 1e-7)).reshape(-1, r, cols), wide
+    k = min(x.shape[-2:])
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    y = (x / (norm + 1e-7)).reshape(-1, *x.shape[-2:])
+    kept = q.reshape(-1, k, k)
 
+    def fresh(y_: Tensor, q_: Tensor) -> Tensor:
+        gram = torch.bmm(y_, y_.transpose(-1, -2)) if wide else torch.bmm(y_.transpose(-1, -2), y_)
+        return polynomial_of_gram(gram, steps)
 
-def _times_q(q: Tensor, y: Tensor, wide: bool, shape) -> Tensor:
-    """``Q y`` (``[B, r, r]`` by ``[B, r, c]``) in the layout of the matrices ``shape`` that
-    :func:`_unit_wide` made ``y`` of."""
-    if not wide:  # (q y)^T = y^T q^T: the tall result in its own layout, not a copy
-        return torch.bmm(y.transpose(-1, -2), q.transpose(-1, -2)).reshape(shape)
-    return torch.bmm(q, y).reshape(shape)
+    if isinstance(refresh, bool):
+        new = fresh(y, kept) if refresh else kept
+    else:
+        new = torch.cond(refresh, fresh, lambda y_, q_: q_.clone(), (y, kept))
+    out = torch.bmm(new, y) if wide else torch.bmm(y, new.transpose(-1, -2))
+    return out.reshape(x.shape), new.reshape(q.shape)
 
 
 def gram_polynomial(y: Tensor, steps: int) -> Tensor:
@@ -252,7 +247,9 @@ def shape_direction(
     new_q: list[Tensor | None] = [None] * len(shapes)
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (shape, matrix, lo, hi) in enumerate(zip(shapes, matrices, starts, starts[1:])):
-        if matrix:
+        if k in q_starts:  # a kept polynomial: matrices of one shape, in their own layout
+            groups.setdefault(tuple(shape), []).append(k)
+        elif matrix:
             groups.setdefault((min(shape), max(shape)), []).append(k)
         elif cfg.normalize:
             pieces[k] = unit_rms(direction[..., lo:hi])
@@ -291,22 +288,22 @@ def ortho_directions(
     batched Newton-Schulz iteration (each tall one on its transpose, as alone); with their
     kept Gram polynomials ``qs`` (flat, ``[..., r * r]`` each), :func:`newton_schulz_reusing`
     under ``refresh``, and the new polynomials are returned (else None)."""
-    if len(zs) == 1 and qs is None:
+    if qs is not None:  # the matrices of one shape (see shape_direction), in their layout
+        x = torch.stack([z.reshape(*z.shape[:-1], *shapes[0]) for z in zs])
+        k = min(shapes[0])
+        q = torch.stack(qs).reshape(*x.shape[:-2], k, k)
+        o, q = newton_schulz_reusing(x, q, refresh, cfg.ns_steps)
+        kept = list(q.reshape(len(qs), *qs[0].shape).unbind(0))
+        return [_scaled(cfg, oi, z) for oi, z in zip(o.unbind(0), zs)], kept
+    if len(zs) == 1:
         return [ortho_direction(cfg, shapes[0], zs[0])], None
     wide = min(shapes[0]), max(shapes[0])
     mats = []
     for shape, z in zip(shapes, zs):
         x = z.reshape(*z.shape[:-1], *shape)
         mats.append(x if shape == wide else x.transpose(-1, -2))
-    x = torch.stack(mats)
-    kept = None
-    if qs is None:
-        o = newton_schulz(x, cfg.ns_steps)
-    else:
-        q = torch.stack(qs).reshape(*x.shape[:-2], wide[0], wide[0])
-        o, q = newton_schulz_reusing(x, q, refresh, cfg.ns_steps)
-        kept = list(q.reshape(len(qs), *qs[0].shape).unbind(0))
+    o = newton_schulz(torch.stack(mats), cfg.ns_steps)
     out = []
     for shape, z, x in zip(shapes, zs, o.unbind(0)):
         out.append(_scaled(cfg, x if shape == wide else x.transpose(-1, -2), z))
-    return out, kept
+    return out, None

@@ -228,3 +228,33 @@ def test_evaluation_inner_optimizer_evaluates_only_nonzero_networks_with_the_sam
     with torch.no_grad():
         trained.elem_out.bias.fill_(0.1)
     assert make_inner_optimizer("learned", net=trained, parts=None).parts.element_net
+
+
+def test_simulated_workers_keep_gram_polynomials_as_a_deployed_optimizer_does():
+    """Under ``NetConfig.ns_every`` each simulated worker keeps its matrices' Gram
+    polynomials (``q``, flat, in segment order) and steps as a ``LearnedOptimizer`` of the
+    same rule, row by row (the 64 x 72 matrix keeps one; the 8 x 72 one and the vector
+    do not)."""
+    from learned_opt import LearnedOptimizer
+
+    net, _ = load_checkpoint("adapt_init_2x")
+    assert net.config.ns_every == 2 and net.config.ns_reuse_min_dim == 64
+    inner = make_inner_optimizer("learned", net=net, parts=None)
+    shapes = ((64, 72), (8, 72), (72,))
+    layout = FlatLayout(("w", "v", "b"), shapes)
+    gen = torch.Generator().manual_seed(0)
+    p = 0.1 * torch.randn(2, layout.size, generator=gen)
+    state = inner.init(p, layout)
+    assert state["q"].shape == (2, 64 * 64)
+    params = [torch.nn.Parameter(t.reshape(s).clone()) for t, s in
+              zip(p[1].split(layout.numels), shapes)]  # fmt: skip
+    deployed = LearnedOptimizer(params, net=net, compile=False)
+    for step in range(1, 5):
+        g = torch.randn(2, layout.size, generator=gen)
+        p, state = inner.update(layout, p, g, state, step)
+        for t, gt in zip(params, g[1].split(layout.numels)):
+            t.grad = gt.reshape(t.shape).clone()
+        deployed.step()
+        flat = torch.cat([t.detach().reshape(-1) for t in params])
+        torch.testing.assert_close(p[1], flat, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["q"][1].reshape(64, 64), deployed.state[params[0]]["q"])
