@@ -78,6 +78,8 @@ STEP_COLUMNS = (
     ("eager reference: training step / AdamW", "learned_reference_train_ratio"),
     ("no orthogonalisation: step / AdamW", "learned_no_ortho_step_ratio"),
     ("no orthogonalisation: training step / AdamW", "learned_no_ortho_train_ratio"),
+    ("Newton-Schulz every step: step / AdamW", "learned_ns_every_step_step_ratio"),
+    ("Newton-Schulz every step: training step / AdamW", "learned_ns_every_step_train_ratio"),
     ("gossip rule: step / AdamW", "learned_gossip_rule_step_ratio"),
     ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
     ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),

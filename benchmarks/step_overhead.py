@@ -14,7 +14,9 @@ path (``learned_default``: the kernel, ``torch.compile`` of the reference, timed
 compiled) and the same rule with ``compile=False`` (``learned_reference``: the eager
 reference that steps while the kernel compiles). With ``--no-ortho``, the same rule
 compiled with every tensor in the Adam form (``learned_no_ortho``: no Newton-Schulz), which
-shows what orthogonalising the matrices costs. For scale, ``torch.optim.Muon`` on the
+shows what orthogonalising the matrices costs; with ``--ns-every-step``, the same rule
+compiled with Newton-Schulz at every step of every matrix (``learned_ns_every_step``:
+``NetConfig.ns_every`` 1, no Gram polynomial kept), which shows what keeping them saves. For scale, ``torch.optim.Muon`` on the
 matrices the rule orthogonalises and AdamW on the rest (``muon_adamw``; see
 :func:`muon_adamw`): what an orthogonalised step costs in torch itself. AdamW runs with
 ``foreach=True`` (and ``fused=True`` on a GPU). The first ``step()`` in a fresh process
@@ -148,17 +150,18 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
 NO_EAGER = ["shapes-100M"]
 
 
-def optimizers(params_of, device: str, eager: bool = True, no_ortho: bool = False) -> dict:
-    """Every optimizer compared, each on its own copy of the parameters (see the module)."""
+def optimizers(params_of, device: str, eager: bool = True, variants=()) -> dict:
+    """Every optimizer compared, each on its own copy of the parameters (see the module);
+    ``variants``: names of :data:`VARIANTS` to time too."""
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
         opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
     opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
         opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
-    if no_ortho:
-        opts["learned_no_ortho"] = LearnedOptimizer(params_of())
-        opts["learned_no_ortho"].config_transform = _adam_form
+    for name in variants:
+        opts[name] = LearnedOptimizer(params_of())
+        opts[name].config_transform = VARIANTS[name]
     opts["muon_adamw"] = muon_adamw(params_of(), opts["learned_default"].config)
     return opts
 
@@ -166,6 +169,15 @@ def optimizers(params_of, device: str, eager: bool = True, no_ortho: bool = Fals
 def _adam_form(cfg):
     """The rule with every tensor in the Adam form (no Newton-Schulz): ``learned_no_ortho``."""
     return dataclasses.replace(cfg, output="adam")
+
+
+def _ns_every_step(cfg):
+    """The rule with Newton-Schulz at every step (``learned_ns_every_step``)."""
+    return dataclasses.replace(cfg, ns_every=1)
+
+
+#: The rule's variants a run may time beside it: name -> its config transform.
+VARIANTS = {"learned_no_ortho": _adam_form, "learned_ns_every_step": _ns_every_step}
 
 
 def muon_adamw(params, cfg) -> MuonWithAdamW:
@@ -234,12 +246,12 @@ def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
     }
 
 
-def workload(name: str, device: str, no_ortho: bool = False):
+def workload(name: str, device: str, variants=()):
     """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
     if name in SHAPES:
         shapes = transformer_shapes(*SHAPES[name])
         opts = optimizers(
-            lambda: make_params(shapes), device, eager=name not in NO_EAGER, no_ortho=no_ortho
+            lambda: make_params(shapes), device, eager=name not in NO_EAGER, variants=variants
         )
 
         def opt_step(opt):
@@ -260,7 +272,7 @@ def workload(name: str, device: str, no_ortho: bool = False):
         models[len(models)] = model
         return model.parameters()
 
-    opts = optimizers(params_of, device, no_ortho=no_ortho)
+    opts = optimizers(params_of, device, variants=variants)
     gen = torch.Generator().manual_seed(0)
     batches = [models[0].batch(gen) for _ in range(4)]
 
@@ -285,11 +297,11 @@ def workload(name: str, device: str, no_ortho: bool = False):
     return n, tensors, opts, steps
 
 
-def measure(names, device, warmup, repeats, label="", rows=None, save=None, no_ortho=False):
+def measure(names, device, warmup, repeats, label="", rows=None, save=None, variants=()):
     """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
     rows = [] if rows is None else rows
     for name in names:
-        n, tensors, opts, steps = workload(name, device, no_ortho)
+        n, tensors, opts, steps = workload(name, device, variants)
         waited = compile_kernels(steps, opts)
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
@@ -420,6 +432,11 @@ def main(argv: list[str] | None = None) -> None:
         help="also time the rule without orthogonalisation (learned_no_ortho)",
     )
     ap.add_argument(
+        "--ns-every-step",
+        action="store_true",
+        help="also time the rule with Newton-Schulz at every step (learned_ns_every_step)",
+    )
+    ap.add_argument(
         "--contention-blocks", type=int, default=3,
         help="blocks measured with two busy processes, each with fresh ones (the median is "
         "reported: under load, how the scheduler slices a short and a long step swings "
@@ -489,7 +506,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
-    measure(names, device, args.warmup, args.repeats, "as is", rows, save, args.no_ortho)
+    variants = [n for n, on in zip(VARIANTS, (args.no_ortho, args.ns_every_step)) if on]
+    measure(names, device, args.warmup, args.repeats, "as is", rows, save, variants)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]
         blocks = []
