@@ -157,11 +157,22 @@ def render_step_overhead(result: dict) -> str:
     return (
         markdown_table(header, rows)
         + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
-        f"{load_note}), torch {m['torch']}; median of {result.get('repeats', '?')} steps after "
-        f"{result.get('warmup', '?')} warm-up steps, every optimizer on its own copy of the "
-        "model, taking turns step by step, so that a busy machine slows them alike (compare "
+        f"{load_note}), torch {m['torch']}; {_samples(result)}, every optimizer on its own "
+        "copy of the model, taking turns, so that a busy machine slows them alike (compare "
         f"ratios, not times). AdamW with `foreach=True`.{_first_steps(result)} Command: "
         f"`{result['command']}`. Targets: {result.get('targets', '-')}."
+    )
+
+
+def _samples(result: dict) -> str:
+    """How a step-cost run sampled: single steps, or the mean of ``period`` in a row."""
+    repeats, warmup, period = (result.get(k, "?") for k in ("repeats", "warmup", "period"))
+    if period in ("?", 1):
+        return f"median of {repeats} steps after {warmup} warm-up steps"
+    return (
+        f"median of {repeats} samples, each the mean of {period} consecutive steps (the "
+        f"rule's step time alternates with its Newton-Schulz steps), after {warmup} warm-up "
+        "samples"
     )
 
 

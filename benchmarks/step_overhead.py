@@ -207,25 +207,34 @@ def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:
     return waited
 
 
+#: Consecutive steps timed as one sample (their mean): the shipped rule runs Newton-Schulz
+#: on every other step of its wider matrices (``NetConfig.ns_every``), so its step time
+#: alternates, and the median of single steps would report the slower ones. The median
+#: over pairs is the cost of a step.
+PERIOD = 2
+
+
 def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
-    """``{name: (median, best)}`` wall time of one ``step()`` per optimizer, in ms, taking
-    turns step by step (used by ``benchmarks/cuda_check.py``)."""
+    """``{name: (median, best)}`` wall time of one ``step()`` per optimizer, in ms (the
+    mean over :data:`PERIOD` consecutive steps), taking turns (used by
+    ``benchmarks/cuda_check.py``)."""
     for opt in opts.values():
-        for _ in range(warmup):
+        for _ in range(warmup * PERIOD):
             opt.step()
     times: dict = {name: [] for name in opts}
     for _ in range(repeats):
         for name, opt in opts.items():
             t0 = time.perf_counter()
-            opt.step()
-            times[name].append(1e3 * (time.perf_counter() - t0))
+            for _ in range(PERIOD):
+                opt.step()
+            times[name].append(1e3 * (time.perf_counter() - t0) / PERIOD)
     return {name: (statistics.median(t), min(t)) for name, t in times.items()}
 
 
 def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
     """``{name: {part: median ms}}`` of callables ``steps[name]() -> {part: seconds}``,
-    taking turns in an order that rotates each round; the first call of each is also
-    reported (``first``, ms)."""
+    each sample the mean of :data:`PERIOD` consecutive calls, taking turns in an order
+    that rotates each round; the first call of each is also reported (``first``, ms)."""
     times: dict = {name: {} for name in steps}
     first = {}
     for name, fn in steps.items():
@@ -237,9 +246,13 @@ def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
         # the order turns each round: no optimizer always follows the same one (whose
         # threads, caches or allocations would otherwise slow it alike every round)
         for name in names[k % len(names) :] + names[: k % len(names)]:
-            for part, sec in steps[name]().items():
-                if k >= warmup:
-                    times[name].setdefault(part, []).append(1e3 * sec)
+            sums: dict = {}
+            for _ in range(PERIOD):
+                for part, sec in steps[name]().items():
+                    sums[part] = sums.get(part, 0.0) + sec
+            if k >= warmup:
+                for part, sec in sums.items():
+                    times[name].setdefault(part, []).append(1e3 * sec / PERIOD)
     return {
         name: {**{p: statistics.median(t) for p, t in parts.items()}, "first": first[name]}
         for name, parts in times.items()
@@ -487,6 +500,7 @@ def main(argv: list[str] | None = None) -> None:
             "load_average_before": (old or {}).get("load_average_before", load_before),
             "warmup": args.warmup,
             "repeats": args.repeats,
+            "period": PERIOD,
             "compile_route": "torch.export and AOTInductor (public API, static shapes) of "
             "learned_opt.kernel.step_tensors in buckets of up to 16 tensors, built by a child "
             "process into a package that the training process loads, once the reference's "
