@@ -271,9 +271,9 @@ def shape_direction(
             if kept is not None:
                 new_q[k] = kept[i]
     out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-    if q is None:
-        return out, None
     kept_q = [t for t in new_q if t is not None]
+    if not kept_q:  # no q, or no matrix that keeps one
+        return out, q
     return out, (kept_q[0] if len(kept_q) == 1 else torch.cat(kept_q, dim=-1))
 
 

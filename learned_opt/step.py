@@ -273,8 +273,8 @@ def flat_step(
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
         d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
     keeping = gram_layout(cfg, layout.shapes, matrices) if q is not None else ()
-    if q is not None and q.shape[-1] != sum(gram_numel(layout.shapes[k]) for k in keeping):
-        size = sum(gram_numel(layout.shapes[k]) for k in keeping)
+    size = sum(gram_numel(layout.shapes[k]) for k in keeping)
+    if q is not None and q.shape[-1] != size:
         raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials {size}")
     refresh = ns_due(cfg, step) if keeping else True
     new_p, new_q = apply_update(

@@ -262,3 +262,20 @@ def test_a_config_that_stops_keeping_polynomials_drops_them(tmp_path):
     opt.config_transform = lambda cfg: dataclasses.replace(cfg, output="adam")
     opt.step()
     assert "q" not in opt.state[p]
+
+
+def test_a_non_finite_gradient_leaves_the_kept_polynomial_as_it_was():
+    """A matrix whose gradient holds NaN is not stepped: its ``q`` stays, while the other
+    matrix of the same flat step takes a new one."""
+    layout = FlatLayout(("a", "b"), ((8, 24), (8, 24)))
+    p = torch.randn(1, layout.size, generator=torch.Generator().manual_seed(5))
+    g = torch.randn(1, layout.size, generator=torch.Generator().manual_seed(6))
+    g[0, 3] = float("nan")
+    state = init_flat_state(p, layout)
+    q = torch.rand(1, 2 * 64, generator=torch.Generator().manual_seed(7))
+    theta = {k: v.detach() for k, v in LearnedOptimizerNet(REUSE).named_parameters()}
+    out = flat_step(theta, REUSE, layout, p, g, state["m"], state["v"], 1, q=q,
+                    return_finite=True)  # fmt: skip
+    new_q, ok = out[-2], out[-1]
+    assert ok.tolist() == [[False, True]]
+    assert torch.equal(new_q[:, :64], q[:, :64]) and not torch.equal(new_q[:, 64:], q[:, 64:])
