@@ -520,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
-    variants = [n for n, on in zip(VARIANTS, (args.no_ortho, args.ns_every_step)) if on]
+    chosen = {"learned_no_ortho": args.no_ortho, "learned_ns_every_step": args.ns_every_step}
+    variants = [name for name in VARIANTS if chosen[name]]
     measure(names, device, args.warmup, args.repeats, "as is", rows, save, variants)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]

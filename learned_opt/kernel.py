@@ -53,8 +53,9 @@ from torch import Tensor
 from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
+from .orthogonal import gram_layout
 from .segments import FlatLayout, one_segment
-from .step import Parts, flat_step, gram_layout, moment_rows
+from .step import Parts, flat_step, moment_rows
 
 #: A kind of bucket is compiled once it has stepped eagerly at least this many times, and
 #: the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECONDS` in all: a
@@ -107,7 +108,7 @@ def step_tensors(
     stepped tensor advances), and may hold ``sparse_rows`` (a bool: a row-sparse matrix,
     never orthogonalised) and ``q`` (the Gram polynomial that a matrix keeps between
     Newton-Schulz iterations: every matrix that keeps one under ``cfg`` must hold it; see
-    :func:`~learned_opt.step.gram_layout`). ``lr`` is the group's step multiplier, a 0-d tensor: an input
+    :func:`~learned_opt.orthogonal.gram_layout`). ``lr`` is the group's step multiplier, a 0-d tensor: an input
     of the kernel, so that a scheduler may change it.
 
     Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host

@@ -176,6 +176,17 @@ def reuses_gram(shape, cfg: NetConfig) -> bool:
     return cfg.ns_every > 1 and is_matrix(shape, cfg) and min(shape) >= cfg.ns_reuse_min_dim
 
 
+def gram_layout(cfg: NetConfig, shapes, matrices=None) -> tuple[int, ...]:
+    """The segments (indices into ``shapes``) that keep a Gram polynomial under ``cfg``
+    (:func:`reuses_gram`; ``matrices``: which segments are orthogonalised, by default
+    :func:`is_matrix` of each shape), in the order of the flat ``q`` that
+    :func:`shape_direction` and :func:`~learned_opt.step.flat_step` take: each ``r x r``
+    flattened (:func:`gram_numel`)."""
+    if matrices is None:
+        matrices = tuple(is_matrix(tuple(s), cfg) for s in shapes)
+    return tuple(k for k, s in enumerate(shapes) if matrices[k] and reuses_gram(s, cfg))
+
+
 def gram_numel(shape) -> int:
     """Elements of the Gram polynomial a matrix of ``shape`` keeps: ``r x r``, ``r`` its
     smaller side."""
@@ -239,10 +250,8 @@ def shape_direction(
         return direction, q
     starts = [0, *itertools.accumulate(numels)]
     q_starts, q_at = {}, 0  # each keeping matrix's offset in q
-    if q is not None:
-        for k, shape in enumerate(shapes):
-            if matrices[k] and reuses_gram(shape, cfg):
-                q_starts[k], q_at = q_at, q_at + gram_numel(shape)
+    for k in gram_layout(cfg, shapes, matrices) if q is not None else ():
+        q_starts[k], q_at = q_at, q_at + gram_numel(shapes[k])
     pieces: list[Tensor | None] = [None] * len(shapes)
     new_q: list[Tensor | None] = [None] * len(shapes)
     groups: dict[tuple[int, int], list[int]] = {}

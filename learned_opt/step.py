@@ -51,7 +51,7 @@ from .network import (
     head_is_nonzero,
     tensor_head,
 )
-from .orthogonal import gram_numel, is_matrix, ns_due, reuses_gram, shape_direction
+from .orthogonal import gram_layout, gram_numel, is_matrix, ns_due, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
 
@@ -219,8 +219,8 @@ def flat_step(
 
     ``log_lr`` (``[B, T]``) are the segments' adapted log step multipliers
     (:func:`~learned_opt.features.adapt_log_lr`); a config that adapts them needs them, and
-    one that does not passes them through unchanged. ``q`` (``[B, Q]``, :func:`gram_layout`)
-    holds the Gram polynomials of the matrices that keep one between Newton-Schulz
+    one that does not passes them through unchanged. ``q`` (``[B, Q]``,
+    :func:`~learned_opt.orthogonal.gram_layout`) holds the Gram polynomials of the matrices that keep one between Newton-Schulz
     iterations (:attr:`~learned_opt.config.NetConfig.ns_every`); without it every matrix
     iterates at every step. ``parts``: the networks to evaluate
     (:func:`active_parts`; all of them by default).
@@ -299,15 +299,6 @@ def flat_step(
     if q is not None:
         out = (*out, q if new_q is None else new_q)
     return (*out, sums.ok) if return_finite else out
-
-
-def gram_layout(cfg: NetConfig, shapes, matrices=None) -> tuple[int, ...]:
-    """The segments (indices into ``shapes``) that keep a Gram polynomial under ``cfg``
-    (:func:`~learned_opt.orthogonal.reuses_gram`), in the order of :func:`flat_step`'s
-    ``q``: each ``r x r`` flattened (:func:`~learned_opt.orthogonal.gram_numel`)."""
-    if matrices is None:
-        matrices = tuple(is_matrix(tuple(s), cfg) for s in shapes)
-    return tuple(k for k, s in enumerate(shapes) if matrices[k] and reuses_gram(s, cfg))
 
 
 def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor:

@@ -23,13 +23,13 @@ from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
+from learned_opt.orthogonal import gram_layout
 from learned_opt.segments import FlatLayout, segment_mean
 from learned_opt.step import (
     ALL_PARTS,
     Parts,
     active_parts,
     flat_step,
-    gram_layout,
     init_flat_state,
     moment_rows,
 )
