@@ -61,6 +61,11 @@ class NetConfig:
     # instead of ns_steps iterations (see orthogonal.newton_schulz_reusing).
     ns_every: int = 1
     ns_reuse_min_dim: int = 64
+    # The gradient's weight w in what a matrix whose smaller side is at least
+    # ns_reuse_min_dim orthogonalises ("ortho" only): (1 - w) m1 + w g, with m1 the 0.9
+    # momentum after this step's update; at 0.1 this is the Nesterov form of that momentum
+    # (0.9 m1 + 0.1 g), which Muon steps along. 0: m1 itself. See orthogonal.takes_nesterov.
+    ortho_nesterov: float = 0.0
     normalize: bool = False  # scale the non-matrix direction to unit RMS per tensor
     # Per-tensor step-size adaptation (hypergradient; see features.adapt_log_lr): each
     # tensor keeps a log step multiplier that moves by lr_adapt_rate * cos(g_t, m1_{t-1})
@@ -146,6 +151,8 @@ class NetConfig:
             raise ValueError(
                 f"NetConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
             )
+        if not 0 <= float(self.ortho_nesterov) <= 1:
+            raise ValueError(f"NetConfig.ortho_nesterov must be in [0, 1], got {self.ortho_nesterov!r}")
         for name in ("ortho_snr", "ortho_snr_gossip"):
             value = getattr(self, name)
             if value is not None and not 0 <= float(value) <= 4:

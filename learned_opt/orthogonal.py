@@ -168,12 +168,27 @@ def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
     return cfg.ortho_min_dim <= min(shape) <= cfg.ortho_max_dim
 
 
+def is_wide_matrix(shape, cfg: NetConfig) -> bool:
+    """Whether a tensor of ``shape`` is an orthogonalised matrix whose smaller side is at
+    least :attr:`~learned_opt.config.NetConfig.ns_reuse_min_dim`: the matrices that may keep
+    a Gram polynomial (:func:`reuses_gram`) and take the Nesterov input
+    (:func:`takes_nesterov`)."""
+    shape = tuple(shape)
+    return is_matrix(shape, cfg) and min(shape) >= cfg.ns_reuse_min_dim
+
+
 def reuses_gram(shape, cfg: NetConfig) -> bool:
     """Whether a matrix of ``shape`` keeps the Gram polynomial of its last Newton-Schulz
     iteration between iterations under ``cfg`` (:attr:`~learned_opt.config.NetConfig.ns_every`):
     optimizer state of :func:`gram_numel` elements."""
-    shape = tuple(shape)
-    return cfg.ns_every > 1 and is_matrix(shape, cfg) and min(shape) >= cfg.ns_reuse_min_dim
+    return cfg.ns_every > 1 and is_wide_matrix(shape, cfg)
+
+
+def takes_nesterov(shape, cfg: NetConfig) -> bool:
+    """Whether a matrix of ``shape`` orthogonalises the Nesterov form of its momentum,
+    ``(1 - w) m1 + w g`` with ``w`` :attr:`~learned_opt.config.NetConfig.ortho_nesterov`,
+    instead of ``m1`` (see :func:`~learned_opt.step.ortho_momentum`)."""
+    return cfg.ortho_nesterov > 0 and is_wide_matrix(shape, cfg)
 
 
 def gram_layout(cfg: NetConfig, shapes, matrices=None) -> tuple[int, ...]:

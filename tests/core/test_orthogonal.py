@@ -1,5 +1,7 @@
 """The "ortho" output parameterisation: Newton-Schulz, the zero-heads rule, both layouts."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.func import grad, vmap
@@ -20,7 +22,7 @@ from learned_opt.orthogonal import (
     unit_rms,
 )
 from learned_opt.segments import FlatLayout
-from learned_opt.step import ALL_PARTS, flat_step, init_flat_state
+from learned_opt.step import ALL_PARTS, flat_step, init_flat_state, ortho_momentum
 
 ORTHO = NetConfig(output="ortho")
 
@@ -279,3 +281,42 @@ def test_a_non_finite_gradient_leaves_the_kept_polynomial_as_it_was():
     new_q, ok = out[-2], out[-1]
     assert ok.tolist() == [[False, True]]
     assert torch.equal(new_q[:, :64], q[:, :64]) and not torch.equal(new_q[:, 64:], q[:, 64:])
+
+
+NESTEROV = NetConfig(output="ortho", ns_reuse_min_dim=8, ortho_nesterov=0.1)
+
+
+def test_wide_matrices_orthogonalise_the_nesterov_momentum():
+    """A matrix at least ``ns_reuse_min_dim`` wide orthogonalises ``0.9 m1 + 0.1 g``: its
+    step is the plain rule's step from a momentum that updates to exactly that; a narrower
+    matrix and a vector take the plain rule's step, and a config without it builds none."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(8, 24), (4, 24), (24,)]
+    layout = FlatLayout(("w", "narrow", "b"), tuple(shapes))
+    n = layout.size
+    p, g = (torch.randn(1, n, generator=gen, dtype=torch.float64) for _ in range(2))
+    m = torch.randn(1, 3, n, generator=gen, dtype=torch.float64)
+    v = torch.rand(1, n, generator=gen, dtype=torch.float64) + 0.1
+    theta = LearnedOptimizerNet(NESTEROV).theta()
+    matrices = layout.matrices(NESTEROV)
+    m1 = 0.9 * m[:, 0] + 0.1 * g
+    mixed = ortho_momentum(NESTEROV, layout, matrices, m1, g)
+    wide = slice(0, 8 * 24)
+    torch.testing.assert_close(mixed[:, wide], 0.9 * m1[:, wide] + 0.1 * g[:, wide])
+    torch.testing.assert_close(mixed[:, 8 * 24 :], m1[:, 8 * 24 :], rtol=0, atol=0)
+    assert ortho_momentum(ORTHO, layout, layout.matrices(ORTHO), m1, g) is None
+    got = flat_step(theta, NESTEROV, layout, p, g, m, v, 2)[0]
+    # the plain rule from the momentum m' whose update 0.9 m' + 0.1 g is the Nesterov input
+    m_plain = m.clone()
+    m_plain[:, 0, wide] = (mixed[:, wide] - 0.1 * g[:, wide]) / 0.9
+    plain = replace(NESTEROV, ortho_nesterov=0.0)
+    want = flat_step(theta, plain, layout, p, g, m_plain, v, 2)[0]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    unchanged = flat_step(theta, plain, layout, p, g, m, v, 2)[0]
+    assert not torch.allclose(got[:, wide], unchanged[:, wide])
+    torch.testing.assert_close(got[:, 8 * 24 :], unchanged[:, 8 * 24 :], rtol=0, atol=0)
+
+
+def test_the_nesterov_weight_is_checked():
+    with pytest.raises(ValueError, match="ortho_nesterov must be in"):
+        NetConfig(output="ortho", ortho_nesterov=1.5)
