@@ -152,7 +152,9 @@ class NetConfig:
                 f"NetConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
             )
         if not 0 <= float(self.ortho_nesterov) <= 1:
-            raise ValueError(f"NetConfig.ortho_nesterov must be in [0, 1], got {self.ortho_nesterov!r}")
+            raise ValueError(
+                f"NetConfig.ortho_nesterov must be in [0, 1], got {self.ortho_nesterov!r}"
+            )
         for name in ("ortho_snr", "ortho_snr_gossip"):
             value = getattr(self, name)
             if value is not None and not 0 <= float(value) <= 4:
