@@ -126,6 +126,7 @@ SCHEDULE_PHRASES = {
 @section("validation_nesterov128")
 @section("validation_ns_lazy2")
 @section("validation_ns_stale2")
+@section("validation_ns_adaptive15")
 @section("validation_ns_every2")
 @section("validation_width_family")
 @section("validation_width_family_wsd_half")
