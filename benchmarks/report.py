@@ -176,6 +176,7 @@ def _samples(result: dict) -> str:
     )
 
 
+@section("step_overhead:brief")
 @section("step_overhead_stacked:brief")
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
@@ -219,21 +220,38 @@ def _load_sections() -> None:
     RENDERERS.update(importlib.import_module("benchmarks.report").RENDERERS)
 
 
+#: A generated section of a page: ``<!-- results:NAME[:VIEW[:ARG]] -->`` ... its end marker.
+SECTION = re.compile(r"<!-- results:([\w:.-]+) -->.*?<!-- /results:\1 -->", re.DOTALL)
+
+
+def _served(marker: str, results: Path) -> tuple[str, Path] | None:
+    """The renderer key and result file of ``marker``, or None where either is missing."""
+    name, *view = marker.split(":")
+    key = ":".join([name, *view[:1]])
+    path = results / f"{name}.json"
+    return (key, path) if key in RENDERERS and path.exists() else None
+
+
 def render(text: str, results: Path = RESULTS) -> str:
-    """``text`` with every registered, measured section replaced by a fresh rendering."""
+    """``text`` with every registered, measured section replaced by a fresh rendering
+    (a section that no renderer or result serves is left as it is: see :func:`unserved`)."""
 
     def replace(match: re.Match) -> str:
         marker = match.group(1)
-        name, *view = marker.split(":")
-        key = ":".join([name, *view[:1]])
-        path = results / f"{name}.json"
-        if key not in RENDERERS or not path.exists():
+        served = _served(marker, results)
+        if served is None:
             return match.group(0)
-        body = RENDERERS[key](json.loads(path.read_text()), *view[1:])
+        key, path = served
+        body = RENDERERS[key](json.loads(path.read_text()), *marker.split(":")[2:])
         return f"<!-- results:{marker} -->\n{body}\n<!-- /results:{marker} -->"
 
-    pattern = re.compile(r"<!-- results:([\w:.-]+) -->.*?<!-- /results:\1 -->", re.DOTALL)
-    return pattern.sub(replace, text)
+    return SECTION.sub(replace, text)
+
+
+def unserved(text: str, results: Path = RESULTS) -> list[str]:
+    """The markers of ``text``'s sections that no registered renderer or result file
+    serves: their tables would never be regenerated, and go stale unseen."""
+    return [m.group(1) for m in SECTION.finditer(text) if _served(m.group(1), results) is None]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = ap.parse_args(argv)
     _load_sections()
-    stale = []
+    stale, orphans = [], []
     for page in pages():
         old = page.read_text()
+        orphans += [f"{page.relative_to(ROOT)} ({m})" for m in unserved(old)]
         new = render(old)
         if new == old:
             continue
@@ -255,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         (DOCS / "assets").mkdir(exist_ok=True)
         for name in ASSETS:
             shutil.copyfile(RESULTS / name, DOCS / "assets" / name)
+    if orphans:
+        print(f"sections with no renderer or result: {', '.join(orphans)}")
+        return 1
     if args.check and stale:
         print(f"out of date: {', '.join(map(str, stale))}: run python benchmarks/report.py")
         return 1

@@ -124,6 +124,8 @@ SCHEDULE_PHRASES = {
 @section("validation_nesterov64_decentralized")
 @section("validation_nesterov_all")
 @section("validation_nesterov128")
+@section("validation_nesterov005")
+@section("validation_nesterov005_wsd_half")
 @section("validation_ns_lazy2")
 @section("validation_ns_stale2")
 @section("validation_ns_adaptive15")

@@ -116,7 +116,8 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "under gossip 1.33x as before (benchmarks/results/validation_ns_reuse2_min64*.json). "
         "Those matrices orthogonalise the Nesterov form of their momentum, 0.9 m + 0.1 g "
         "(NetConfig.ortho_nesterov 0.1), chosen on the validation family: median 1.15x as "
-        "before, small problems 1.57x against 1.49x, the 256-wide MLP 1.07x against 0.81x "
+        "before, small problems 1.57x against 1.49x, the 256-wide MLP 1.11x against 0.81x, "
+        "the 192-wide LSTM 1.49x against 1.23x, but the LSTM 1.00x against 1.11x "
         "(benchmarks/results/validation_nesterov64*.json).",
     ),
 }

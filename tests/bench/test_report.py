@@ -53,3 +53,23 @@ def test_markers_take_a_view_and_an_argument(tmp_path, monkeypatch):
     assert seen == ["x"]
     missing = "<!-- results:absent -->\nkept\n<!-- /results:absent -->"
     assert report.render(missing, tmp_path) == missing
+
+
+def test_a_section_that_nothing_renders_is_reported(tmp_path, monkeypatch):
+    """A marker whose name has no renderer or no result file is listed by ``unserved`` (and
+    fails ``report.py``), so that a table no run regenerates cannot go stale unseen."""
+    monkeypatch.setitem(report.RENDERERS, "thing", lambda r: "T")
+    (tmp_path / "thing.json").write_text(json.dumps({}))
+    page = (
+        "<!-- results:thing -->\nold\n<!-- /results:thing -->\n"
+        "<!-- results:absent -->\nx\n<!-- /results:absent -->\n"
+        "<!-- results:nothing_renders:brief -->\ny\n<!-- /results:nothing_renders:brief -->"
+    )
+    (tmp_path / "nothing_renders.json").write_text(json.dumps({}))
+    assert report.unserved(page, tmp_path) == ["absent", "nothing_renders:brief"]
+
+
+def test_every_page_section_is_served():
+    report._load_sections()
+    for page in report.pages():
+        assert report.unserved(page.read_text()) == [], page
