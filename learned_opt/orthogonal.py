@@ -187,7 +187,7 @@ def reuses_gram(shape, cfg: NetConfig) -> bool:
 def takes_nesterov(shape, cfg: NetConfig) -> bool:
     """Whether a matrix of ``shape`` orthogonalises the Nesterov form of its momentum,
     ``(1 - w) m1 + w g`` with ``w`` :attr:`~learned_opt.config.NetConfig.ortho_nesterov`,
-    instead of ``m1`` (see :func:`~learned_opt.step.ortho_momentum`)."""
+    instead of ``m1`` (see :func:`shape_direction`)."""
     return cfg.ortho_nesterov > 0 and is_wide_matrix(shape, cfg)
 
 
@@ -236,6 +236,7 @@ def shape_direction(
     matrices,
     q: Tensor | None = None,
     refresh: bool | Tensor = True,
+    g: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``, and
     the matrices' new Gram polynomials.
@@ -254,6 +255,15 @@ def shape_direction(
     :func:`newton_schulz_reusing` under ``refresh`` (:func:`ns_due`), and the result's
     second item holds their new polynomials in the same layout. Without ``q`` (None, and
     None is returned) every matrix runs Newton-Schulz.
+
+    ``g`` (``[..., P]``) is this step's gradient: a matrix that takes the Nesterov input
+    (:func:`takes_nesterov`) orthogonalises ``(1 - w) m1 + w g`` instead of ``m1``, ``w``
+    :attr:`~learned_opt.config.NetConfig.ortho_nesterov`. At ``w = 0.1`` this is
+    ``0.9 m1 + 0.1 g``, Muon's Nesterov momentum (the current gradient weighs 0.19 instead
+    of 0.1), chosen on the validation family for matrices at least 64 wide
+    (``validation_nesterov64.json``); on narrower ones (recurrent and attention models of
+    width 32 to 48) it lost (``validation_nesterov_all.json``). None: ``m1`` for every
+    matrix.
 
     Matrices of one shape, or of transposed shapes (a tall matrix iterates on its
     transpose anyway), take one batched Newton-Schulz iteration (:func:`ortho_directions`):
@@ -283,6 +293,8 @@ def shape_direction(
         zs = []
         for k in ks:
             m = m1[..., starts[k] : starts[k + 1]]
+            if g is not None and takes_nesterov(shapes[k], cfg):
+                m = torch.lerp(m, g[..., starts[k] : starts[k + 1]], cfg.ortho_nesterov)
             dk = None if d is None else d[..., starts[k] : starts[k + 1]]
             zs.append(ortho_input(m, m.square().mean(dim=-1, keepdim=True), dk))
         qs = None

@@ -51,14 +51,7 @@ from .network import (
     head_is_nonzero,
     tensor_head,
 )
-from .orthogonal import (
-    gram_layout,
-    gram_numel,
-    is_matrix,
-    ns_due,
-    shape_direction,
-    takes_nesterov,
-)
+from .orthogonal import gram_layout, gram_numel, is_matrix, ns_due, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
 
@@ -286,8 +279,7 @@ def flat_step(
     refresh = ns_due(cfg, step) if keeping else True
     new_p, new_q = apply_update(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
-        layout.shapes, matrices, q if keeping else None, refresh,
-        ortho_momentum(cfg, layout, matrices, m_new[..., 0, :], g_in),
+        layout.shapes, matrices, q if keeping else None, refresh, g_in,
     )  # fmt: skip
     out = (new_p, m_new, v_new)
     if masked:
@@ -307,28 +299,6 @@ def flat_step(
     if q is not None:
         out = (*out, q if new_q is None else new_q)
     return (*out, sums.ok) if return_finite else out
-
-
-def ortho_momentum(
-    cfg: NetConfig, layout: FlatLayout, matrices, m1: Tensor, g: Tensor
-) -> Tensor | None:
-    """What the matrices of ``layout`` orthogonalise (``[..., P]``): the 0.9 momentum
-    ``m1`` (after this step's update), and for those that take the Nesterov input
-    (:func:`~learned_opt.orthogonal.takes_nesterov`) ``(1 - w) m1 + w g``, with ``g`` this
-    step's (masked) gradient and ``w`` :attr:`~learned_opt.config.NetConfig.ortho_nesterov`.
-    None when no matrix takes it (``m1`` is then what they orthogonalise).
-
-    With ``w = 0.1`` this is ``0.9 m1 + 0.1 g``, Muon's Nesterov momentum: the current
-    gradient weighs 0.19 instead of 0.1. Chosen on the validation family for matrices at
-    least 64 wide (``validation_nesterov64.json``); on narrower ones (recurrent and
-    attention models of width 32 to 48) it lost (``validation_nesterov_all.json``)."""
-    nesterov = tuple(bool(mt) and takes_nesterov(s, cfg) for mt, s in zip(matrices, layout.shapes))
-    if not any(nesterov):
-        return None
-    mixed = torch.lerp(m1, g, cfg.ortho_nesterov)
-    if all(nesterov):
-        return mixed
-    return torch.where(segment_expand(constant(nesterov, torch.bool, m1.device), layout), mixed, m1)
 
 
 def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor:
@@ -439,12 +409,13 @@ def apply_update(
     matrices=None,
     q: Tensor | None = None,
     refresh: bool | Tensor = True,
-    m_ortho: Tensor | None = None,
+    g: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """The output parameterisation: the new parameter, and the matrices' new Gram
     polynomials (``q`` and ``refresh``: see :func:`~learned_opt.orthogonal.shape_direction`;
-    None without ``q``). ``m_ortho``: what the matrices orthogonalise
-    (:func:`ortho_momentum`; None: ``m1``). The new parameter is
+    None without ``q``). ``g``: this step's gradient, which the matrices that take the
+    Nesterov input mix into what they orthogonalise (see
+    :func:`~learned_opt.orthogonal.shape_direction`; None: none does). The new parameter is
 
         p + scale * clamp(adam_dir + d, +-max_direction) * exp(log_mag)
 
@@ -463,7 +434,6 @@ def apply_update(
         if d is not None:
             direction = direction + d
         direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
-    m_ortho = m1 if m_ortho is None else m_ortho
-    direction, new_q = shape_direction(cfg, shapes, direction, m_ortho, d, matrices, q, refresh)
+    direction, new_q = shape_direction(cfg, shapes, direction, m1, d, matrices, q, refresh, g)
     magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
     return torch.addcmul(p, direction, magnitude), new_q

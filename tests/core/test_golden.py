@@ -100,11 +100,11 @@ def test_every_path_gives_the_recorded_updates(checkpoint, path):
 
 def _doubled_update(
     cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices=None, q=None, refresh=True,
-    m_ortho=None,
+    g=None,
 ):  # fmt: skip
     """A changed output stage (twice the update), to be swapped into ``apply_update``."""
     new, new_q = _original_apply_update(  # noqa: F821
-        cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices, q, refresh, m_ortho
+        cfg, p, d, log_mag, m1, v, step, scale, shapes, matrices, q, refresh, g
     )
     return new + (new - p), new_q
 
