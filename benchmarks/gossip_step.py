@@ -5,11 +5,13 @@ Writes ``benchmarks/results/gossip_step.json``.
 
 4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
 (``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
-(784-1024-256-10, batch 64 of random data). Median milliseconds per step, the slowest
+(784-1024-256-10, batches of 64 random samples from a pool of 64 batches). Median milliseconds
+per step, the slowest
 rank's median, of:
 
 - ``allreduce + Adam``: data parallel, one all_reduce of the flat gradient, then Adam;
 - ``D-Adam <topology>``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
+  every Adam here is torch's fused one, as ``dadam`` builds it, but Decent-DP's first row;
 - ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
   forward/backward);
 - ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint,
@@ -28,7 +30,9 @@ rank's median, of:
 - ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
   decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
   ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
-  steps and exchanges bucket by bucket from backward hooks.
+  steps and exchanges bucket by bucket from backward hooks; with its own example optimizer
+  (torch's default Adam), and with the fused Adam (``Decent-DP fused Adam``), so that
+  ``vs_decent_dp_fused`` compares the two engines alone.
 
 The configurations take turns, ``--steps`` steps each (a multiple of 4, so that every
 round holds the same number of state exchanges for every k), round after round, so a
@@ -64,6 +68,8 @@ from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E40
 RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
 WORLD = 4
 BATCH = 64
+POOL = 64  # random batches per rank, cycled (4,096 samples with random labels)
+FUSED_DECENT_DP = "Decent-DP fused Adam one-peer ring"
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -82,7 +88,7 @@ class _AllReduceAdam:
 
     def __init__(self, params, comm: ProcessGroupCommunicator):
         self.params, self.comm = list(params), comm
-        self.adam = torch.optim.Adam(self.params, lr=1e-3)
+        self.adam = torch.optim.Adam(self.params, lr=1e-3, fused=True)
 
     def zero_grad(self):
         self.adam.zero_grad()
@@ -104,7 +110,9 @@ class _DecentDP:
         pass
 
 
-def _decent_dp(rank: int):
+def _decent_dp(rank: int, fused: bool):
+    """Decent-DP on its ring with Adam at lr 1e-3: its own example optimizer (torch's
+    default Adam) or, ``fused``, the fused Adam that ``dadam`` steps with."""
     try:
         from decent_dp.ddp import DecentralizedDataParallel
         from decent_dp.optim import optim_fn_adam
@@ -112,7 +120,13 @@ def _decent_dp(rank: int):
         return None
     from functools import partial
 
-    fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
+    if fused:
+
+        def fn(named):
+            return torch.optim.Adam([p for _, p in named], lr=1e-3, fused=True)
+
+    else:
+        fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
     return DecentralizedDataParallel(_model(rank), fn, topology="ring", _local_world_size=WORLD)
 
 
@@ -179,25 +193,32 @@ def _configs(rank: int) -> dict:
             GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, **options),
         )
     model = _model(rank)
-    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     out["Adam + learned mixing one_peer_ring overlap"] = (
         model,
         GossipOptimizer(adam, graph, "learned", overlap=True, net=local.net, metrics_every=0),
     )
-    peer = _decent_dp(rank)
-    if peer is not None:
-        out["Decent-DP Adam one-peer ring"] = (peer, _DecentDP())
+    for fused, label in ((False, "Decent-DP Adam one-peer ring"), (True, FUSED_DECENT_DP)):
+        peer = _decent_dp(rank, fused)
+        if peer is not None:
+            out[label] = (peer, _DecentDP())
     return out
 
 
 def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
     configs = _configs(rank)
     gen = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+    # a pool of random batches, cycled: trained on one fixed batch, a model that fits it
+    # (the learned rule does, within the rounds) gets gradients of about 1e-38, and its
+    # backward pass on those subnormal numbers took 10x longer
+    xs = torch.randn(POOL, BATCH, 784, generator=gen)
+    ys = torch.randint(0, 10, (POOL, BATCH), generator=gen)
+    turn = {}
 
     def train_step(model, opt):
+        k = turn[id(model)] = (turn.get(id(model), -1) + 1) % POOL
         opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(xs[k]), ys[k])
         loss.backward()
         opt.step(loss=loss.detach())
 
@@ -254,6 +275,9 @@ def main() -> None:
     peer = res.get("Decent-DP Adam one-peer ring")
     if peer is not None:
         results["vs_decent_dp"] = {k: v / peer for k, v in res.items()}
+    fused_peer = res.get(FUSED_DECENT_DP)
+    if fused_peer is not None:  # the engines alone: the same fused Adam on both sides
+        results["vs_decent_dp_fused"] = {k: v / fused_peer for k, v in res.items()}
     for name, ms in res.items():
         print(f"{name:<32}{ms:>9.1f} ms {ms / base:>6.2f}x")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -181,15 +181,19 @@ def render_cuda_check(r: dict) -> str:
 
 @section("gossip_step")
 def render_gossip_step(r: dict) -> str:
-    peer = r.get("vs_decent_dp", {})
+    peers = [r.get("vs_decent_dp", {}), r.get("vs_decent_dp_fused", {})]
     rows = [
-        [name, f"{ms:.1f}", _x(r["vs_allreduce"][name]), _x(peer[name]) if name in peer else "-"]
+        [name, f"{ms:.1f}", _x(r["vs_allreduce"][name])]
+        + [_x(peer[name]) if name in peer else "-" for peer in peers]
         for name, ms in r["step_ms"].items()
     ]
     header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
-    robust = "; ".join(
-        f"{name}: {100 * share:+.1f}%" for name, share in r.get("robust_overhead", {}).items()
-    )
+    if peers[1]:
+        header.append("vs Decent-DP, fused Adam")
+    else:
+        rows = [row[:-1] for row in rows]
+    shares = r.get("robust_overhead", {})
+    robust = "; ".join(f"{name}: {100 * share:+.1f}%" for name, share in shares.items())
     robust = (
         f' Robust mixing (`robust="clip"`) when nobody attacks, against the same row without it: {robust}.'
         if robust

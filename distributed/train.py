@@ -39,7 +39,7 @@ from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
 
 from .averaging import all_reduce_mean_
 from .compression import default_consensus_step, get_compressor
-from .gossip import GossipOptimizer
+from .gossip import GossipOptimizer, fused_where_supported
 from .mixing import parse_robust
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -245,9 +245,10 @@ def _local_optimizer(args, params):
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
     if args.optimizer == "learned":
         return LearnedOptimizer(params, checkpoint=args.checkpoint, lr=lr)
+    params, fused = fused_where_supported(params)
     if args.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    return torch.optim.SGD(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, **fused)
+    return torch.optim.SGD(params, lr=lr, **fused)
 
 
 def local_device() -> torch.device:

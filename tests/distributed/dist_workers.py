@@ -147,6 +147,8 @@ def _robust_mix(rank: int, n: int) -> dict:
         get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip"
     )
     mixed, _ = comm.mix([robust_payload(rank)], 0)
+    in_place = [robust_payload(rank)]  # mixed into the tensors sent (restored if clipped)
+    comm.mix(in_place, 0, out=in_place)
     nan = robust_payload(rank)
     if rank == 1:
         nan[0] = float("nan")
@@ -163,7 +165,10 @@ def _robust_mix(rank: int, n: int) -> dict:
         squeezed.mix([robust_payload(rank)], 0)  # the first exchange is sent whole
         with mock.patch.object(Layout, "pack", _forged_pack):
             squeezed.mix([nan], 1)
-        return {"mixed": mixed[0].tolist(), "excluded": [1], "forged": [[1], True, [1], True]}
+        return {
+            "mixed": mixed[0].tolist(), "in_place": in_place[0].tolist(), "excluded": [1],
+            "forged": [[1], True, [1], True],
+        }  # fmt: skip
     _, info = comm.mix([nan], 1)
     forged, forged_info = comm.mix([robust_payload(rank)], 2)
     squeezed = ProcessGroupCommunicator(
@@ -173,6 +178,7 @@ def _robust_mix(rank: int, n: int) -> dict:
     topk, topk_info = squeezed.mix([robust_payload(rank)], 1)
     return {
         "mixed": mixed[0].tolist(),
+        "in_place": in_place[0].tolist(),
         "excluded": info["excluded"],
         "forged": [
             forged_info["excluded"], bool(torch.isfinite(forged[0]).all()),

@@ -66,6 +66,7 @@ def test_robust_mix_clips_a_bad_neighbour_and_excludes_nan(exchange_results):
             robust="clip",
         )  # the single-process function, on the same values
         assert res["robust"]["mixed"] == pytest.approx(expect.tolist(), rel=1e-6)
+        assert res["robust"]["in_place"] == res["robust"]["mixed"]
         if rank in (0, 2):  # rank 1's 1e6 all but left out, its NaN left out
             assert max(res["robust"]["mixed"]) < 4 and res["robust"]["excluded"] == [1]
             # a NaN under a forged finite flag is left out too, exact or compressed

@@ -221,3 +221,31 @@ def test_consensus_distance_is_logged_only_when_measured():
         dist.destroy_process_group()
     assert writer.steps["gossip/consensus_distance"] == [0, 3, 6]
     assert writer.steps["gossip/bytes_sent"] == list(range(7))
+
+
+def test_the_torch_local_optimizers_are_fused_where_torch_supports_it():
+    """D-Adam, D-SGD and the entry's local Adam/SGD step with torch's fused kernels on CPU
+    (one pass per tensor), and step as the unfused ones do; the integer buffer of a
+    parameter list that holds one is left to torch's default."""
+    from learned_opt.distributed.gossip import fused_where_supported
+    from learned_opt.distributed.train import _local_optimizer
+
+    params = [torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)]
+    groups = [{"params": params[:1]}, {"params": params[1:], "lr": 0.1}]
+    assert fused_where_supported(params) == (params, {"fused": True})
+    assert fused_where_supported(iter(groups)) == (groups, {"fused": True})
+    assert fused_where_supported([torch.zeros(2, dtype=torch.long)])[1] == {}
+    assert fused_where_supported([])[1] == {}
+    for name in ("adam", "sgd"):
+        args = SimpleNamespace(optimizer=name, lr=0.01, checkpoint=None)
+        assert _local_optimizer(args, params).defaults["fused"] is True
+    fused = [p.detach().clone().requires_grad_() for p in params]
+    plain = [p.detach().clone().requires_grad_() for p in params]
+    opts = [torch.optim.Adam(fused, lr=0.01, fused=True), torch.optim.Adam(plain, lr=0.01)]
+    for step in range(5):
+        for group, opt in zip((fused, plain), opts):
+            for p in group:
+                p.grad = torch.full_like(p, float(step + 1)) * torch.arange(p.numel()).view(p.shape)
+            opt.step()
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b)
