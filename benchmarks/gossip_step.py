@@ -27,8 +27,10 @@ rank's median, of:
   ``..., no shared state``: the price of mixing the learned optimizer's moments, shared in
   one exchange of every k (the default k is 2: the plain ``learned + learned mixing``
   rows), or not at all;
-- ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --target DIR
-  decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency of this package): its
+- ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --no-deps
+  --target DIR decent-dp loguru`` and ``PYTHONPATH=DIR``; without ``--no-deps`` pip puts
+  the newest torch into DIR too, which then shadows the one installed; never a dependency
+  of this package): its
   ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
   steps and exchanges bucket by bucket from backward hooks; with its own example optimizer
   (torch's default Adam), and with the fused Adam (``Decent-DP fused Adam``), so that

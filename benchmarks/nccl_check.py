@@ -21,7 +21,7 @@ configuration (``<graph>``: ``ring`` and ``exponential``):
   around ``LearnedOptimizer`` (its kernel compiled first, for at most
   ``--compile-timeout`` seconds);
 - ``Decent-DP Adam ring``, only if ``decent_dp`` is importable (e.g. ``pip install
-  --target DIR decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency): its
+  --no-deps --target DIR decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency): its
   one-peer ring; otherwise the reason is recorded.
 
 Times: ``gossip_common.time_in_turns`` (the configurations take turns, ``--steps`` full
@@ -64,7 +64,7 @@ SIZES = {"10M": (4000, 256, 12), "100M": (16000, 768, 12), "tiny": (500, 32, 2)}
 GPU_SIZES, QUICK_SIZES = ["10M", "100M"], ["tiny"]
 TOPOLOGIES = ("ring", "exponential")
 BASELINE, PEER = "DDP AdamW", "Decent-DP Adam ring"
-DECENT_DP_HINT = "pip install --target DIR decent-dp loguru, then PYTHONPATH=DIR"
+DECENT_DP_HINT = "pip install --no-deps --target DIR decent-dp loguru, then PYTHONPATH=DIR"
 
 
 # ----------------------------------------------------------------------------- one rank
