@@ -86,6 +86,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage4")
 @section("validation_freeze_decay_wsd_half")
 @section("validation_freeze_decay_cosine")
+@section("validation_hold_growth_wsd_half")
 @section("validation_ortho_floor1")
 @section("validation_ortho_hypergradient")
 @section("validation_ortho_hypergradient_wsd_half")
