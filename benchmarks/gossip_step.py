@@ -5,9 +5,8 @@ Writes ``benchmarks/results/gossip_step.json``.
 
 4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
 (``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
-(784-1024-256-10, batches of 64 random samples from a pool of 64 batches). Median milliseconds
-per step, the slowest
-rank's median, of:
+(784-1024-256-10, batches of 64 random samples from a pool of 64 batches). Median
+milliseconds per step, the slowest rank's median, of:
 
 - ``allreduce + Adam``: data parallel, one all_reduce of the flat gradient, then Adam;
 - ``D-Adam <topology>``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);

@@ -147,7 +147,7 @@ def _robust_mix(rank: int, n: int) -> dict:
         get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip"
     )
     mixed, _ = comm.mix([robust_payload(rank)], 0)
-    in_place = [robust_payload(rank)]  # mixed into the tensors sent (restored if clipped)
+    in_place = [robust_payload(rank)]  # mixed into the tensors it sent, all read first
     comm.mix(in_place, 0, out=in_place)
     nan = robust_payload(rank)
     if rank == 1:

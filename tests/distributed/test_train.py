@@ -234,6 +234,8 @@ def test_the_torch_local_optimizers_are_fused_where_torch_supports_it():
     groups = [{"params": params[:1]}, {"params": params[1:], "lr": 0.1}]
     assert fused_where_supported(params) == (params, {"fused": True})
     assert fused_where_supported(iter(groups)) == (groups, {"fused": True})
+    lazy = [{"params": (p for p in params), "lr": 0.1}]  # a generator is read once
+    assert fused_where_supported(lazy) == ([{"params": params, "lr": 0.1}], {"fused": True})
     assert fused_where_supported([torch.zeros(2, dtype=torch.long)])[1] == {}
     assert fused_where_supported([])[1] == {}
     for name in ("adam", "sgd"):
