@@ -121,6 +121,7 @@ SCHEDULE_PHRASES = {
 @section("validation_stage3_now")
 @section("validation_adapt2x_tensor_stage6")
 @section("validation_stage5_now")
+@section("validation_adapt2x_tensor_stage7")
 @section("validation_adapt2x_tensor_stage5_wsd_half")
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
