@@ -224,12 +224,13 @@ def _load_sections() -> None:
 SECTION = re.compile(r"<!-- results:([\w:.-]+) -->.*?<!-- /results:\1 -->", re.DOTALL)
 
 
-def _served(marker: str, results: Path) -> tuple[str, Path] | None:
-    """The renderer key and result file of ``marker``, or None where either is missing."""
+def _served(marker: str, results: Path) -> tuple[str, Path, list[str]] | None:
+    """The renderer key, result file and renderer arguments of ``marker``
+    (``NAME[:VIEW[:ARG]]``), or None where the renderer or the file is missing."""
     name, *view = marker.split(":")
     key = ":".join([name, *view[:1]])
     path = results / f"{name}.json"
-    return (key, path) if key in RENDERERS and path.exists() else None
+    return (key, path, view[1:]) if key in RENDERERS and path.exists() else None
 
 
 def render(text: str, results: Path = RESULTS) -> str:
@@ -241,8 +242,8 @@ def render(text: str, results: Path = RESULTS) -> str:
         served = _served(marker, results)
         if served is None:
             return match.group(0)
-        key, path = served
-        body = RENDERERS[key](json.loads(path.read_text()), *marker.split(":")[2:])
+        key, path, args = served
+        body = RENDERERS[key](json.loads(path.read_text()), *args)
         return f"<!-- results:{marker} -->\n{body}\n<!-- /results:{marker} -->"
 
     return SECTION.sub(replace, text)

@@ -181,17 +181,16 @@ def render_cuda_check(r: dict) -> str:
 
 @section("gossip_step")
 def render_gossip_step(r: dict) -> str:
-    peers = [r.get("vs_decent_dp", {}), r.get("vs_decent_dp_fused", {})]
+    header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
+    peers = [r.get("vs_decent_dp", {})]
+    if "vs_decent_dp_fused" in r:  # the same fused Adam on both sides
+        header.append("vs Decent-DP, fused Adam")
+        peers.append(r["vs_decent_dp_fused"])
     rows = [
         [name, f"{ms:.1f}", _x(r["vs_allreduce"][name])]
         + [_x(peer[name]) if name in peer else "-" for peer in peers]
         for name, ms in r["step_ms"].items()
     ]
-    header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
-    if peers[1]:
-        header.append("vs Decent-DP, fused Adam")
-    else:
-        rows = [row[:-1] for row in rows]
     shares = r.get("robust_overhead", {})
     robust = "; ".join(f"{name}: {100 * share:+.1f}%" for name, share in shares.items())
     robust = (

