@@ -232,6 +232,24 @@ def new_trajectory(
     )  # fmt: skip
 
 
+def _one_worker_grad(loss_fn, params: Tensor, batch, second_order: bool):
+    """``vmap(grad_and_value(loss_fn))`` of a single worker (``params`` ``[1, P]``, each
+    tensor of ``batch`` ``[1, ...]``) by plain autograd, which costs about half as much
+    there: ``benchmarks/meta_throughput.py``. Differentiable in whatever ``params``
+    depends on, as the transform's results are; the gradient itself only with
+    ``second_order``."""
+    x, b = params[0], tuple(t[0] for t in batch)
+    with torch.enable_grad():
+        tracked = x.requires_grad
+        if not tracked:
+            x = x.detach().requires_grad_()
+        loss = loss_fn(x, b)
+        (grad,) = torch.autograd.grad(
+            loss, x, create_graph=second_order and tracked, retain_graph=tracked
+        )
+    return grad.unsqueeze(0), (loss if tracked else loss.detach()).unsqueeze(0)
+
+
 def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False):
     """Advance ``traj`` by one adapt-then-combine step; returns ``(losses [N], info)``.
 
@@ -251,7 +269,10 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
     def loss_fn(flat: Tensor, b):
         return traj.task.loss(layout.unflatten(flat), b)
 
-    grads, losses = vmap(grad_and_value(loss_fn))(traj.params, batch)
+    if traj.num_workers == 1:
+        grads, losses = _one_worker_grad(loss_fn, traj.params, batch, second_order)
+    else:
+        grads, losses = vmap(grad_and_value(loss_fn))(traj.params, batch)
     scored = losses
     if traj.num_workers > 1 and traj.score == "average":
         scored = vmap(loss_fn, in_dims=(None, 0))(traj.params.mean(0), batch)

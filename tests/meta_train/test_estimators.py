@@ -90,3 +90,40 @@ def test_first_order_tbptt_and_pes_point_the_same_way(one_param_task):
     est = _flat(g2)
     cos = float(est @ exact / (est.norm() * exact.norm()))
     assert cos > 0.3, cos
+
+
+def test_one_worker_gradients_equal_the_vmapped_transform():
+    # A single worker's gradient is taken by plain autograd (inner._one_worker_grad), not
+    # vmap(grad_and_value): same values, and the same derivatives through the parameters
+    # (the loss always; the gradient too with second_order), tracked or not.
+    from torch.func import grad_and_value, vmap
+
+    from learned_opt.meta_train.inner import _one_worker_grad
+
+    torch.manual_seed(0)
+    w, x, y = torch.randn(5, 3, dtype=torch.double), torch.randn(1, 7, 5), torch.randn(1, 7, 3)
+
+    def loss_fn(flat, b):
+        return torch.tanh(b[0].double() @ flat.view(5, 3)).sub(b[1]).square().mean()
+
+    batch = (x, y)
+    for second_order in (False, True):
+        theta = torch.tensor(0.7, dtype=torch.double, requires_grad=True)
+        params = (theta * w).reshape(1, -1)
+        g_ref, l_ref = vmap(grad_and_value(loss_fn))(params, batch)
+        g, loss = _one_worker_grad(loss_fn, params, batch, second_order)
+        assert torch.allclose(g, g_ref) and torch.allclose(loss, l_ref)
+        (d_ref,) = torch.autograd.grad(l_ref.sum(), theta, retain_graph=True)
+        (d,) = torch.autograd.grad(loss.sum(), theta, retain_graph=True)
+        assert torch.allclose(d, d_ref)
+        if second_order:
+            (h_ref,) = torch.autograd.grad(g_ref.sum(), theta, retain_graph=True)
+            (h,) = torch.autograd.grad(g.sum(), theta)
+            assert torch.allclose(h, h_ref)
+        else:
+            assert not g.requires_grad
+    with torch.no_grad():  # untracked (PES): no graph is kept
+        g, loss = _one_worker_grad(loss_fn, w.reshape(1, -1), batch, False)
+    g_ref, l_ref = vmap(grad_and_value(loss_fn))(w.reshape(1, -1), batch)
+    assert torch.allclose(g, g_ref) and torch.allclose(loss, l_ref)
+    assert not g.requires_grad and not loss.requires_grad
