@@ -338,7 +338,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
                         help="the rule's learning-rate schedule over each run (cosine: "
                         "torch's CosineAnnealingLR to 0 at the horizon; wsd: held, then "
-                        "linear to 0 over the last fifth; wsd_half: over the last half)")  # fmt: skip
+                        "linear to 0 over the last fifth; wsd_half: over the last half; "
+                        "single-worker problems only)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     return parser
@@ -373,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     side = checked_side(parser, args)
+    if args.schedule != "constant" and not args.no_decentralized:
+        parser.error(
+            f"--schedule {args.schedule} applies to the single-worker problems only (the "
+            "decentralized settings train at a held multiplier); add --no-decentralized"
+        )
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds repeats a seed: {args.seeds}")
     known = {t for t, _, _ in SINGLE_PROBLEMS}

@@ -173,3 +173,12 @@ def test_sampled_ranks_are_scored_on_their_own_samples_and_partitions_on_the_who
     assert len(run["curve"]) == 3 and run["population_final"] > 0
     assert dec.setting_key(setting).endswith("|objective=ranks|gridNone")
     assert "objective" not in dec.setting_key(dict(setting, partition="dirichlet"))
+
+
+def test_a_schedule_is_refused_where_the_decentralized_settings_would_ignore_it(capsys):
+    # The decentralized settings train at a held multiplier: a schedule there would label
+    # constant-rate rows as scheduled ones.
+    with pytest.raises(SystemExit) as exc:
+        val.main(["--checkpoint", "adapt_init_2x", "--schedule", "wsd_half", "--no-single"])
+    assert exc.value.code == 2
+    assert "single-worker problems only" in capsys.readouterr().err
