@@ -127,3 +127,5 @@ def test_one_worker_gradients_equal_the_vmapped_transform():
     g_ref, l_ref = vmap(grad_and_value(loss_fn))(w.reshape(1, -1), batch)
     assert torch.allclose(g, g_ref) and torch.allclose(loss, l_ref)
     assert not g.requires_grad and not loss.requires_grad
+    g, loss = _one_worker_grad(lambda flat, b: b[1].sum(), w.reshape(1, -1), batch, False)
+    assert torch.equal(g, torch.zeros(1, 15, dtype=torch.double)) and float(loss) == float(y.sum())
