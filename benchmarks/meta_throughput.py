@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import machine, write_json  # noqa: E402
 from learned_opt.meta_train import inner  # noqa: E402
+from learned_opt.meta_train.data import step_seeds  # noqa: E402
 from learned_opt.meta_train.inner import make_inner_optimizer  # noqa: E402
 from learned_opt.meta_train.module import MetaTrainModule  # noqa: E402
 
@@ -53,21 +54,23 @@ def _module(config: str) -> MetaTrainModule:
     return MetaTrainModule(**model)
 
 
-def _meta_step(module: MetaTrainModule, step: int) -> tuple[float, int]:
-    """One meta-step's estimate (as ``training_step`` takes it, without the outer update);
-    returns its seconds and the inner steps it ran."""
+def meta_step(module: MetaTrainModule, k: int) -> tuple[int, float]:
+    """Meta-step ``k``'s estimate as ``training_step`` takes it (its task seeds, its
+    persistent trajectories, the networks it unrolls), without the outer update, so theta
+    stays as it is: the inner steps times workers it ran, and the estimate's seconds."""
     s = module.settings
+    seeds = step_seeds(0, k, s.tasks_per_step)
     module.slots += [None] * (s.tasks_per_step - len(module.slots))
     for i in range(s.tasks_per_step):
         if module.slots[i] is None or module.slots[i][0].done:
-            module.slots[i] = module.estimator.particles(module.sampler.sample(1000 * step + i))
+            module.slots[i] = module.estimator.particles(module.sampler.sample(int(seeds[i]) + i))
     opt = make_inner_optimizer(
         "learned", net=module.net, mixing="learned", parts=module.unroll_parts()
     )
     infos: list = []
     start = time.perf_counter()
     module.estimator.estimate(module.net, opt, module.slots, s.unroll_length, infos)
-    return time.perf_counter() - start, len(infos)
+    return sum(info["num_workers"] for info in infos), time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(args.steps):
             for side in SIDES:
                 inner._one_worker_grad = one_worker if side == "autograd" else _vmapped
-                t, n = _meta_step(modules[side], step)
+                n, t = meta_step(modules[side], step)
                 seconds[side].append(t)
                 steps[side] += n
             print(f"meta-step {step + 1}/{args.steps}: "

@@ -11,38 +11,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 import yaml
 
 from benchmarks.common import machine
-from learned_opt.meta_train.data import step_seeds
-from learned_opt.meta_train.inner import make_inner_optimizer
+from benchmarks.meta_throughput import meta_step
 from learned_opt.meta_train.module import MetaTrainModule
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def measure(module: MetaTrainModule, steps: int, first_step: int = 0) -> tuple[int, float]:
-    """Worker-steps done and seconds taken by ``steps`` estimator calls (theta unchanged)."""
-    s = module.settings
-    opt = make_inner_optimizer("learned", net=module.net, mixing="learned")
-    done, start = 0, time.perf_counter()
+    """Worker-steps done and seconds taken by ``steps`` estimator calls (theta unchanged;
+    :func:`benchmarks.meta_throughput.meta_step` each)."""
+    done, seconds = 0, 0.0
     for k in range(first_step, first_step + steps):
-        seeds = step_seeds(0, k, s.tasks_per_step)
-        for i in range(s.tasks_per_step):
-            if i >= len(module.slots):
-                module.slots.append(None)
-            if module.slots[i] is None or module.slots[i][0].done:
-                module.slots[i] = module.estimator.particles(
-                    module.sampler.sample(int(seeds[i]) + i)
-                )
-        infos: list = []
-        module.estimator.estimate(module.net, opt, module.slots, s.unroll_length, infos)
-        done += sum(info["num_workers"] for info in infos)
-    return done, time.perf_counter() - start
+        n, t = meta_step(module, k)
+        done, seconds = done + n, seconds + t
+    return done, seconds
 
 
 def main() -> None:
