@@ -23,6 +23,7 @@ from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
+from learned_opt.optimizer import has_empty_rows
 from learned_opt.orthogonal import gram_layout
 from learned_opt.segments import FlatLayout, segment_mean
 from learned_opt.step import (
@@ -217,19 +218,31 @@ def new_trajectory(
         raise ValueError(f"unknown score {score!r}; valid choices: {SCORES}")
     gen = torch.Generator().manual_seed(int(seed))
     init = task.init(gen)
-    layout = FlatLayout.of(init, batch_dims=0)
-    params = layout.flatten(init, batch_dims=0).to(device).unsqueeze(0).repeat(num_workers, 1)
     batches = task.worker_batches(int(seed), num_workers, partition, alpha, device=device)
+    first = batches.get(0)
+    layout = _table_layout(task, init, tuple(t[0].cpu() for t in first))
+    params = layout.flatten(init, batch_dims=0).to(device).unsqueeze(0).repeat(num_workers, 1)
     comm = None
     if num_workers > 1:
         comm = SimulatedCommunicator(get_topology(topology, num_workers))
     with torch.no_grad():
-        first = batches.get(0)
         loss0 = float(vmap(task.loss)(layout.unflatten(params), first).mean())
     return Trajectory(
         task, num_workers, topology, partition, alpha, int(seed), int(length), layout, params,
         None, batches, comm, max(loss0, 1e-8), score=score,
     )  # fmt: skip
+
+
+def _table_layout(task, init: dict[str, Tensor], batch) -> FlatLayout:
+    """The layout of ``init`` with each tensor marked ``sparse_rows`` as a deployed
+    ``LearnedOptimizer`` marks it (:func:`~learned_opt.optimizer.has_empty_rows` of its
+    first gradient): an embedding table whose first batch (here, the first worker's) left
+    at least half its rows without gradient takes the Adam form, never the orthogonalised
+    step, so meta-training trains the per-tensor network on the step that such a table
+    gets in deployment."""
+    grads = torch.func.grad(task.loss)(init, batch)
+    marks = tuple(has_empty_rows(grads[name]) for name in init)
+    return FlatLayout(tuple(init), tuple(tuple(t.shape) for t in init.values()), marks)
 
 
 def _one_worker_grad(loss_fn, params: Tensor, batch, second_order: bool):

@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .datasets import DATASET_KINDS, Dataset, load_dataset
-from .models import ACTIVATIONS, CNN, GRU, MLP, Model, Transformer
+from .datasets import DATASET_KINDS, RATINGS, Dataset, load_dataset
+from .models import ACTIVATIONS, CNN, GRU, MLP, MatrixFactorisation, Model, Transformer
 from .partition import partition_indices
 
 __all__ = [
@@ -51,7 +51,7 @@ class Workload(NamedTuple):
     batches: Iterator[Batch]  # endless iterator of (inputs, targets)
 
 
-MODEL_KINDS = ("linear", "mlp", "cnn", "transformer", "gru", "autoencoder")
+MODEL_KINDS = ("linear", "mlp", "cnn", "transformer", "gru", "autoencoder", "mf")
 NORMS = ("none", "batch")  # TaskSpec.norm; "batch" is batch norm, see models.batch_norm
 _NORM_MODELS = ("mlp", "cnn")  # the model kinds that take norm="batch"
 #: Fields added after the first description format: ``describe()`` writes them only when
@@ -70,7 +70,8 @@ class TaskSpec:
 
     model: str  # one of MODEL_KINDS
     dataset: str  # a name from tasks.datasets.list_datasets()
-    # mlp, autoencoder: widths; cnn: (c1, c2); transformer: (dim, heads); gru: (embed, hidden)
+    # mlp, autoencoder: widths; cnn: (c1, c2); transformer: (dim, heads); gru: (embed,
+    # hidden); mf: (dim,)
     hidden: tuple[int, ...] = ()
     activation: str = "relu"  # one of models.ACTIVATIONS
     init_scale: float = 1.0  # multiplies every initial weight's standard deviation
@@ -154,6 +155,15 @@ def _build_model(spec: TaskSpec, data: Dataset) -> Model:
         )
     if any(h < 1 for h in spec.hidden):
         raise ValueError(f"hidden sizes must be >= 1, got {spec.hidden}")
+    if (spec.model == "mf") != (spec.dataset in RATINGS):
+        valid = f"dataset in {sorted(RATINGS)}" if spec.model == "mf" else "model='mf'"
+        raise ValueError(
+            f"model {spec.model!r} does not fit dataset {spec.dataset!r}; valid choices: {valid}"
+        )
+    if spec.model == "mf":
+        if len(spec.hidden) != 1:
+            raise ValueError(f"model 'mf' takes hidden=(dim,), got {spec.hidden}")
+        return MatrixFactorisation(*RATINGS[spec.dataset], spec.hidden[0])
     lm = data.kind == "lm"
     if lm and spec.model == "autoencoder":
         vectors = sorted(n for n, k in DATASET_KINDS.items() if k != "lm")

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["Dataset", "load_dataset", "list_datasets", "decode", "DATASET_KINDS", "VOCAB_SIZE"]
+__all__ = [
+    "Dataset",
+    "load_dataset",
+    "list_datasets",
+    "decode",
+    "DATASET_KINDS",
+    "RATINGS",
+    "VOCAB_SIZE",
+]
 
 _SPLIT_SEED = 1234
 _TEST_FRACTION = 0.2
@@ -32,7 +40,7 @@ class Dataset:
 
     name: str
     kind: str
-    x_train: torch.Tensor  # [n_train, ...] float32 features, or long tokens for "lm"
+    x_train: torch.Tensor  # [n_train, ...] float32 features, long tokens ("lm") or ids (RATINGS)
     y_train: torch.Tensor  # [n_train] long labels, float targets, or [n_train, context] tokens
     x_test: torch.Tensor
     y_test: torch.Tensor
@@ -124,6 +132,25 @@ def _quadratic_ill(
     return x, x @ w + 0.05 * rng.standard_normal(n)
 
 
+def _ratings_synth(
+    users: int = 3000, items: int = 250, ratings: int = 24000, rank: int = 6
+) -> tuple[np.ndarray, np.ndarray]:
+    """Synthetic ratings of a recommender: inputs are ``(user, item)`` id pairs, targets a
+    low-rank user-item score plus user and item biases and noise. User activity and item
+    popularity are heavy-tailed (log-normal and Zipf-like), so a batch touches a few
+    percent of the user table and a popular head of the item table."""
+    rng = np.random.default_rng(19)
+    u = rng.standard_normal((users, rank)) / rank**0.25
+    v = rng.standard_normal((items, rank)) / rank**0.25
+    activity = rng.lognormal(0.0, 1.0, users)
+    popularity = 1.0 / np.arange(1, items + 1) ** 0.8
+    who = rng.choice(users, ratings, p=activity / activity.sum())
+    what = rng.permutation(items)[rng.choice(items, ratings, p=popularity / popularity.sum())]
+    score = (u[who] * v[what]).sum(1)
+    score += 0.4 * rng.standard_normal(users)[who] + 0.4 * rng.standard_normal(items)[what]
+    return np.stack([who, what], 1), score + 0.3 * rng.standard_normal(ratings)
+
+
 def _corpus() -> str:
     import pydoc_data.topics as topics
 
@@ -164,7 +191,12 @@ DATASET_KINDS = {
     "linreg_synth": "regression",
     "quadratic_ill": "quadratic",
     "chars": "lm",
+    "ratings_synth": "regression",
 }
+
+#: Datasets of ``(user, item)`` id pairs: only matrix factorisation (model ``"mf"``) fits
+#: them, as ``(num_users, num_items)``.
+RATINGS = {"ratings_synth": (3000, 250)}
 
 
 def list_datasets() -> list[str]:
@@ -193,6 +225,11 @@ def load_dataset(name: str, label_noise: float = 0.0, context: int = 32) -> Data
     return _load_table(name, float(label_noise))
 
 
+def _inputs(name: str, x: np.ndarray) -> torch.Tensor:
+    """A table's inputs as a tensor: float32 features, or int64 ids for :data:`RATINGS`."""
+    return torch.from_numpy(x).long() if name in RATINGS else torch.from_numpy(x).float()
+
+
 @functools.lru_cache(maxsize=64)
 def _load_table(name: str, label_noise: float) -> Dataset:
     kind = DATASET_KINDS[name]
@@ -205,10 +242,11 @@ def _load_table(name: str, label_noise: float) -> Dataset:
             "logreg_synth": _logreg_synth,
             "linreg_synth": _linreg_synth,
             "quadratic_ill": _quadratic_ill,
+            "ratings_synth": _ratings_synth,
         }[name]()
     train, test = _split(len(x), _SPLIT_SEED + zlib.crc32(name.encode()) % 1000)
     x_tr, x_te = x[train], x[test]
-    if kind != "quadratic":
+    if kind != "quadratic" and name not in RATINGS:  # id pairs stay integers
         x_tr, x_te = _standardise(x_tr, x_te)
     rng = np.random.default_rng(_noise_seed(name, label_noise))
 
@@ -237,9 +275,9 @@ def _load_table(name: str, label_noise: float) -> Dataset:
     return Dataset(
         name=name,
         kind=kind,
-        x_train=torch.from_numpy(x_tr).float(),
+        x_train=_inputs(name, x_tr),
         y_train=y_tr_t,
-        x_test=torch.from_numpy(x_te).float(),
+        x_test=_inputs(name, x_te),
         y_test=y_te_t,
         num_classes=num_classes,
         partition_labels=torch.from_numpy(np.asarray(part, dtype=np.int64)),

@@ -147,6 +147,25 @@ def _broad_seq(rng: random.Random, name: str) -> TaskSpec:
     return _broad(rng, name)
 
 
+def _mf(rng: random.Random, name: str) -> TaskSpec:
+    """A matrix-factorisation recommender on synthetic ratings (not the validation
+    recommender's data): a batch gives a gradient to a few percent of the user table."""
+    dim = rng.choice((8, 16, 32))
+    scale = round(_log_uniform(rng, 0.5, 2.0), 4)
+    batch = rng.choice((32, 64, 128))
+    return TaskSpec("mf", "ratings_synth", (dim,), "relu", scale, batch, name=name)
+
+
+#: The share of recommenders that :func:`_broad_table` draws before :func:`_broad_seq`.
+TABLE_SHARE = 0.1
+
+
+def _broad_table(rng: random.Random, name: str) -> TaskSpec:
+    if rng.random() < TABLE_SHARE:
+        return _mf(rng, name)
+    return _broad_seq(rng, name)
+
+
 def _mixed(rng: random.Random, name: str) -> TaskSpec:
     u = rng.random()
     pick = _mlp if u < 0.45 else _regression if u < 0.75 else _cnn if u < 0.93 else _lm
@@ -229,6 +248,12 @@ FAMILIES: dict[str, TaskFamily] = {
             _broad_seq,
             "broad_family with more sequence models: char LMs (transformers 70%, GRUs 30%) "
             "drawn first at 25%, then broad_family (about 29% LMs in all)",
+        ),
+        TaskFamily(
+            "broad_table_family",
+            _broad_table,
+            "broad_seq_family with matrix-factorisation recommenders (embedding tables whose "
+            "rows a batch mostly leaves without gradient) drawn first at 10%",
         ),
     ]
 }

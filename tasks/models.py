@@ -19,7 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "BN_EPS", "Model", "MLP", "CNN", "Transformer", "GRU", "batch_norm"]
+__all__ = [
+    "ACTIVATIONS",
+    "BN_EPS",
+    "Model",
+    "MLP",
+    "CNN",
+    "Transformer",
+    "GRU",
+    "MatrixFactorisation",
+    "batch_norm",
+]
 
 BN_EPS = 1e-5  # batch norm's variance epsilon, as nn.BatchNorm's default
 ACTIVATIONS = {"relu": F.relu, "tanh": torch.tanh, "gelu": F.gelu, "silu": F.silu}
@@ -362,3 +372,52 @@ class _GRUModule(nn.Module):
 
     def forward(self, x):
         return self.head(self.rnn(self.emb(x))[0])
+
+
+# ----------------------------------------------------------------------------- MF
+class MatrixFactorisation(Model):
+    """A recommender: rating = <user row, item row> + user bias + item bias + global bias.
+
+    The inputs are ``(user, item)`` id pairs. The tables are embedding tables: a batch
+    gives a gradient to the rows of the ids it holds and leaves the others at zero, as
+    ``nn.Embedding`` does (the row-sparse matrices an optimizer meets in recommenders and
+    language models).
+    """
+
+    def __init__(self, users: int, items: int, dim: int):
+        self.users, self.items, self.dim = users, items, dim
+
+    def param_specs(self):
+        return [
+            ("user.weight", (self.users, self.dim), 0.1),
+            ("item.weight", (self.items, self.dim), 0.1),
+            ("user_bias.weight", (self.users, 1), "zeros"),
+            ("item_bias.weight", (self.items, 1), "zeros"),
+            ("bias", (1,), "zeros"),
+        ]
+
+    def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
+        u, i = x[..., 0], x[..., 1]
+        dot = (F.embedding(u, params["user.weight"]) * F.embedding(i, params["item.weight"])).sum(
+            -1
+        )
+        biases = F.embedding(u, params["user_bias.weight"]) + F.embedding(
+            i, params["item_bias.weight"]
+        )
+        return dot.unsqueeze(-1) + biases + params["bias"]
+
+    def module(self) -> nn.Module:
+        return _MFModule(self)
+
+
+class _MFModule(nn.Module):
+    def __init__(self, m: MatrixFactorisation):
+        super().__init__()
+        self.user, self.item = nn.Embedding(m.users, m.dim), nn.Embedding(m.items, m.dim)
+        self.user_bias, self.item_bias = nn.Embedding(m.users, 1), nn.Embedding(m.items, 1)
+        self.bias = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        u, i = x[:, 0], x[:, 1]
+        dot = (self.user(u) * self.item(i)).sum(-1, keepdim=True)
+        return dot + self.user_bias(u) + self.item_bias(i) + self.bias

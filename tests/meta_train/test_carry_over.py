@@ -13,7 +13,7 @@ from learned_opt.config import NetConfig
 from learned_opt.meta_train.cli import export
 from learned_opt.meta_train.data import step_seeds
 from learned_opt.meta_train.estimators import PES, TBPTT, make_estimator, truncation_meta_loss
-from learned_opt.meta_train.inner import make_inner_optimizer, new_trajectory
+from learned_opt.meta_train.inner import inner_step, make_inner_optimizer, new_trajectory
 from learned_opt.meta_train.module import MetaTrainModule, trainable_names
 from learned_opt.meta_train.settings import PART_MODULES, validate_settings
 from learned_opt.meta_train.slots import AugmentedTask, SlotSampler, restore_slots, serialise_slots
@@ -258,3 +258,34 @@ def test_simulated_workers_keep_gram_polynomials_as_a_deployed_optimizer_does():
         flat = torch.cat([t.detach().reshape(-1) for t in params])
         torch.testing.assert_close(p[1], flat, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(state["q"][1].reshape(64, 64), deployed.state[params[0]]["q"])
+
+
+def test_embedding_tables_take_the_step_a_deployed_optimizer_gives_them():
+    """A trajectory marks its tensors ``sparse_rows`` as ``LearnedOptimizer`` does on their
+    first gradient, so the unrolled rule steps a recommender's tables as deployed."""
+    from learned_opt import LearnedOptimizer
+    from learned_opt.tasks import Task, TaskSpec
+
+    task = Task(TaskSpec("mf", "ratings_synth", (16,), batch_size=64))
+    net, _ = load_checkpoint("adapt_init_2x")
+    traj = new_trajectory(task, 1, "ring", "iid", 1.0, 0, 10)
+    marks = dict(zip(traj.layout.names, traj.layout.sparse_rows))
+    assert marks == {"user.weight": True, "item.weight": True, "user_bias.weight": True,
+                     "item_bias.weight": True, "bias": False}  # fmt: skip
+    unmarked = new_trajectory(task, 1, "ring", "iid", 1.0, 0, 10)
+    unmarked.layout = FlatLayout(unmarked.layout.names, unmarked.layout.shapes)
+    module = task.load_params(task.module(), task.init(torch.Generator().manual_seed(0)))
+    deployed = LearnedOptimizer(module.parameters(), compile=False)
+    opt = make_inner_optimizer("learned", net=net, parts=None)
+    for step in range(3):
+        with torch.no_grad():
+            inner_step(traj, opt)
+            inner_step(unmarked, opt)
+        deployed.zero_grad()
+        task.module_loss(module, traj.batches.worker(step, 0)).backward()
+        deployed.step()
+    got = traj.layout.unflatten(traj.params[0])
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-6)
+    table = unmarked.layout.unflatten(unmarked.params[0])["user.weight"]
+    assert (table - got["user.weight"]).abs().max() > 1e-3  # orthogonalised otherwise
