@@ -220,7 +220,7 @@ def new_trajectory(
     init = task.init(gen)
     batches = task.worker_batches(int(seed), num_workers, partition, alpha, device=device)
     first = batches.get(0)
-    layout = _table_layout(task, init, tuple(t[0].cpu() for t in first))
+    layout = _table_layout(task, init, tuple(t.cpu() for t in first))
     params = layout.flatten(init, batch_dims=0).to(device).unsqueeze(0).repeat(num_workers, 1)
     comm = None
     if num_workers > 1:
@@ -233,15 +233,18 @@ def new_trajectory(
     )  # fmt: skip
 
 
-def _table_layout(task, init: dict[str, Tensor], batch) -> FlatLayout:
+def _table_layout(task, init: dict[str, Tensor], batches) -> FlatLayout:
     """The layout of ``init`` with each tensor marked ``sparse_rows`` as a deployed
     ``LearnedOptimizer`` marks it (:func:`~learned_opt.optimizer.has_empty_rows` of its
-    first gradient): an embedding table whose first batch (here, the first worker's) left
-    at least half its rows without gradient takes the Adam form, never the orthogonalised
-    step, so meta-training trains the per-tensor network on the step that such a table
-    gets in deployment."""
-    grads = torch.func.grad(task.loss)(init, batch)
-    marks = tuple(has_empty_rows(grads[name]) for name in init)
+    first gradient): an embedding table whose first batch left at least half its rows
+    without gradient takes the Adam form, never the orthogonalised step, so meta-training
+    trains the per-tensor network on the step that such a table gets in deployment.
+    ``batches``: every worker's first batch (``[N, ...]`` each). The simulated workers
+    share one layout, so a tensor is marked where every worker's first gradient marks it:
+    a table is, on every worker, while a hidden layer that one skewed shard leaves half
+    dead on its first batch does not switch every worker's step."""
+    grads = vmap(torch.func.grad(task.loss), in_dims=(None, 0))(init, batches)
+    marks = tuple(all(has_empty_rows(g) for g in grads[name].unbind()) for name in init)
     return FlatLayout(tuple(init), tuple(tuple(t.shape) for t in init.values()), marks)
 
 
