@@ -124,12 +124,10 @@ def step_tensors(
     singles = list(range(len(params)))
     if eager_cpu:
         packs: dict[tuple, list[int]] = {}
-        small = [i for i, p in enumerate(params) if p.numel() <= PACK_NUMEL]
-        counts = _step_counts([states[i] for i in small])  # one read for all of them
-        for i, count in zip(small, counts):
-            p, g, s = params[i], grads[i], states[i]
-            key = (p.dtype, g.dtype, count, bool(s.get("sparse_rows")))
-            packs.setdefault(key, []).append(i)
+        for i, (p, g, s) in enumerate(zip(params, grads, states)):
+            if p.numel() <= PACK_NUMEL:
+                key = (p.dtype, g.dtype, float(s["step"]), bool(s.get("sparse_rows")))
+                packs.setdefault(key, []).append(i)
         packs = {k: index for k, index in packs.items() if len(index) > 1}
         for index in packs.values():
             flags = _step_packed(
@@ -167,8 +165,7 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
     p = torch.cat([t.reshape(-1) for t in params]).to(dtype).unsqueeze(0)
     g = torch.cat([t.reshape(-1) for t in grads]).to(dtype).unsqueeze(0)
     rows = moment_rows(parts, any(layout.sparse_rows))  # one mark for the whole pack
-    moments = [_read_rows(s["m"], rows) for s in states]
-    m = torch.cat([t.reshape(rows, -1) for t in moments], dim=1).unsqueeze(0)
+    m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1).unsqueeze(0)
     v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
     log_lr = torch.stack([s["log_lr"] for s in states]).unsqueeze(0) if cfg.adapts_lr else None
     keeping = [states[k] for k in gram_layout(cfg, layout.shapes, layout.matrices(cfg))]
@@ -177,23 +174,22 @@ def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr)
         theta, cfg, layout, p, g, m, v, states[0]["step"] + 1, lr, log_lr=log_lr, q=q,
         return_finite=True, parts=parts, read_mask=True,
     )  # fmt: skip
-    targets, sources = [], []  # written back with one copy for all of them
     if keeping:
-        targets += [s["q"] for s in keeping]
-        sources += out[-2][0].split([s["q"].numel() for s in keeping])
+        for s, new in zip(keeping, out[-2][0].split([s["q"].numel() for s in keeping])):
+            s["q"].copy_(new.view(s["q"].shape))
     numels = layout.numels
-    targets += params
-    sources += out[0][0].split(numels)
-    targets += moments
-    sources += out[1][0].split(numels, -1)
-    targets += [s["v"] for s in states]
-    sources += out[2][0].split(numels)
-    if log_lr is not None:
-        targets += [s["log_lr"] for s in states]
-        sources += out[3][0].unbind()
-    _copy_back(targets, sources)
+    for t, new in zip(params, out[0][0].split(numels)):
+        t.copy_(new.view(t.shape))
+    for s, new_m, new_v in zip(states, out[1][0].split(numels, -1), out[2][0].split(numels)):
+        s["m"][:rows].copy_(new_m.view(rows, *s["m"].shape[1:]))
+        s["v"].copy_(new_v.view(s["v"].shape))
     ok = out[-1][0]
-    torch._foreach_add_([s["step"] for s in states], ok.to(states[0]["step"].dtype).unbind())
+    stepped = ok.to(states[0]["step"].dtype).unbind()  # one conversion, one split
+    for s, add in zip(states, stepped):
+        s["step"].add_(add)
+    if log_lr is not None:
+        for s, new in zip(states, out[3][0].unbind()):
+            s["log_lr"].copy_(new)
     return ok
 
 
@@ -227,8 +223,7 @@ def _step_stacked(
     rows = moment_rows(parts, sparse)
     p = _as_rows([t.reshape(-1) for t in params]).to(dtype)
     g = _as_rows([t.reshape(-1) for t in grads]).to(dtype)
-    moments = [_read_rows(s["m"], rows) for s in states]
-    m = _as_rows([t.reshape(rows, -1) for t in moments])
+    m = _as_rows([s["m"][:rows].reshape(rows, -1) for s in states])
     v = _as_rows([s["v"].reshape(-1) for s in states])
     step = _as_rows([s["step"] for s in states]).reshape(-1, 1) + 1
     log_lr = _as_rows([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
@@ -238,39 +233,16 @@ def _step_stacked(
         return_finite=True, parts=parts, read_mask=read_mask,
     )  # fmt: skip
     ok = out[-1][:, 0]
-    targets, sources = list(params), list(out[0].unbind())
-    if q is not None:
-        targets += [s["q"] for s in states]
-        sources += out[-2].unbind()
-    targets += moments + [s["v"] for s in states]
-    sources += list(out[1].unbind()) + list(out[2].unbind())
-    if log_lr is not None:
-        targets += [s["log_lr"] for s in states]
-        sources += out[3][:, 0].unbind()
-    _copy_back(targets, sources)
-    torch._foreach_add_([s["step"] for s in states], ok.to(states[0]["step"].dtype).unbind())
+    for j, (t, s) in enumerate(zip(params, states)):
+        t.copy_(out[0][j].view(shape))
+        if q is not None:
+            s["q"].copy_(out[-2][j].view(s["q"].shape))
+        s["m"][:rows].copy_(out[1][j].view(rows, *shape))
+        s["v"].copy_(out[2][j].view(s["v"].shape))
+        if log_lr is not None:
+            s["log_lr"].copy_(out[3][j, 0])
+        s["step"].add_(ok[j].to(s["step"].dtype))
     return ok
-
-
-def _read_rows(m: Tensor, rows: int) -> Tensor:
-    """The momenta a step reads and writes, the first ``rows`` of ``m`` (``m`` itself where
-    it holds no others, as an optimizer's state does: no slice to dispatch)."""
-    return m if m.shape[0] == rows else m[:rows]
-
-
-def _copy_back(targets: list[Tensor], sources: list[Tensor]) -> None:
-    """Write each flat or stacked result of a step into its state tensor (shaped as it is):
-    one foreach copy for all of them, where a loop of copies cost the eager step a few
-    microseconds of dispatch per tensor and state."""
-    torch._foreach_copy_(targets, [new.view(t.shape) for t, new in zip(targets, sources)])
-
-
-def _step_counts(states: list[dict]) -> list[float]:
-    """Each state's step count, read with one host read for all of them."""
-    steps = [s["step"] for s in states]
-    if len({t.dtype for t in steps}) != 1:  # none, or tensors of float32 and float64
-        return [float(t) for t in steps]
-    return torch.stack(steps).tolist()
 
 
 @contextlib.contextmanager
@@ -328,6 +300,8 @@ class Kernels:
         device = params[0].device.type
         if device == "cpu":
             _yield_threads(_worker().busy())
+        # plain tensors sharing the parameters' memory, as the copies the kernel was built on
+        params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled() and device in KERNEL_DEVICES):
             return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
         # the kernel and the reference step outside autocast, which would otherwise cast
@@ -377,10 +351,8 @@ class Kernels:
 
     def _step_bucket(self, entry: _Entry, args: tuple) -> Tensor:
         """Step one bucket: its kernel, or the reference (and queue its compile once due)."""
-        if entry.fn is not None:  # on plain tensors sharing the parameters' memory, as the
-            theta, cfg, parts, params, grads, states, lr = args  # copies it was built on
-            params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-            return entry.fn(theta, cfg, parts, params, grads, states, lr)
+        if entry.fn is not None:
+            return entry.fn(*args)
         entry.eager_steps += 1
         if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
             entry.built = _is_built(args)
