@@ -125,6 +125,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage8")
 @section("validation_adapt2x_tensor_stage8_wsd_half")
 @section("validation_adapt2x_tensor_stage9")
+@section("validation_adapt2x_tensor_stage9_wsd_half")
 @section("validation_adapt2x_tensor_stage9_tables")
 @section("validation_ortho_snr1")
 @section("validation_gossip_displacement_decentralized")
