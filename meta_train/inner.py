@@ -10,7 +10,7 @@ and mixing functions as deployment.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -245,7 +245,7 @@ def _table_layout(task, init: dict[str, Tensor], batches) -> FlatLayout:
     dead on its first batch does not switch every worker's step."""
     grads = vmap(torch.func.grad(task.loss), in_dims=(None, 0))(init, batches)
     marks = tuple(all(has_empty_rows(g) for g in grads[name].unbind()) for name in init)
-    return FlatLayout(tuple(init), tuple(tuple(t.shape) for t in init.values()), marks)
+    return replace(FlatLayout.of(init), sparse_rows=marks)
 
 
 def _one_worker_grad(loss_fn, params: Tensor, batch, second_order: bool):

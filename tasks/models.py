@@ -28,6 +28,7 @@ __all__ = [
     "Transformer",
     "GRU",
     "MatrixFactorisation",
+    "MatrixFactorisationModule",
     "batch_norm",
 ]
 
@@ -398,26 +399,32 @@ class MatrixFactorisation(Model):
 
     def apply(self, params: Params, x: torch.Tensor) -> torch.Tensor:
         u, i = x[..., 0], x[..., 1]
-        dot = (F.embedding(u, params["user.weight"]) * F.embedding(i, params["item.weight"])).sum(
-            -1
-        )
+        user, item = F.embedding(u, params["user.weight"]), F.embedding(i, params["item.weight"])
         biases = F.embedding(u, params["user_bias.weight"]) + F.embedding(
             i, params["item_bias.weight"]
         )
-        return dot.unsqueeze(-1) + biases + params["bias"]
+        return (user * item).sum(-1) + biases[..., 0] + params["bias"]
 
     def module(self) -> nn.Module:
-        return _MFModule(self)
+        return MatrixFactorisationModule(self.users, self.items, self.dim)
 
 
-class _MFModule(nn.Module):
-    def __init__(self, m: MatrixFactorisation):
+class MatrixFactorisationModule(nn.Module):
+    """Rating = <user, item> + user bias + item bias + global bias; embeddings N(0, 0.1).
+    The module face of :class:`MatrixFactorisation`, and the validation family's
+    recommender."""
+
+    def __init__(self, users: int, items: int, dim: int):
         super().__init__()
-        self.user, self.item = nn.Embedding(m.users, m.dim), nn.Embedding(m.items, m.dim)
-        self.user_bias, self.item_bias = nn.Embedding(m.users, 1), nn.Embedding(m.items, 1)
+        self.user, self.item = nn.Embedding(users, dim), nn.Embedding(items, dim)
+        self.user_bias, self.item_bias = nn.Embedding(users, 1), nn.Embedding(items, 1)
         self.bias = nn.Parameter(torch.zeros(1))
+        for emb in (self.user, self.item):
+            nn.init.normal_(emb.weight, std=0.1)
+        for emb in (self.user_bias, self.item_bias):
+            nn.init.zeros_(emb.weight)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         u, i = x[:, 0], x[:, 1]
-        dot = (self.user(u) * self.item(i)).sum(-1, keepdim=True)
-        return dot + self.user_bias(u) + self.item_bias(i) + self.bias
+        dot = (self.user(u) * self.item(i)).sum(-1)
+        return dot + self.user_bias(u)[:, 0] + self.item_bias(i)[:, 0] + self.bias

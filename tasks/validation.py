@@ -47,6 +47,7 @@ from torch import nn
 from .base import WorkerBatches
 from .datasets import VOCAB_SIZE, Dataset, _quantile_bins, _split, _standardise, load_dataset
 from .heldout import CharTransformerLM, _mlp
+from .models import MatrixFactorisationModule
 from .module_task import ModuleTask
 
 __all__ = [
@@ -198,25 +199,6 @@ class LSTMLM(nn.Module):
         return self.head(out)
 
 
-class MatrixFactorisation(nn.Module):
-    """Rating = <user, item> + user bias + item bias + global bias; embeddings N(0, 0.1)."""
-
-    def __init__(self, users: int, items: int, dim: int):
-        super().__init__()
-        self.user, self.item = nn.Embedding(users, dim), nn.Embedding(items, dim)
-        self.user_bias, self.item_bias = nn.Embedding(users, 1), nn.Embedding(items, 1)
-        self.bias = nn.Parameter(torch.zeros(1))
-        for emb in (self.user, self.item):
-            nn.init.normal_(emb.weight, std=0.1)
-        for emb in (self.user_bias, self.item_bias):
-            nn.init.zeros_(emb.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        u, i = x[:, 0], x[:, 1]
-        dot = (self.user(u) * self.item(i)).sum(-1)
-        return dot + self.user_bias(u)[:, 0] + self.item_bias(i)[:, 0] + self.bias
-
-
 # ----------------------------------------------------------------------------- sampled ranks
 class SampledBatches(WorkerBatches):
     """Batches of ranks that each drew their own skewed sample (see the module docstring).
@@ -289,7 +271,7 @@ _BUILT = [
           "4 pre-LayerNorm residual blocks (width 96) on 32-feature, 8-class data"),
     _task("val_attn_copy", lambda: CharTransformerLM(16, 32, dim=48, heads=4, layers=2),
           _markov_copy, 32, "2-layer causal transformer (dim 48) on Markov-then-copy sequences"),
-    _task("val_mf_recsys", lambda: MatrixFactorisation(4000, 300, 16), _ratings, 64,
+    _task("val_mf_recsys", lambda: MatrixFactorisationModule(4000, 300, 16), _ratings, 64,
           "matrix factorisation recommender, 4000 users x 300 items, 64 ratings a step "
           "(<= 1.6% of user rows get a gradient)"),
     _task("val_wide256_mlp", lambda: _mlp(64, 256, 256, 256, 10), _table_of("wide64"), 64,
