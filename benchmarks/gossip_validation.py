@@ -9,7 +9,7 @@ D-SGD, D-Adam and DSGT, scored on the averaged model's full training-set loss) o
 the meta-training registry only, so that such choices are made on it, and the held-out
 suite is run once afterwards to confirm.
 
-Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig`
+Every side is a checkpoint, optionally with some :class:`~learned_opt.config.NetConfig` (or MixingConfig)
 fields replaced (``--side label=checkpoint:field=value,...``); the field
 ``share_state_every`` is the simulated workers' instead (how often an exchange carries
 the shared moments, :class:`~learned_opt.meta_train.inner.InnerOptimizer`). Tuned

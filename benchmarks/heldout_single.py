@@ -72,7 +72,8 @@ def side_id(side: str) -> str | None:
     if is_factory(side):
         return None
     net, _ = load_checkpoint(resolve_checkpoint(side))
-    h = hashlib.sha256(json.dumps(net.config.to_dict(), sort_keys=True).encode())
+    configs = {**net.config.to_dict(), **net.mixing.to_dict()}
+    h = hashlib.sha256(json.dumps(configs, sort_keys=True).encode())
     for name, tensor in sorted(net.state_dict().items()):
         h.update(name.encode() + b"\0" + tensor.detach().cpu().contiguous().numpy().tobytes())
     return f"{side}@{h.hexdigest()[:12]}+code-{code_hash()}"

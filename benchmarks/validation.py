@@ -15,9 +15,10 @@ runs its settings (:mod:`benchmarks.heldout_decentralized`: the averaged model's
 training-set loss, learned mixing, tuned D-SGD, D-Adam and DSGT).
 
 The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
-label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` fields
-replaced (as in :mod:`benchmarks.registry_sides`). Tuned baselines and anchor runs are
-cached in ``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
+label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` or
+:class:`~learned_opt.config.MixingConfig` fields replaced (as in
+:mod:`benchmarks.registry_sides`). Tuned baselines and anchor runs are cached in
+``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
 Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
 rewritten as results come in.
 
@@ -66,10 +67,10 @@ def side_factory(checkpoint: str, fields: dict) -> single.Factory:
 def typed_fields(checkpoint: str, fields: dict) -> dict:
     """``fields`` (parsed as floats) with whole numbers made ``int`` where the checkpoint's
     config holds an ``int`` (``ns_steps=3`` must not become ``3.0``)."""
-    cfg = load_checkpoint(checkpoint)[0].config
+    net = load_checkpoint(checkpoint)[0]
     out = {}
     for key, value in fields.items():
-        current = getattr(cfg, key, None)
+        current = getattr(net.config, key, getattr(net.mixing, key, None))
         whole = isinstance(current, int) and not isinstance(current, bool)
         out[key] = int(value) if whole and float(value).is_integer() else value
     return out

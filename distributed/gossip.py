@@ -90,8 +90,8 @@ class GossipOptimizer:
             a :class:`~learned_opt.distributed.local.GossipLocal`; the wrapper reaches it
             through :func:`~learned_opt.distributed.local.gossip_local` (``local``). A
             :class:`~learned_opt.LearnedOptimizer` steps under gossip's bounds on adapted
-            step sizes from then on (:meth:`NetConfig.under_gossip
-            <learned_opt.config.NetConfig.under_gossip>`); its rule is its own.
+            step sizes from then on (:meth:`MixingConfig.under_gossip
+            <learned_opt.config.MixingConfig.under_gossip>`); its rule is its own.
         topology: a :class:`Topology` or a registry name; ignored when ``communicator`` is
             given.
         mixing: ``"metropolis"``, ``"uniform"`` or ``"learned"``; default: ``"learned"`` when

@@ -10,8 +10,8 @@ local steps only through :class:`GossipLocal`. Beside torch's ``param_groups``,
 - ``mixing_net()`` and ``mixing_theta(device)``: the network whose edge head gives the
   learned mixing weights, and its theta;
 - ``join_gossip()``: step under gossip from now on (a learned optimizer keeps its adapted
-  step sizes within :meth:`NetConfig.under_gossip
-  <learned_opt.config.NetConfig.under_gossip>`'s bounds);
+  step sizes within :meth:`MixingConfig.under_gossip
+  <learned_opt.config.MixingConfig.under_gossip>`'s bounds);
 - and ``step(closure)`` returns the closure's loss: the batch loss that the learned
   mixing's features read when the wrapper's ``step(loss=...)`` is not given.
 
@@ -30,7 +30,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from learned_opt.config import NetConfig
 from learned_opt.features import init_state
 from learned_opt.network import LearnedOptimizerNet, Theta
 from learned_opt.optimizer import LearnedOptimizer
@@ -122,8 +121,8 @@ class LearnedLocal(TorchLocal):
     """A :class:`~learned_opt.LearnedOptimizer` as a :class:`GossipLocal`.
 
     - :meth:`shared_state`: its moments.
-    - :meth:`join_gossip`: its step runs with :meth:`NetConfig.under_gossip
-      <learned_opt.config.NetConfig.under_gossip>` (a lower ceiling and a higher floor on
+    - :meth:`join_gossip`: its step runs with :meth:`MixingConfig.under_gossip
+      <learned_opt.config.MixingConfig.under_gossip>` (a lower ceiling and a higher floor on
       adapted step sizes), set through its ``config_transform``.
     """
 
@@ -136,7 +135,7 @@ class LearnedLocal(TorchLocal):
         return self.optimizer.theta(device, torch.float32)
 
     def join_gossip(self) -> None:
-        self.optimizer.config_transform = NetConfig.under_gossip
+        self.optimizer.config_transform = self.optimizer.net.mixing.under_gossip
 
     def shared_state(self) -> list[Tensor]:
         """Each parameter's second moment ``v``, then each parameter's momenta ``m``

@@ -16,7 +16,7 @@ from .checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from .config import NetConfig
+from .config import MixingConfig, NetConfig
 from .network import LearnedOptimizerNet
 from .optimizer import LearnedOptimizer
 from .schedules import wsd_schedule
@@ -28,6 +28,7 @@ __all__ = [
     "CheckpointError",
     "LearnedOptimizer",
     "LearnedOptimizerNet",
+    "MixingConfig",
     "NetConfig",
     "list_pretrained",
     "load_checkpoint",

@@ -2,7 +2,12 @@
 
 A checkpoint is a plain dict::
 
-    {"format": "learned-opt/1", "config": NetConfig.to_dict(), "theta": state_dict, "card": {...}}
+    {"format": "learned-opt/1", "config": NetConfig.to_dict(), "mixing": MixingConfig.to_dict(),
+     "theta": state_dict, "card": {...}}
+
+``config`` is the update rule and ``mixing`` the mixing head with the rule's bounds under
+gossip. Files written before the two were split have no ``mixing``: its fields sit in
+``config``, and they load the same.
 
 It holds theta, never per-parameter optimizer state. Every way a file can be wrong raises
 :class:`CheckpointError` naming the file and the problem.
@@ -20,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .config import NetConfig
+from .config import split_config
 from .network import LearnedOptimizerNet
 
 FORMAT_VERSION = "learned-opt/1"
@@ -143,6 +148,7 @@ def save_checkpoint(
     payload = {
         "format": FORMAT_VERSION,
         "config": net.config.to_dict(),
+        "mixing": net.mixing.to_dict(),
         "theta": {k: v.detach().cpu().clone() for k, v in net.state_dict().items()},
         "card": dict(card or {}),
     }
@@ -173,11 +179,15 @@ def load_checkpoint(name_or_path: str | os.PathLike) -> tuple[LearnedOptimizerNe
             f"{path}: invalid network config: expected a dict, found "
             f"{type(payload['config']).__name__}"
         )
+    mixing = payload.get("mixing", {})  # checkpoints before the split: inside config
+    if not isinstance(mixing, dict):
+        raise CheckpointError(
+            f"{path}: invalid mixing config: expected a dict, found {type(mixing).__name__}"
+        )
     try:
-        config = NetConfig.from_dict(payload["config"])
+        net = LearnedOptimizerNet(*split_config(payload["config"], mixing))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: invalid network config: {exc}") from exc
-    net = LearnedOptimizerNet(config)
     expected = net.state_dict()
     theta = payload["theta"]
     if not isinstance(theta, dict) or set(theta) != set(expected):

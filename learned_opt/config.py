@@ -1,4 +1,5 @@
-"""Configuration of the learned optimizer network and its input features."""
+"""Configuration of the learned optimizer network (its update rule, :class:`NetConfig`, and
+its gossip side, :class:`MixingConfig`) and its input features."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ OUTPUTS = ("adam", "ortho")
 
 @dataclass(frozen=True)
 class NetConfig:
-    """Shape and output parameterisation of the learned optimizer network."""
+    """The update rule: the per-tensor and per-element networks' shapes, the output
+    parameterisation and the step-size adaptation. What changes under gossip (the mixing
+    head, the adaptation's bounds there) is :class:`MixingConfig`."""
 
     width: int = 8  # hidden width of the per-element MLP: 8, 16 or 32
     tensor_width: int = 32  # hidden width of the per-tensor network
-    edge_width: int = 16  # hidden width of the edge (mixing) head
     step_mult: float = 1e-3  # base step; zero-initialised heads give exactly Adam(lr=step_mult)
     exp_mult: float = 1e-3  # magnitude output enters as exp(exp_mult * a)
     max_direction: float = 10.0  # the per-element direction is clamped to +-max_direction
@@ -85,40 +87,19 @@ class NetConfig:
     # directions up (an MLP on digits: its training loss rose from 0.2 to 300 within 2000
     # steps). See features.adapt_ceiling.
     lr_adapt_max_ortho: float | None = None
-    # The ceiling of the log step multiplier under gossip (see :meth:`under_gossip`). With
-    # heterogeneous data each worker's gradient keeps a part that points to its own
-    # optimum, whatever the step size, while the mixing pulls it back: consecutive
-    # gradients agree, the cosine above stays positive, and steps would grow until the
-    # workers' disagreement ruins the averaged model. The lower ceiling bounds that; too
-    # low, it holds convex problems far below their tuned step (D-SGD's best rate was 1 on
-    # logistic regression). adapt_init_2x sets e^5, chosen on the decentralized validation
-    # settings (benchmarks/gossip_rule_choice.py).
-    lr_adapt_max_gossip: float = 2.0
-    # The floor under gossip. The other way round, under label skew a worker's gradient
-    # meets its neighbourhood's mixed momentum at a negative cosine even where the step
-    # size is right (a conv net with batch norm: its steps shrank to e^-4 and it trained
-    # slower than D-SGD). e^-2 was picked on the decentralized validation suite (see the
-    # README, "The adaptation floor under gossip").
-    lr_adapt_min_gossip: float = -2.0
-    # The adaptation's rate under gossip (None: lr_adapt_rate). adapt_init_2x adapts at 0.2
-    # alone and keeps 0.3 under gossip, where 0.2 lowered the decentralized validation
-    # settings' lowest row (0.58x against 0.74x; validation_rate02_decentralized.json).
-    lr_adapt_rate_gossip: float | None = None
     # The signal-to-noise factor of orthogonalised matrices: their step is scaled by
     # min(1, rms(m1_hat) / rms(g))^ortho_snr per tensor (bias-corrected 0.9 momentum over
     # the root of the bias-corrected second moment's mean; see step.momentum_snr). An
     # orthogonalised step has the same size whatever the gradient's noise, where Adam's
     # per-element m/sqrt(v) shrinks in noise (to about 0.23 for pure noise at 0.9); 0 turns
-    # it off. ortho_snr_gossip is the exponent under gossip (None: ortho_snr).
+    # it off (see MixingConfig.ortho_snr_gossip for the exponent under gossip).
     ortho_snr: float = 0.0
-    ortho_snr_gossip: float | None = None
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
             raise ValueError(f"NetConfig.width must be 8, 16 or 32, got {self.width!r}")
-        for name in ("tensor_width", "edge_width"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"NetConfig.{name} must be a positive integer")
+        if int(self.tensor_width) < 1:
+            raise ValueError("NetConfig.tensor_width must be a positive integer")
         for name in (
             "step_mult",
             "exp_mult",
@@ -143,27 +124,12 @@ class NetConfig:
                 "NetConfig.lr_adapt_max_ortho must be None or >= 0, got "
                 f"{self.lr_adapt_max_ortho!r}"
             )
-        if not 0 <= float(self.lr_adapt_max_gossip):
-            raise ValueError(
-                f"NetConfig.lr_adapt_max_gossip must be >= 0, got {self.lr_adapt_max_gossip!r}"
-            )
-        if not float(self.lr_adapt_min_gossip) <= 0:
-            raise ValueError(
-                f"NetConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
-            )
         if not 0 <= float(self.ortho_nesterov) <= 1:
             raise ValueError(
                 f"NetConfig.ortho_nesterov must be in [0, 1], got {self.ortho_nesterov!r}"
             )
-        for name in ("ortho_snr", "ortho_snr_gossip"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= float(value) <= 4:
-                raise ValueError(f"NetConfig.{name} must be in [0, 4], got {value!r}")
-        if self.lr_adapt_rate_gossip is not None and not float(self.lr_adapt_rate_gossip) > 0:
-            raise ValueError(
-                "NetConfig.lr_adapt_rate_gossip must be None or > 0, got "
-                f"{self.lr_adapt_rate_gossip!r}"
-            )
+        if not 0 <= float(self.ortho_snr) <= 4:
+            raise ValueError(f"NetConfig.ortho_snr must be in [0, 4], got {self.ortho_snr!r}")
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps", "ns_every", "ns_reuse_min_dim"):
@@ -183,15 +149,6 @@ class NetConfig:
         """Whether the per-tensor step-size adaptation is on."""
         return self.lr_adapt_rate > 0
 
-    def under_gossip(self) -> NetConfig:
-        """The config a worker steps with under gossip (decentralized training, real or
-        simulated): the adapted step multipliers' ceiling lowered to
-        ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, and their
-        rate ``lr_adapt_rate_gossip`` where set. The same config when step sizes are not
-        adapted. Built once per config (every step asks for
-        it)."""
-        return _under_gossip(self)
-
     @property
     def num_time_features(self) -> int:
         return len(self.time_taus)
@@ -205,27 +162,134 @@ class NetConfig:
     @classmethod
     def from_dict(cls, d: dict) -> NetConfig:
         """Build from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown NetConfig fields {sorted(unknown)}; valid: {sorted(known)}")
         d = dict(d)
         if "time_taus" in d:
             d["time_taus"] = tuple(d["time_taus"])
-        return cls(**d)
+        return _strict_from_dict(cls, d)
+
+
+def _strict_from_dict(cls, d: dict):
+    """``cls(**d)`` for a frozen config dataclass; unknown keys raise ``ValueError``."""
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; valid: {sorted(known)}")
+    return cls(**d)
+
+
+@dataclass(frozen=True)
+class MixingConfig:
+    """The gossip side of a learned optimizer: its mixing head (the edge network that
+    weighs each neighbour) and the bounds its update rule takes under gossip.
+
+    A :class:`NetConfig` is the update rule alone: one worker, or each worker between
+    exchanges. A worker under gossip steps with :meth:`under_gossip` of it. Both are stored
+    in each checkpoint; checkpoints written before the split hold these fields in their
+    ``config`` (see :func:`split_config`).
+    """
+
+    edge_width: int = 16  # hidden width of the edge (mixing) head
+    # The ceiling of the log step multiplier under gossip. With
+    # heterogeneous data each worker's gradient keeps a part that points to its own
+    # optimum, whatever the step size, while the mixing pulls it back: consecutive
+    # gradients agree, the cosine above stays positive, and steps would grow until the
+    # workers' disagreement ruins the averaged model. The lower ceiling bounds that; too
+    # low, it holds convex problems far below their tuned step (D-SGD's best rate was 1 on
+    # logistic regression). adapt_init_2x sets e^5, chosen on the decentralized validation
+    # settings (benchmarks/gossip_rule_choice.py).
+    lr_adapt_max_gossip: float = 2.0
+    # The floor under gossip. The other way round, under label skew a worker's gradient
+    # meets its neighbourhood's mixed momentum at a negative cosine even where the step
+    # size is right (a conv net with batch norm: its steps shrank to e^-4 and it trained
+    # slower than D-SGD). e^-2 was picked on the decentralized validation suite (see the
+    # README, "The adaptation floor under gossip").
+    lr_adapt_min_gossip: float = -2.0
+    # The adaptation's rate under gossip (None: lr_adapt_rate). adapt_init_2x adapts at 0.2
+    # alone and keeps 0.3 under gossip, where 0.2 lowered the decentralized validation
+    # settings' lowest row (0.58x against 0.74x; validation_rate02_decentralized.json).
+    lr_adapt_rate_gossip: float | None = None
+    # The exponent of NetConfig.ortho_snr under gossip (None: the rule's own). adapt_init_2x
+    # sets 1: under gossip an orthogonalised step shrinks in gradient noise as Adam's does.
+    ortho_snr_gossip: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.edge_width, bool) or int(self.edge_width) < 1:
+            raise ValueError("MixingConfig.edge_width must be a positive integer")
+        if not 0 <= float(self.lr_adapt_max_gossip):
+            raise ValueError(
+                f"MixingConfig.lr_adapt_max_gossip must be >= 0, got {self.lr_adapt_max_gossip!r}"
+            )
+        if not float(self.lr_adapt_min_gossip) <= 0:
+            raise ValueError(
+                f"MixingConfig.lr_adapt_min_gossip must be <= 0, got {self.lr_adapt_min_gossip!r}"
+            )
+        if self.lr_adapt_rate_gossip is not None and not float(self.lr_adapt_rate_gossip) > 0:
+            raise ValueError(
+                "MixingConfig.lr_adapt_rate_gossip must be None or > 0, got "
+                f"{self.lr_adapt_rate_gossip!r}"
+            )
+        snr = self.ortho_snr_gossip
+        if snr is not None and not 0 <= float(snr) <= 4:
+            raise ValueError(f"MixingConfig.ortho_snr_gossip must be in [0, 4], got {snr!r}")
+
+    def under_gossip(self, rule: NetConfig) -> NetConfig:
+        """The update rule a worker steps with under gossip (decentralized training, real
+        or simulated): ``rule`` with its adapted step multipliers' ceiling lowered to
+        ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, their rate
+        ``lr_adapt_rate_gossip`` and its matrices' signal-to-noise exponent
+        ``ortho_snr_gossip`` where set. The bounds and rate apply only where ``rule``
+        adapts step sizes. Memoised (every step asks for it)."""
+        return _under_gossip(self, rule)
+
+    def to_dict(self) -> dict:
+        """A plain dict suitable for a ``weights_only`` checkpoint."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> MixingConfig:
+        """Build from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
+        return _strict_from_dict(cls, d)
 
 
 @functools.lru_cache(maxsize=16)
-def _under_gossip(cfg: NetConfig) -> NetConfig:
-    """:meth:`NetConfig.under_gossip`, memoised: building and validating a config costs
+def _under_gossip(mixing: MixingConfig, cfg: NetConfig) -> NetConfig:
+    """:meth:`MixingConfig.under_gossip`, memoised: building and validating a config costs
     about 10 us, the lookup under 1 us."""
-    ceiling = min(float(cfg.lr_adapt_max), float(cfg.lr_adapt_max_gossip))
-    floor = max(float(cfg.lr_adapt_min), float(cfg.lr_adapt_min_gossip))
-    rate = cfg.lr_adapt_rate if cfg.lr_adapt_rate_gossip is None else cfg.lr_adapt_rate_gossip
-    snr = cfg.ortho_snr if cfg.ortho_snr_gossip is None else cfg.ortho_snr_gossip
+    ceiling = min(float(cfg.lr_adapt_max), float(mixing.lr_adapt_max_gossip))
+    floor = max(float(cfg.lr_adapt_min), float(mixing.lr_adapt_min_gossip))
+    rate = mixing.lr_adapt_rate_gossip
+    rate = cfg.lr_adapt_rate if rate is None else rate
+    snr = cfg.ortho_snr if mixing.ortho_snr_gossip is None else mixing.ortho_snr_gossip
     if not cfg.adapts_lr:
         ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
     new = (ceiling, floor, rate, snr)
     if new == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr):
         return cfg
     return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr)
+
+
+def split_config(config: dict, mixing: dict | None = None) -> tuple[NetConfig, MixingConfig]:
+    """The update rule and the mixing head of a checkpoint (or of a set of overrides).
+
+    ``config`` holds :class:`NetConfig`'s fields, and ``mixing`` :class:`MixingConfig`'s.
+    A key of either may sit in ``config``: checkpoints written before the two were split
+    held one flat config. A key that is neither's, or one of ``NetConfig``'s in
+    ``mixing``, raises ``ValueError``."""
+    rule_names = {f.name for f in fields(NetConfig)}
+    mixing_names = {f.name for f in fields(MixingConfig)}
+    misplaced = set(mixing or {}) - mixing_names
+    if misplaced:
+        raise ValueError(
+            f"unknown MixingConfig fields {sorted(misplaced)}; valid: {sorted(mixing_names)}"
+        )
+    flat = {**config, **(mixing or {})}
+    unknown = set(flat) - rule_names - mixing_names
+    if unknown:
+        raise ValueError(
+            f"unknown config fields {sorted(unknown)}; valid: NetConfig's "
+            f"{sorted(rule_names)} and MixingConfig's {sorted(mixing_names)}"
+        )
+    return (
+        NetConfig.from_dict({k: v for k, v in flat.items() if k in rule_names}),
+        MixingConfig.from_dict({k: v for k, v in flat.items() if k in mixing_names}),
+    )

@@ -12,9 +12,9 @@ scaled down by their width: ``NetConfig.adam_max_width``; the adapted multiplier
 orthogonalised matrix at most e: ``NetConfig.lr_adapt_max_ortho``) and ``adapt_init_2x``
 (``adapt_init`` with twice its base steps: ``NetConfig.step_mult`` 2e-3 and
 ``NetConfig.ortho_step_mult`` 4e-3, and the adapted multipliers' ceiling under gossip
-``NetConfig.lr_adapt_max_gossip`` e^5, the adaptation's rate 0.2, 0.3 under gossip:
-``NetConfig.lr_adapt_rate_gossip``, and under gossip matrix steps scaled by their
-momentum's signal-to-noise ratio: ``NetConfig.ortho_snr_gossip``), the one rule for
+``MixingConfig.lr_adapt_max_gossip`` e^5, the adaptation's rate 0.2, 0.3 under gossip:
+``MixingConfig.lr_adapt_rate_gossip``, and under gossip matrix steps scaled by their
+momentum's signal-to-noise ratio: ``MixingConfig.ortho_snr_gossip``), the one rule for
 single-worker and gossip training.
 """
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 import sys
 
 from .checkpoint import save_checkpoint
-from .config import NetConfig
+from .config import split_config
 from .network import LearnedOptimizerNet
 
 _NOT_TRAINED = "Hand-initialised, NOT meta-trained. "
 _MIXING = "The mixing weights are exactly Metropolis-Hastings 1/(1+max degree). "
 
-#: adapt_init's NetConfig fields, shared by the presets built on it
+#: adapt_init's config fields (NetConfig's and MixingConfig's), shared by the presets built on it
 _ADAPT = {
     "output": "ortho",
     "ortho_min_dim": 16,
@@ -39,7 +39,7 @@ _ADAPT = {
     "lr_adapt_max_ortho": 1.0,
 }
 
-#: name -> (NetConfig fields, card summary)
+#: name -> (config fields, card summary)
 PRESETS: dict[str, tuple[dict, str]] = {
     "adam_init": (
         {},
@@ -99,7 +99,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "multiplier held 1.10x against 1.10x with its lowest problem 0.74x against 0.46x "
         "(benchmarks/results/validation_rate02*.json). Under gossip an orthogonalised "
         "matrix's step is scaled by its momentum's signal-to-noise ratio (at most 1; "
-        "NetConfig.ortho_snr_gossip 1), chosen on the decentralized validation settings: "
+        "MixingConfig.ortho_snr_gossip 1), chosen on the decentralized validation settings: "
         "median 1.34x the best tuned baseline against 0.98x, 2 settings ending above tuned "
         "D-Adam against 3 (benchmarks/results/validation_snr_gossip_decentralized.json). "
         "Four Newton-Schulz iterations (was five; the eager step 8-11% faster on a 0.4M "
@@ -128,7 +128,7 @@ def initial_net(preset: str, width: int = 8) -> tuple[LearnedOptimizerNet, dict]
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; valid choices: {sorted(PRESETS)}")
     fields, summary = PRESETS[preset]
-    config = NetConfig(width=width, **fields)
+    config, mixing = split_config({"width": width, **fields})
     command = f"python -m learned_opt.make_initial_checkpoint checkpoints/{preset}.pt {preset}"
     card = {
         "name": preset.replace("_", "-"),
@@ -136,8 +136,9 @@ def initial_net(preset: str, width: int = 8) -> tuple[LearnedOptimizerNet, dict]
         "summary": summary,
         "command": command,
         "config": config.to_dict(),
+        "mixing": mixing.to_dict(),
     }
-    return LearnedOptimizerNet(config), card
+    return LearnedOptimizerNet(config, mixing), card
 
 
 def main(argv: list[str] | None = None) -> None:

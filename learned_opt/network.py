@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import NUM_EDGE_STATS, NUM_ELEMENT_FEATURES, NUM_TENSOR_STATS, NetConfig
+from .config import (
+    NUM_EDGE_STATS,
+    NUM_ELEMENT_FEATURES,
+    NUM_TENSOR_STATS,
+    MixingConfig,
+    NetConfig,
+    split_config,
+)
 from .features import constant
 
 Theta = dict[str, Tensor]
@@ -29,9 +36,10 @@ Theta = dict[str, Tensor]
 class LearnedOptimizerNet(nn.Module):
     """Holds theta. ``forward`` is the per-tensor local step (see :func:`learned_opt.step.tensor_step`)."""
 
-    def __init__(self, config: NetConfig | None = None):
+    def __init__(self, config: NetConfig | None = None, mixing: MixingConfig | None = None):
         super().__init__()
-        self.config = config or NetConfig()
+        self.config = config or NetConfig()  # the update rule
+        self.mixing = mixing or MixingConfig()  # the mixing head, and the rule under gossip
         c = self.config
         t = c.num_time_features
         # per-tensor network: tensor statistics + time -> (log step scale, context bias)
@@ -43,9 +51,14 @@ class LearnedOptimizerNet(nn.Module):
         self.elem_hidden = nn.Linear(c.width, c.width)
         self.elem_out = nn.Linear(c.width, 2)
         # edge head: symmetric edge features + time -> mixing logit
-        self.edge_in = nn.Linear(NUM_EDGE_STATS + t, c.edge_width)
-        self.edge_out = nn.Linear(c.edge_width, 1)
+        self.edge_in = nn.Linear(NUM_EDGE_STATS + t, self.mixing.edge_width)
+        self.edge_out = nn.Linear(self.mixing.edge_width, 1)
         self.reset_parameters()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "mixing" not in self.__dict__:  # pickled before NetConfig and MixingConfig split
+            self.config, self.mixing = split_config(dict(vars(self.config)))
 
     def reset_parameters(self) -> None:
         """Random hidden layers, zero output heads: the update is exactly Adam(lr=step_mult)
@@ -170,11 +183,13 @@ def weight_of_logit(z: Tensor, max_degree) -> Tensor:
 
 
 def with_config(net: LearnedOptimizerNet, fields: dict) -> LearnedOptimizerNet:
-    """A copy of ``net`` with ``fields`` of its config replaced and its parameters kept; a
-    field that is unknown, invalid or changes the network's shape raises a one-line
-    ``ValueError``."""
+    """A copy of ``net`` with ``fields`` of its configs (:class:`NetConfig`'s or
+    :class:`MixingConfig`'s) replaced and its parameters kept; a field that is unknown,
+    invalid or changes the network's shape raises a one-line ``ValueError``."""
     try:
-        new = LearnedOptimizerNet(NetConfig.from_dict({**net.config.to_dict(), **dict(fields)}))
+        new = LearnedOptimizerNet(
+            *split_config({**net.config.to_dict(), **net.mixing.to_dict(), **dict(fields)})
+        )
         new.load_state_dict(net.state_dict())
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(str(exc).splitlines()[0]) from None

@@ -125,8 +125,10 @@ class LearnedOptimizer(Optimizer):
 
     ``config_transform``: ``None`` (the default), or a function of the network's
     :class:`~learned_opt.config.NetConfig` that gives the config the step runs with; a
-    wrapper that changes how the steps behave sets it (a picklable function, such as a
-    ``NetConfig`` method, keeps the optimizer picklable).
+    wrapper that changes how the steps behave sets it (a picklable function, such as the
+    gossip wrapper's :meth:`MixingConfig.under_gossip
+    <learned_opt.config.MixingConfig.under_gossip>` of the network's own mixing config,
+    keeps the optimizer picklable).
 
     ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
     torch's defaults, state and param groups, so a copy steps exactly like the original.
@@ -199,8 +201,7 @@ class LearnedOptimizer(Optimizer):
         state.pop("last_loss", None)  # kept by earlier versions, read by nothing
         for stale in ("shipped_default", "checkpoint_by_default"):
             state.pop(stale, None)  # earlier versions' marks for a gossip rule swap
-        if state.pop("gossip", False):  # earlier versions' flag for the gossip bounds
-            state["config_transform"] = NetConfig.under_gossip
+        gossip = state.pop("gossip", False)  # earlier versions' flag for the gossip bounds
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("step", 0)
@@ -222,6 +223,8 @@ class LearnedOptimizer(Optimizer):
         }
         for name, default in defaults.items():
             self.__dict__.setdefault(name, default)
+        if gossip:
+            self.config_transform = self.net.mixing.under_gossip
         if "_kernels" not in self.__dict__:
             self._kernels = Kernels(self.compile)
 

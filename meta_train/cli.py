@@ -16,7 +16,7 @@ from learned_opt.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from learned_opt.config import NetConfig
+from learned_opt.config import MixingConfig, NetConfig, split_config
 from learned_opt.network import LearnedOptimizerNet
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -121,17 +121,19 @@ def card_summary(card: dict) -> str:
     )
 
 
-def _net_config(lightning_ckpt, state: dict, hp: dict) -> NetConfig:
-    """The network's config: saved with the run, else that of its ``init_checkpoint`` (runs
-    saved before the config was), else the default config of the run's width."""
+def _net_configs(lightning_ckpt, state: dict, hp: dict) -> tuple[NetConfig, MixingConfig]:
+    """The network's configs (update rule, mixing head): saved with the run (runs saved
+    before the split hold both in ``net_config``), else those of its ``init_checkpoint``
+    (runs saved before the configs were), else the defaults at the run's width."""
     try:
         if "net_config" in state:
-            return NetConfig.from_dict(state["net_config"])
+            return split_config(state["net_config"], state.get("net_mixing"))
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{lightning_ckpt}: malformed net_config: {exc}") from exc
     if hp.get("init_checkpoint"):
-        return load_checkpoint(hp["init_checkpoint"])[0].config
-    return NetConfig(width=int(hp.get("width", 8)))
+        net = load_checkpoint(hp["init_checkpoint"])[0]
+        return net.config, net.mixing
+    return NetConfig(width=int(hp.get("width", 8))), MixingConfig()
 
 
 def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
@@ -146,8 +148,8 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
     if not theta:
         raise CheckpointError(f"{lightning_ckpt}: holds no learned-optimizer network (net.*)")
     state = ckpt.get("meta_state", {})
-    config = _net_config(lightning_ckpt, state, hp)
-    net = LearnedOptimizerNet(config)
+    config, mixing = _net_configs(lightning_ckpt, state, hp)
+    net = LearnedOptimizerNet(config, mixing)
     try:
         net.load_state_dict(theta)
     except RuntimeError as exc:

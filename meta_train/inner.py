@@ -54,7 +54,10 @@ class InnerOptimizer:
     it is paired with.
 
     ``kind`` is one of :data:`INNER_OPTIMIZERS`; ``lr`` is the hand-designed rule's
-    learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the learned optimizer.
+    learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the
+    learned optimizer, and ``gossip_cfg``, the rule it steps with under gossip
+    (:meth:`MixingConfig.under_gossip <learned_opt.config.MixingConfig.under_gossip>` of
+    ``cfg``; ``cfg`` itself where not given).
     ``parts``: the networks the learned step evaluates (:class:`~learned_opt.step.Parts`;
     all by default). Leaving out a network whose output head is zero gives the same values.
     """
@@ -64,6 +67,7 @@ class InnerOptimizer:
     mixing: str = "metropolis"
     theta: dict[str, Tensor] | None = None
     cfg: NetConfig | None = None
+    gossip_cfg: NetConfig | None = None
     momentum: float = 0.9
     weight_decay: float = 1e-2
     share_state: bool = True  # under gossip, mix SHARED_STATE with the parameters
@@ -103,10 +107,10 @@ class InnerOptimizer:
     ):
         """New ``(params, state)`` after the 1-based ``step``; differentiable in theta.
         ``gossip``: the workers mix after this step; the learned step then uses
-        :meth:`NetConfig.under_gossip <learned_opt.config.NetConfig.under_gossip>`, as a
-        real worker under :class:`~learned_opt.distributed.GossipOptimizer` does."""
+        ``gossip_cfg``, as a real worker under
+        :class:`~learned_opt.distributed.GossipOptimizer` does."""
         if self.kind == "learned":
-            cfg = self.cfg.under_gossip() if gossip else self.cfg
+            cfg = (self.gossip_cfg or self.cfg) if gossip else self.cfg
             out = flat_step(
                 self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
                 log_lr=state.get("log_lr"), q=state.get("q"), parts=self.parts,
@@ -157,7 +161,10 @@ def make_inner_optimizer(
             raise ValueError("the learned inner optimizer needs a network (net=...)")
         theta = dict(net.named_parameters())
         parts = active_parts(theta) if parts is None else parts
-        return InnerOptimizer(kind, lr, mixing, theta, net.config, parts=parts, **worker)
+        gossip_cfg = net.mixing.under_gossip(net.config)
+        return InnerOptimizer(
+            kind, lr, mixing, theta, net.config, gossip_cfg, parts=parts, **worker
+        )
     return InnerOptimizer(kind, lr, mixing, **worker)
 
 

@@ -294,7 +294,9 @@ class MetaTrainModule(L.LightningModule):
             "skipped_steps": self.skipped_steps,
             "train_seconds": self.train_seconds,
             "last_validation": self.last_validation,
-            "net_config": self.net.config.to_dict(),  # what export rebuilds the network from
+            # what export rebuilds the network from
+            "net_config": self.net.config.to_dict(),
+            "net_mixing": self.net.mixing.to_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:

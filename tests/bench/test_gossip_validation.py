@@ -31,11 +31,11 @@ def test_sides_parse_with_and_without_overrides():
 def test_a_side_overrides_its_config():
     opt = gv.side_optimizer("adapt_init", {"lr_adapt_max_gossip": 4.0})
     assert opt.kind == "learned" and opt.mixing == "learned"
-    assert opt.cfg.lr_adapt_max_gossip == 4.0 and opt.cfg.under_gossip().lr_adapt_max == 4.0
+    assert opt.gossip_cfg.lr_adapt_max == 4.0 < opt.cfg.lr_adapt_max
     with pytest.raises(ValueError, match="no_such_field"):
         gv.side_optimizer("adapt_init", {"no_such_field": 1.0})
     worker = gv.side_optimizer("adapt_init", {"share_state_every": 4, "lr_adapt_max_gossip": 3.0})
-    assert worker.share_state_every == 4 and worker.cfg.lr_adapt_max_gossip == 3.0
+    assert worker.share_state_every == 4 and worker.gossip_cfg.lr_adapt_max == 3.0
     with pytest.raises(ValueError, match="whole number"):
         gv.side_optimizer("adapt_init", {"share_state_every": 2.5})
 

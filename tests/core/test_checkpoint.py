@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -12,6 +13,9 @@ from learned_opt import (
     FORMAT_VERSION,
     CheckpointError,
     LearnedOptimizer,
+    LearnedOptimizerNet,
+    MixingConfig,
+    NetConfig,
     list_pretrained,
     load_checkpoint,
     save_checkpoint,
@@ -202,3 +206,54 @@ def test_shipped_names_win_over_files_in_the_working_directory(saved, tmp_path, 
     os.replace(saved[1], tmp_path / "mine")  # a bare word that is not shipped is a path
     assert LearnedOptimizer(make_params(), checkpoint="mine").card["name"] == "test"
     assert LearnedOptimizer(make_params(), net=saved[0]).checkpoint_path is None
+
+
+def _split_net():
+    """A network whose update rule and mixing head both differ from the defaults."""
+    return LearnedOptimizerNet(
+        NetConfig(width=16, lr_adapt_rate=0.3), MixingConfig(edge_width=8, lr_adapt_max_gossip=4.0)
+    )
+
+
+def test_the_update_rule_and_the_mixing_head_are_stored_apart(tmp_path):
+    net = _split_net()
+    payload = _payload(save_checkpoint(net, tmp_path / "split.pt"))
+    assert payload["config"] == net.config.to_dict() and "edge_width" not in payload["config"]
+    assert payload["mixing"] == net.mixing.to_dict()
+    loaded, _ = load_checkpoint(tmp_path / "split.pt")
+    assert (loaded.config, loaded.mixing) == (net.config, net.mixing)
+
+
+def test_checkpoints_written_before_the_split_load_the_same(tmp_path):
+    """Files written before NetConfig and MixingConfig were split hold one flat config."""
+    net = _split_net()
+    path = save_checkpoint(net, tmp_path / "split.pt")
+    old = _edited((net, path), tmp_path, lambda d: d["config"].update(d.pop("mixing")))
+    loaded, _ = load_checkpoint(old)
+    assert (loaded.config, loaded.mixing) == (net.config, net.mixing)
+    assert load_checkpoint("gossip_adapt")[0].mixing.edge_width == 16  # shipped before it
+
+
+def test_malformed_mixing_config(tmp_path):
+    path = save_checkpoint(_split_net(), tmp_path / "split.pt")
+    saved = (None, path)
+    _assert_error(_edited(saved, tmp_path, lambda d: d.update(mixing=[1])), "invalid mixing config")
+    bad = _edited(saved, tmp_path, lambda d: d["mixing"].update(edge_width=0))
+    _assert_error(bad, "invalid network config", "edge_width")
+    bad = _edited(saved, tmp_path, lambda d: d["mixing"].update(edge_width=16))
+    _assert_error(bad, "shape mismatch", "edge_in.weight")
+    bad = _edited(saved, tmp_path, lambda d: d["mixing"].update(width=8))  # the rule's field
+    _assert_error(bad, "unknown MixingConfig fields", "width")
+
+
+def test_networks_pickled_before_the_split_unpickle_split():
+    """A network pickled before the split carries one config holding the mixing fields."""
+    net = _split_net()
+    flat = object.__new__(NetConfig)
+    flat.__dict__.update({**vars(net.config), **vars(net.mixing)})  # as unpickling sets it
+    state = {**net.__dict__, "config": flat}
+    del state["mixing"]
+    old = LearnedOptimizerNet.__new__(LearnedOptimizerNet)
+    old.__setstate__(state)
+    assert (old.config, old.mixing) == (net.config, net.mixing)
+    assert pickle.loads(pickle.dumps(net)).mixing == net.mixing

@@ -9,13 +9,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig
+from learned_opt import LearnedOptimizer, LearnedOptimizerNet, MixingConfig, NetConfig
+from learned_opt.config import split_config
 from learned_opt.features import adapt_ceiling, adapt_log_lr, init_state
 from learned_opt.meta_train.inner import InnerOptimizer
 from learned_opt.segments import FlatLayout
 from learned_opt.step import flat_step, init_flat_state, momentum_snr, tensor_step
 
 ADAPT = NetConfig(output="ortho", ortho_min_dim=16, lr_adapt_rate=0.3)
+MIXING = MixingConfig()  # the gossip bounds: ceiling e^2, floor e^-2
 SHAPES = [(64, 32), (64, 32), (300, 70), (5,), (3, 2), (16, 8, 3, 3), ()]
 
 
@@ -129,18 +131,20 @@ def test_adapt_ceiling_lowers_only_orthogonalised_matrices():
     assert [adapt_ceiling(s, ADAPT) for s in SHAPES] == [ADAPT.lr_adapt_max] * len(SHAPES)
     # never above lr_adapt_max, nor above the gossip ceiling under gossip
     assert adapt_ceiling((64, 32), replace(ADAPT, lr_adapt_max_ortho=9.0)) == ADAPT.lr_adapt_max
-    gossip = capped.under_gossip()
-    assert adapt_ceiling((64, 32), gossip) == min(1.5, ADAPT.lr_adapt_max_gossip)
-    assert adapt_ceiling((5,), gossip) == ADAPT.lr_adapt_max_gossip
+    gossip = MIXING.under_gossip(capped)
+    assert adapt_ceiling((64, 32), gossip) == min(1.5, MIXING.lr_adapt_max_gossip)
+    assert adapt_ceiling((5,), gossip) == MIXING.lr_adapt_max_gossip
     # the Adam form ("adam" output) has no orthogonalised matrix to cap
     adam = replace(capped, output="adam")
     assert adapt_ceiling((64, 32), adam) == ADAPT.lr_adapt_max
 
 
-def _train(cfg: NetConfig, grads_fn, steps: int, gossip=False) -> tuple[float, torch.Tensor]:
+def _train(
+    cfg: NetConfig, grads_fn, steps: int, gossip=False, mixing: MixingConfig = MIXING
+) -> tuple[float, torch.Tensor]:
     p = torch.nn.Parameter(torch.zeros(50))
-    opt = LearnedOptimizer([p], net=LearnedOptimizerNet(cfg))
-    opt.config_transform = NetConfig.under_gossip if gossip else None  # as under gossip
+    opt = LearnedOptimizer([p], net=LearnedOptimizerNet(cfg, mixing))
+    opt.config_transform = mixing.under_gossip if gossip else None  # as under gossip
     for t in range(steps):
         p.grad = grads_fn(t, p.detach())
         opt.step()
@@ -160,7 +164,7 @@ def test_consistent_slope_grows_the_step_and_oscillation_shrinks_it():
 
 
 def test_under_gossip_the_step_size_stays_within_the_gossip_bounds():
-    ceiling = ADAPT.lr_adapt_max_gossip
+    ceiling = MIXING.lr_adapt_max_gossip
     assert 0 < ceiling < ADAPT.lr_adapt_max
     log_lr, p = _train(ADAPT, lambda t, p: torch.ones(50), 60, gossip=True)
     assert log_lr == pytest.approx(ceiling)
@@ -168,32 +172,37 @@ def test_under_gossip_the_step_size_stays_within_the_gossip_bounds():
     assert alone == pytest.approx(ADAPT.lr_adapt_max)
     assert float(-p_alone.mean()) > 2 * float(-p.mean())
     # under gossip the step shrinks to the higher floor
-    floor = ADAPT.lr_adapt_min_gossip
+    floor = MIXING.lr_adapt_min_gossip
     assert ADAPT.lr_adapt_min < floor < 0
     log_lr, _ = _train(ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True)
     assert log_lr == pytest.approx(floor)
-    no_floor = replace(ADAPT, lr_adapt_min_gossip=ADAPT.lr_adapt_min)
-    log_lr, _ = _train(no_floor, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True)
+    no_floor = MixingConfig(lr_adapt_min_gossip=ADAPT.lr_adapt_min)
+    log_lr, _ = _train(
+        ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True, mixing=no_floor
+    )
     assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
 
 
 def test_under_gossip_config():
-    gossip = ADAPT.under_gossip()
-    assert gossip.lr_adapt_max == ADAPT.lr_adapt_max_gossip
-    assert gossip.lr_adapt_min == ADAPT.lr_adapt_min_gossip
-    assert gossip.under_gossip() == gossip  # idempotent
+    gossip = MIXING.under_gossip(ADAPT)
+    assert gossip.lr_adapt_max == MIXING.lr_adapt_max_gossip
+    assert gossip.lr_adapt_min == MIXING.lr_adapt_min_gossip
+    assert MIXING.under_gossip(gossip) == gossip  # idempotent
     plain = NetConfig(output="ortho")  # no adaptation: nothing to change
-    assert plain.under_gossip() is plain
+    assert MIXING.under_gossip(plain) is plain
     # the ceiling is already lower and the floor already higher
     narrow = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0, lr_adapt_min=-1.0)
-    assert narrow.under_gossip() is narrow
+    assert MIXING.under_gossip(narrow) is narrow
     floor_only = NetConfig(lr_adapt_rate=0.3, lr_adapt_max=1.0)
-    assert floor_only.under_gossip().lr_adapt_max == 1.0
-    assert floor_only.under_gossip().lr_adapt_min == floor_only.lr_adapt_min_gossip
-    old = ADAPT.to_dict()
-    del old["lr_adapt_max_gossip"], old["lr_adapt_min_gossip"]  # written before the fields
-    del old["lr_adapt_rate_gossip"]
-    assert NetConfig.from_dict(old) == ADAPT
+    assert MIXING.under_gossip(floor_only).lr_adapt_max == 1.0
+    assert MIXING.under_gossip(floor_only).lr_adapt_min == MIXING.lr_adapt_min_gossip
+    # one flat config, as checkpoints held it before the split, without the gossip fields
+    # that came later still
+    old = {**ADAPT.to_dict(), **MIXING.to_dict()}
+    del old["lr_adapt_max_gossip"], old["lr_adapt_min_gossip"], old["lr_adapt_rate_gossip"]
+    assert split_config(old) == (ADAPT, MIXING)
+    with pytest.raises(ValueError, match="unknown config fields"):
+        split_config({**old, "colour": 1})
     assert gossip.lr_adapt_rate == ADAPT.lr_adapt_rate  # no gossip rate: the same rate
 
 
@@ -201,11 +210,11 @@ def test_under_gossip_the_adaptation_moves_at_its_gossip_rate():
     """``lr_adapt_rate_gossip`` sets the rate a worker adapts at under gossip and nowhere
     else: with consistent gradients the log multiplier climbs 0.1 per step alone and 0.3
     per step under gossip (the same until the ceilings)."""
-    cfg = replace(ADAPT, lr_adapt_rate=0.1, lr_adapt_rate_gossip=0.3)
-    assert cfg.under_gossip().lr_adapt_rate == 0.3
-    assert cfg.under_gossip().under_gossip() == cfg.under_gossip()
-    alone, _ = _train(cfg, lambda t, p: torch.ones(50), 6)
-    mixed, _ = _train(cfg, lambda t, p: torch.ones(50), 6, gossip=True)
+    cfg, mixing = replace(ADAPT, lr_adapt_rate=0.1), MixingConfig(lr_adapt_rate_gossip=0.3)
+    assert mixing.under_gossip(cfg).lr_adapt_rate == 0.3
+    assert mixing.under_gossip(mixing.under_gossip(cfg)) == mixing.under_gossip(cfg)
+    alone, _ = _train(cfg, lambda t, p: torch.ones(50), 6, mixing=mixing)
+    mixed, _ = _train(cfg, lambda t, p: torch.ones(50), 6, gossip=True, mixing=mixing)
     base, _ = _train(replace(ADAPT, lr_adapt_rate=0.3), lambda t, p: torch.ones(50), 6, gossip=True)
     assert 0 < alone < mixed
     assert mixed == pytest.approx(base)
@@ -232,11 +241,11 @@ def test_under_gossip_matrices_step_by_their_momentum_snr():
     """``ortho_snr_gossip`` scales an orthogonalised matrix's step under gossip only: on a
     pure-noise gradient its steps shrink to about a quarter; alone they do not; a vector
     (the Adam form) is not scaled."""
-    cfg = replace(ADAPT, lr_adapt_rate=0.0, ortho_snr_gossip=1.0)
-    assert cfg.under_gossip().ortho_snr == 1.0 and cfg.ortho_snr == 0.0
-    assert cfg.under_gossip().under_gossip() == cfg.under_gossip()
+    cfg, mixing = replace(ADAPT, lr_adapt_rate=0.0), MixingConfig(ortho_snr_gossip=1.0)
+    assert mixing.under_gossip(cfg).ortho_snr == 1.0 and cfg.ortho_snr == 0.0
+    assert mixing.under_gossip(mixing.under_gossip(cfg)) == mixing.under_gossip(cfg)
     sizes = {}
-    for label, config in (("alone", cfg), ("gossip", cfg.under_gossip())):
+    for label, config in (("alone", cfg), ("gossip", mixing.under_gossip(cfg))):
         gen = torch.Generator().manual_seed(0)
         p = [torch.zeros(32, 32, requires_grad=True), torch.zeros(32, requires_grad=True)]
         opt = LearnedOptimizer(p, net=LearnedOptimizerNet(config), compile=False)
@@ -249,7 +258,7 @@ def test_under_gossip_matrices_step_by_their_momentum_snr():
     assert 0.15 < sizes["gossip"][0] / sizes["alone"][0] < 0.4
     assert sizes["gossip"][1] == pytest.approx(sizes["alone"][1])
     with pytest.raises(ValueError, match="ortho_snr_gossip"):
-        NetConfig(ortho_snr_gossip=-1.0)
+        MixingConfig(ortho_snr_gossip=-1.0)
 
 
 def test_simulated_workers_step_under_the_gossip_ceiling():
@@ -258,8 +267,8 @@ def test_simulated_workers_step_under_the_gossip_ceiling():
     from learned_opt.meta_train.inner import inner_step, make_inner_optimizer, new_trajectory
     from learned_opt.tasks import get_task
 
-    cfg = NetConfig(output="ortho", lr_adapt_rate=1.0, lr_adapt_max_gossip=0.5)
-    net = LearnedOptimizerNet(cfg)
+    cfg = NetConfig(output="ortho", lr_adapt_rate=1.0)
+    net = LearnedOptimizerNet(cfg, MixingConfig(lr_adapt_max_gossip=0.5))
     task = get_task("logreg_synth")
     ends = {}
     for workers, mixing in ((1, "none"), (4, "metropolis")):
@@ -330,7 +339,7 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
 )
 def test_bad_adaptation_settings_are_refused(fields, match):
     with pytest.raises(ValueError, match=match):
-        NetConfig(**fields)
+        split_config(fields)  # NetConfig's fields and MixingConfig's
 
 
 def test_meta_training_unrolls_the_adaptation_and_differentiates_through_it():

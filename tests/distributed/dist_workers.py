@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
-from learned_opt.config import NetConfig
+from learned_opt.config import MixingConfig, NetConfig
 from learned_opt.distributed import (
     GossipError,
     GossipOptimizer,
@@ -90,8 +90,8 @@ def loss_fn(params: list[torch.Tensor], data) -> torch.Tensor:
 def make_net(seed: int = 0, adapt: bool = False) -> LearnedOptimizerNet:
     """A network with a random (non-Metropolis) edge head and a mildly random update;
     ``adapt``: it adapts per-tensor step sizes, at most e^0.5 under gossip."""
-    cfg = NetConfig(lr_adapt_rate=0.5, lr_adapt_max_gossip=0.5) if adapt else NetConfig()
-    net = LearnedOptimizerNet(cfg)
+    cfg = NetConfig(lr_adapt_rate=0.5) if adapt else NetConfig()
+    net = LearnedOptimizerNet(cfg, MixingConfig(lr_adapt_max_gossip=0.5))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name in ("edge_out.weight", "edge_out.bias", "edge_in.bias"):

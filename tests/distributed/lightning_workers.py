@@ -15,7 +15,7 @@ import lightning
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from learned_opt import LearnedOptimizer, NetConfig
+from learned_opt import LearnedOptimizer
 from learned_opt.distributed.lightning import CHECKPOINT_KEY, GossipStrategy
 from learned_opt.distributed.train import launched
 from learned_opt.tasks import get_task
@@ -175,7 +175,10 @@ def parity_and_resume(rank, world, root, epochs):
     out["full"] = _averaged_train_loss(full)
     opt = full.trainer.optimizers[0]  # built without a checkpoint: the shipped rule
     rule = os.path.splitext(os.path.basename(opt.checkpoint_path))[0]
-    out["full_rule"] = (rule, opt.config_transform == NetConfig.under_gossip)
+    bounded = opt.config_transform is not None and (
+        opt.config_transform(opt.config) == opt.net.mixing.under_gossip(opt.config)
+    )
+    out["full_rule"] = (rule, bounded)
     out["full_params"] = [p.detach().clone() for p in full.parameters()]
     out["val_params"] = full.val_params
 

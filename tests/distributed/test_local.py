@@ -10,7 +10,13 @@ import warnings
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer, LearnedOptimizerNet, NetConfig, load_checkpoint
+from learned_opt import (
+    LearnedOptimizer,
+    LearnedOptimizerNet,
+    MixingConfig,
+    NetConfig,
+    load_checkpoint,
+)
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed import GossipOptimizer
 from learned_opt.distributed.local import (
@@ -21,7 +27,8 @@ from learned_opt.distributed.local import (
 )
 from learned_opt.distributed.topology import get_topology
 
-ADAPT = NetConfig(lr_adapt_rate=0.5, lr_adapt_max_gossip=0.5)
+ADAPT = NetConfig(lr_adapt_rate=0.5)
+MIXING = MixingConfig(lr_adapt_max_gossip=0.5)
 
 
 class Recorder:
@@ -101,7 +108,7 @@ def test_gossip_local_adapts_each_kind_of_optimizer():
     params = _params()
     sgd, learned, own = (
         torch.optim.SGD(params, lr=0.1),
-        LearnedOptimizer(params, net=LearnedOptimizerNet(ADAPT)),
+        LearnedOptimizer(params, net=LearnedOptimizerNet(ADAPT, MIXING)),
         Counting(params),
     )
     assert type(gossip_local(sgd)) is TorchLocal
@@ -130,14 +137,14 @@ def test_step_returns_the_batch_loss_and_the_wrapper_mixes_with_it():
 
 def test_joining_sets_the_gossip_bounds_through_a_generic_hook():
     params = _params()
-    opt = LearnedOptimizer(params, net=LearnedOptimizerNet(ADAPT))
+    opt = LearnedOptimizer(params, net=LearnedOptimizerNet(ADAPT, MIXING))
     twin = LearnedOptimizer(
         [p.detach().clone().requires_grad_() for p in params], net=copy.deepcopy(opt.net)
     )
-    twin.net.config = ADAPT.under_gossip()  # what the step should run with
+    twin.net.config = MIXING.under_gossip(ADAPT)  # what the step should run with
     assert opt.config_transform is None
     gossip_local(opt).join_gossip()
-    assert opt.config_transform(opt.config) == ADAPT.under_gossip() != ADAPT
+    assert opt.config_transform(opt.config) == MIXING.under_gossip(ADAPT) != ADAPT
     others = [p for g in twin.param_groups for p in g["params"]]
     for _ in range(3):
         _grads(params)
@@ -147,7 +154,8 @@ def test_joining_sets_the_gossip_bounds_through_a_generic_hook():
     for p, q in zip(params, others):
         assert torch.equal(p, q)
     for make_copy in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))):
-        assert make_copy(opt).config_transform == NetConfig.under_gossip
+        copied = make_copy(opt)
+        assert copied.config_transform(copied.config) == MIXING.under_gossip(ADAPT)
 
 
 def test_a_protocol_of_ones_own_is_joined_once_and_its_state_mixed():
@@ -172,12 +180,10 @@ def test_one_rule_alone_and_under_gossip_silently():
         local.join_gossip()
         gossip_local(fresh).join_gossip()  # wrapped again: the same
     assert fresh.net is net and fresh.card == card == load_checkpoint(DEFAULT_CHECKPOINT)[1]
-    assert fresh.config_transform == NetConfig.under_gossip
+    assert fresh.config_transform == net.mixing.under_gossip
     # under gossip the adapted step sizes keep gossip's own bounds
-    bounded = fresh.config_transform(fresh.net.config)
-    assert (
-        bounded.lr_adapt_max == fresh.net.config.lr_adapt_max_gossip < fresh.net.config.lr_adapt_max
-    )
+    bounded = fresh.config_transform(net.config)
+    assert bounded.lr_adapt_max == net.mixing.lr_adapt_max_gossip < net.config.lr_adapt_max
 
 
 def test_pickles_of_earlier_versions_keep_their_settings():
@@ -188,6 +194,6 @@ def test_pickles_of_earlier_versions_keep_their_settings():
                  last_loss=torch.tensor(1.0))  # fmt: skip
     old = LearnedOptimizer.__new__(LearnedOptimizer)
     old.__setstate__(state)
-    assert old.config_transform == NetConfig.under_gossip
+    assert old.config_transform == old.net.mixing.under_gossip
     for stale in ("gossip", "last_loss", "shipped_default", "checkpoint_by_default"):
         assert not hasattr(old, stale)

@@ -9,7 +9,7 @@ import dist_workers as w
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer, NetConfig, load_checkpoint
+from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.distributed.train import format_summary, launched, parse_args
 
@@ -90,7 +90,10 @@ def test_gossip_optimizer_validates_arguments():
 
 
 def _under_gossip(opt: LearnedOptimizer) -> bool:
-    return opt.config_transform == NetConfig.under_gossip
+    transform = opt.config_transform
+    return transform is not None and transform(opt.config) == opt.net.mixing.under_gossip(
+        opt.config
+    )
 
 
 def test_gossip_takes_a_checkpoint_that_adapts_step_sizes():

@@ -171,3 +171,17 @@ def test_export_of_a_run_saved_without_its_net_config_uses_the_init_checkpoints(
     torch.save(ckpt, tmp_path / "old.ckpt")
     out = export(str(tmp_path / "old.ckpt"), tmp_path / "old.pt", validate=False)
     assert load_checkpoint(out)[0].config.output == "ortho"
+
+
+def test_export_of_a_run_saved_before_the_mixing_config_was_split(tmp_path):
+    """Runs saved before the split hold the mixing head's fields in ``net_config``."""
+    meta_cli_main(smoke_args(tmp_path, "--model.init_checkpoint=ortho_init"))
+    ckpt = torch.load(_run_dir(tmp_path) / "checkpoints" / "last.ckpt", weights_only=True)
+    state = ckpt["meta_state"]
+    assert state["net_mixing"] == load_checkpoint("ortho_init")[0].mixing.to_dict()
+    state["net_config"].update(state.pop("net_mixing"), lr_adapt_max_gossip=3.0)
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    net = load_checkpoint(export(str(tmp_path / "old.ckpt"), tmp_path / "old.pt", validate=False))[
+        0
+    ]
+    assert net.config.output == "ortho" and net.mixing.lr_adapt_max_gossip == 3.0

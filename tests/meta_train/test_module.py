@@ -174,20 +174,22 @@ def test_init_config_replaces_fields_and_keeps_the_parameters():
     start, _ = load_checkpoint("adapt_init_2x")
     module = MetaTrainModule(
         **{**SMALL, "worker_counts": [1]}, init_checkpoint="adapt_init_2x",
-        init_config={"lr_adapt_min": -7.5},
+        init_config={"lr_adapt_min": -7.5, "lr_adapt_max_gossip": 4.0},
     )  # fmt: skip
     assert module.net.config.lr_adapt_min == -7.5
+    assert module.net.mixing.lr_adapt_max_gossip == 4.0  # a MixingConfig field
     assert module.net.config.width == start.config.width
     for (name, a), (_, b) in zip(module.net.named_parameters(), start.named_parameters()):
         assert torch.equal(a, b), name
     saved = {}
     module.on_save_checkpoint(saved)
     assert NetConfig.from_dict(saved["meta_state"]["net_config"]).lr_adapt_min == -7.5
+    assert saved["meta_state"]["net_mixing"]["lr_adapt_max_gossip"] == 4.0
 
 
 @pytest.mark.parametrize(
     "fields, message",
-    [({"no_such_field": 1.0}, "unknown NetConfig fields"), ({"width": 16}, "init_config")],
+    [({"no_such_field": 1.0}, "unknown config fields"), ({"width": 16}, "init_config")],
 )
 def test_bad_init_config_is_a_one_line_error(fields, message):
     with pytest.raises(ValueError, match=message) as info:
