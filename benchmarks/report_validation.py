@@ -66,6 +66,8 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_pe3")
 @section("validation_ns4")
 @section("validation_ns4_decentralized")
+@section("validation_adapt2x_tensor_stage9_decentralized")
+@section("validation_soup89")
 @section("validation_ns3")
 @section("validation_cosine")
 @section("validation_wsd")
