@@ -67,6 +67,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns4")
 @section("validation_ns4_decentralized")
 @section("validation_adapt2x_tensor_stage9_decentralized")
+@section("validation_adapt2x_tensor_stage9_shipped_bounds_decentralized")
 @section("validation_soup89")
 @section("validation_ns3")
 @section("validation_cosine")
