@@ -191,6 +191,13 @@ def render_validation(r: dict) -> str:
             f" {s['decentralized_worse_than_dadam']} of {s['decentralized_rows']} ending above"
             " tuned D-Adam."
         )
+        if r.get("gossip_bounds"):
+            b = r["gossip_bounds"]
+            summary += (
+                f" Gossip bounds of the rule: ceiling e^{b['lr_adapt_max_gossip']:g}, floor"
+                f" e^{b['lr_adapt_min_gossip']:g}, rate {b['lr_adapt_rate_gossip']},"
+                f" signal-to-noise exponent {b['ortho_snr_gossip']}."
+            )
     parts.append(
         summary + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
         f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"

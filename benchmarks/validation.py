@@ -319,7 +319,17 @@ class Run:
             "anchor_versions": anchors.versions(), "timing_seed": self.seeds[0],
             "failed_jobs": self.failed, "code_hash": single.code_hash(), "commit": commit(),
             "wall_seconds": round(seconds, 1), "command": command, **machine(),
+            **({"gossip_bounds": gossip_bounds(checkpoint, fields)} if self.settings else {}),
         }  # fmt: skip
+
+
+def gossip_bounds(checkpoint: str, fields: dict) -> dict:
+    """The rule's own gossip bounds (its :class:`~learned_opt.config.MixingConfig` with
+    ``fields`` applied), which the decentralized settings run with: a checkpoint carries
+    its own, and they need not be the shipped rule's."""
+    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
+    mixing = with_config(load_checkpoint(checkpoint)[0], config).mixing.to_dict()
+    return {k: v for k, v in mixing.items() if k != "edge_width"}
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -73,6 +73,16 @@ def test_a_side_replaces_config_fields_with_their_types():
     assert opt.param_groups[0]["lr"] == 0.5
 
 
+def test_the_gossip_bounds_a_side_runs_with_are_its_own():
+    """A checkpoint carries its own gossip bounds: the record says which ran."""
+    assert val.gossip_bounds("adapt_init", {}) == {
+        "lr_adapt_max_gossip": 2.0, "lr_adapt_min_gossip": -2.0,
+        "lr_adapt_rate_gossip": None, "ortho_snr_gossip": None,
+    }  # fmt: skip
+    side = val.gossip_bounds("adapt_init", {"lr_adapt_max_gossip": 5.0, "share_state_every": 4})
+    assert side["lr_adapt_max_gossip"] == 5.0
+
+
 def test_muon_takes_hidden_matrices_only():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3))
     names = [n for (n, _), h in zip(model.named_parameters(), anchors.hidden_matrices(model)) if h]
@@ -96,6 +106,7 @@ def test_a_whole_tiny_run_then_a_rerun_from_the_cache(tmp_path, monkeypatch, cap
     (row,) = out["single"]
     assert set(row["anchors"]) == set(anchors.ANCHORS) and row["learned"]["speedup"] > 0
     assert row["ms_per_step"]["learned"] > 0 and out["summary"]["decentralized_rows"] == 1
+    assert out["gossip_bounds"]["lr_adapt_max_gossip"] == 5.0  # adapt_init_2x's own
     assert val.main(argv) == 0  # only the rule runs again
     assert "3 jobs on 1 processes" in capsys.readouterr().out and "3 jobs" not in first
 
