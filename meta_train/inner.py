@@ -25,6 +25,7 @@ from learned_opt.distributed.tracking import tracker_update
 from learned_opt.features import adam_direction
 from learned_opt.optimizer import has_empty_rows
 from learned_opt.orthogonal import gram_layout
+from learned_opt.schedules import HoldThenDecay
 from learned_opt.segments import FlatLayout, segment_mean
 from learned_opt.step import (
     ALL_PARTS,
@@ -103,16 +104,25 @@ class InnerOptimizer:
         return {"m": torch.zeros_like(params)}
 
     def update(
-        self, layout: FlatLayout, p: Tensor, g: Tensor, state: dict, step: int, gossip=False
+        self,
+        layout: FlatLayout,
+        p: Tensor,
+        g: Tensor,
+        state: dict,
+        step: int,
+        gossip=False,
+        lr_scale: float = 1.0,
     ):
         """New ``(params, state)`` after the 1-based ``step``; differentiable in theta.
         ``gossip``: the workers mix after this step; the learned step then uses
         ``gossip_cfg``, as a real worker under
-        :class:`~learned_opt.distributed.GossipOptimizer` does."""
+        :class:`~learned_opt.distributed.GossipOptimizer` does. ``lr_scale``: a
+        schedule's factor on ``lr`` at this step."""
+        lr = self.lr * lr_scale
         if self.kind == "learned":
             cfg = (self.gossip_cfg or self.cfg) if gossip else self.cfg
             out = flat_step(
-                self.theta, cfg, layout, p, g, state["m"], state["v"], step, self.lr,
+                self.theta, cfg, layout, p, g, state["m"], state["v"], step, lr,
                 log_lr=state.get("log_lr"), q=state.get("q"), parts=self.parts,
             )  # fmt: skip
             m = out[1]  # the momenta this step read; the rest stay (moment_rows)
@@ -131,12 +141,12 @@ class InnerOptimizer:
             upd = adam_direction(m, v, step, eps=1e-8)
             if self.kind == "adamw":  # decoupled weight decay, torch's default 1e-2
                 upd = upd + self.weight_decay * p
-            return p - self.lr * upd, {"m": m, "v": v}
+            return p - lr * upd, {"m": m, "v": v}
         if self.kind == "dsgt":  # y_t = W y_{t-1} + g_t - g_{t-1}; the caller mixes p and y
             y = tracker_update(None if step == 1 else state["wy"], g, state["g_prev"])
-            return p - self.lr * y, {"wy": y, "g_prev": g}
+            return p - lr * y, {"wy": y, "g_prev": g}
         m = self.momentum * state["m"] + g
-        return p - self.lr * m, {"m": m}
+        return p - lr * m, {"m": m}
 
 
 def make_inner_optimizer(
@@ -191,6 +201,10 @@ class Trajectory:
     loss0: float
     step: int = 0
     score: str = "next_worker"  # one of SCORES
+    #: the multiplier held, then decayed linearly to 0 over the last half of ``length``
+    #: (:class:`~learned_opt.schedules.HoldThenDecay`: what ``wsd_schedule`` gives a
+    #: deployed optimizer over a run of that length); held throughout when False
+    scheduled: bool = False
     history: list[float] = field(default_factory=list)
 
     @property
@@ -218,9 +232,12 @@ def new_trajectory(
     length: int,
     device=None,
     score: str = "next_worker",
+    scheduled: bool = False,
 ) -> Trajectory:
     """Initialise identical parameters on every worker (as a real run does) and its data;
-    ``score`` (one of :data:`SCORES`) is how :func:`inner_step` scores its workers."""
+    ``score`` (one of :data:`SCORES`) is how :func:`inner_step` scores its workers, and
+    ``scheduled`` whether its multiplier follows the paired schedule (see
+    :class:`Trajectory`)."""
     if score not in SCORES:
         raise ValueError(f"unknown score {score!r}; valid choices: {SCORES}")
     gen = torch.Generator().manual_seed(int(seed))
@@ -236,7 +253,7 @@ def new_trajectory(
         loss0 = float(vmap(task.loss)(layout.unflatten(params), first).mean())
     return Trajectory(
         task, num_workers, topology, partition, alpha, int(seed), int(length), layout, params,
-        None, batches, comm, max(loss0, 1e-8), score=score,
+        None, batches, comm, max(loss0, 1e-8), score=score, scheduled=bool(scheduled),
     )  # fmt: skip
 
 
@@ -313,7 +330,11 @@ def inner_step(traj: Trajectory, opt: InnerOptimizer, second_order: bool = False
         grads = grads.detach()
     step = traj.step + 1
     gossip = traj.comm is not None and opt.mixing != "none"
-    new_params, new_states = opt.update(layout, traj.params, grads, traj.states, step, gossip)
+    # a scheduled trajectory's factor after traj.step scheduler steps, as LambdaLR gives it
+    lr_scale = HoldThenDecay(traj.length)(traj.step) if traj.scheduled else 1.0
+    new_params, new_states = opt.update(
+        layout, traj.params, grads, traj.states, step, gossip, lr_scale
+    )
     info: dict = {"num_workers": traj.num_workers}
     with torch.no_grad():
         delta = (new_params - traj.params).detach()

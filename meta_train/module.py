@@ -55,13 +55,17 @@ class MetaTrainModule(L.LightningModule):
         augment_loss_scale, augment_init_scale: task augmentation bounds (1 = off): each
             sampled task's loss times a log-uniform factor in [1/a, a], each of its initial
             parameter tensors times its own in [1/b, b] (see :mod:`.slots`).
+        scheduled_fraction: the share of trajectories whose multiplier is held, then
+            decayed linearly to 0 over the last half of their length, as ``wsd_schedule``
+            decays a deployed optimizer's over a run of known length (0: every multiplier
+            held, as in the stages before it).
         loss_clip: clip of L/L0 in the meta-loss (inner divergence).
         outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
         val_*: validation tasks, horizon and the decentralized validation setting.
         init_checkpoint: start from a saved learned-optimizer checkpoint.
-        init_config: fields of the starting network's ``NetConfig`` to replace, e.g.
-            ``{"lr_adapt_min": -6.0}`` to train on a floor chosen after that checkpoint
-            was saved (the exported checkpoint keeps them).
+        init_config: fields of the starting network's ``NetConfig`` or ``MixingConfig``
+            to replace, e.g. ``{"lr_adapt_min": -6.0}`` to train on a floor chosen after
+            that checkpoint was saved (the exported checkpoint keeps them).
         baseline_cache: JSON file caching the tuned-baseline curves (None: memory only).
         histogram_every: log update/mixing histograms every this many meta-steps.
     """
@@ -86,6 +90,7 @@ class MetaTrainModule(L.LightningModule):
         train_parts: list[str] = ("tensor", "element", "edge"),
         augment_loss_scale: float = 1.0,
         augment_init_scale: float = 1.0,
+        scheduled_fraction: float = 0.0,
         loss_clip: float = 4.0,
         outer_lr: float = 1e-3,
         grad_clip: float = 1.0,

@@ -60,7 +60,8 @@ class AugmentedTask:
 class SlotSampler:
     """Draws a new trajectory from a seed: a task from the family, a worker count, a
     topology valid for it, a data partition, a log-uniform length and, when the settings
-    ask for it, the task's augmentation (:class:`AugmentedTask`)."""
+    ask for them, the task's augmentation (:class:`AugmentedTask`) and the paired
+    schedule on its multiplier (a ``scheduled_fraction`` of the trajectories)."""
 
     def __init__(self, family, settings):
         self.family, self.s = family, settings
@@ -88,9 +89,12 @@ class SlotSampler:
             task = AugmentedTask(
                 task, log_uniform(aug, loss_bound), init_bound, aug.getrandbits(31)
             )
+        fraction = float(getattr(s, "scheduled_fraction", 0.0))
+        # its own stream too: the draws above, and the runs of earlier stages, are unchanged
+        scheduled = random.Random(seed + 104_729).random() < fraction
         return new_trajectory(
             task, num_workers, topology, partition, s.alpha, seed, length, device,
-            score=s.decentralized_score,
+            score=s.decentralized_score, scheduled=scheduled,
         )  # fmt: skip
 
 
@@ -105,6 +109,7 @@ def _serialise(traj: Trajectory) -> dict:
         "seed": traj.seed,
         "length": traj.length,
         "score": traj.score,
+        "scheduled": traj.scheduled,
         "step": traj.step,
         "loss0": traj.loss0,
         "params": traj.params.detach().cpu(),
@@ -136,6 +141,7 @@ def restore_slots(data: list, estimator, device=None) -> list:
                 task, d["num_workers"], d["topology"], d["partition"],
                 d["alpha"], d["seed"], d["length"], device,
                 score=d.get("score", "next_worker"),  # slots saved before scores existed
+                scheduled=d.get("scheduled", False),  # and before schedules
             )  # fmt: skip
             traj.params = d["params"].to(device)
             if d["states"] is not None:

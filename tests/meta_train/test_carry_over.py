@@ -89,6 +89,7 @@ def test_estimators_touch_only_the_trainable_parameters(one_param_task):
         ("train_parts", ["tensor", "mixing"]), ("train_parts", []), ("train_parts", "tensor"),
         ("train_parts", ["tensor", "tensor"]), ("meta_objective", "median"),
         ("augment_loss_scale", 0.5), ("augment_init_scale", "2"),
+        ("scheduled_fraction", 1.5), ("scheduled_fraction", "half"),
     ],
 )  # fmt: skip
 def test_bad_options_name_the_field(field, value):
@@ -169,6 +170,53 @@ def test_sampler_augments_tasks_and_slots_keep_their_augmentation():
     params = first.layout.unflatten(first.params)
     one = (tuple(t[0] for t in batch), {k: v[0] for k, v in params.items()})
     assert torch.allclose(restored[0].task.loss(one[1], one[0]), first.task.loss(one[1], one[0]))
+
+
+def test_a_scheduled_trajectory_steps_as_a_deployed_optimizer_under_wsd_schedule():
+    """A scheduled trajectory's multiplier is held, then decays linearly to 0 over the
+    last half of its length: its unrolled steps equal the shipped rule's under
+    ``wsd_schedule`` of that length (the adaptation's bounds follow the multiplier
+    there too), and they differ from a held multiplier's once the decay begins."""
+    from learned_opt import LearnedOptimizer, wsd_schedule
+
+    net, _ = load_checkpoint("adapt_init_2x")
+    task, length = get_task("iris_mlp"), 8
+    runs = {}
+    for scheduled in (False, True):
+        traj = new_trajectory(task, 1, "ring", "iid", 1.0, 0, length, scheduled=scheduled)
+        opt = make_inner_optimizer("learned", net=net, mixing="none")
+        with torch.no_grad():
+            for _ in range(length - 1):
+                inner_step(traj, opt)
+        runs[scheduled] = traj
+    module = task.load_params(task.module(), task.init(torch.Generator().manual_seed(0)))
+    deployed = LearnedOptimizer(module.parameters(), net=net, compile=False)
+    schedule = wsd_schedule(deployed, length)
+    for step in range(length - 1):
+        deployed.zero_grad()
+        task.module_loss(module, runs[True].batches.worker(step, 0)).backward()
+        deployed.step()
+        schedule.step()
+    got = runs[True].layout.unflatten(runs[True].params[0])
+    for name, p in module.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-6)
+    assert (runs[False].params - runs[True].params).abs().max() > 1e-4
+
+
+def test_the_sampler_schedules_its_share_of_trajectories_and_slots_keep_the_mark():
+    family = get_family("mlp_family")
+    plain = [SlotSampler(family, _settings()).sample(seed) for seed in range(8)]
+    assert not any(t.scheduled for t in plain)
+    mixed = [SlotSampler(family, _settings(scheduled_fraction=0.5)).sample(s) for s in range(8)]
+    assert 0 < sum(t.scheduled for t in mixed) < 8
+    assert [t.task.describe() for t in mixed] == [t.task.describe() for t in plain]
+    assert [t.length for t in mixed] == [t.length for t in plain]  # the other draws unchanged
+    marked = next(t for t in mixed if t.scheduled)
+    (restored,) = restore_slots(serialise_slots([[marked]]), make_estimator("pes"))
+    assert restored[0].scheduled
+    old = serialise_slots([[marked]])
+    del old[0][0]["scheduled"]  # slots saved before schedules
+    assert not restore_slots(old, make_estimator("pes"))[0][0].scheduled
 
 
 def test_inner_state_keeps_the_momenta_its_parts_read():
