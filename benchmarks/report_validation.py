@@ -69,6 +69,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage9_decentralized")
 @section("validation_adapt2x_tensor_stage9_shipped_bounds_decentralized")
 @section("validation_soup89")
+@section("validation_adapt2x_tensor_stage10")
 @section("validation_ns3")
 @section("validation_cosine")
 @section("validation_wsd")
