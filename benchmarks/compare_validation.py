@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import RESULTS
+from benchmarks.report_validation import _x  # the results tables' speedup text
 
 
 def load(name: str) -> dict:
@@ -51,10 +52,6 @@ def rows(record: dict) -> dict[str, tuple[float | None, str]]:
         mark = "d" if r.get("diverged") else ("+" if r.get("worse_than_dadam") else "")
         out[key] = (r["speedup"], mark)
     return out
-
-
-def _x(value) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 def compare(records: list[tuple[str, dict]]) -> str:

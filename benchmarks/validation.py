@@ -141,6 +141,8 @@ class Run:
         settings = [] if args.no_decentralized else [s for s in DECENTRALIZED_PROBLEMS
                                                      if wanted(s["task"])]  # fmt: skip
         self.settings = settings[:2] if args.quick else settings
+        # what the decentralized settings run with (recorded; read once, not per write)
+        self.gossip_bounds = gossip_bounds(side[1], side[2]) if self.settings else None
         self.seeds = list(args.seeds or (SEEDS[:1] if args.quick else SEEDS))
         self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
         self.lrs = {(t, h, s): set(self.grid) for t, h, _ in self.problems for s in self.seeds}
@@ -319,7 +321,7 @@ class Run:
             "anchor_versions": anchors.versions(), "timing_seed": self.seeds[0],
             "failed_jobs": self.failed, "code_hash": single.code_hash(), "commit": commit(),
             "wall_seconds": round(seconds, 1), "command": command, **machine(),
-            **({"gossip_bounds": gossip_bounds(checkpoint, fields)} if self.settings else {}),
+            **({"gossip_bounds": self.gossip_bounds} if self.settings else {}),
         }  # fmt: skip
 
 

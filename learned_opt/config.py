@@ -149,6 +149,17 @@ class NetConfig:
         """Whether the per-tensor step-size adaptation is on."""
         return self.lr_adapt_rate > 0
 
+    @staticmethod
+    def under_gossip(*_) -> NetConfig:
+        """Moved: the rule under gossip is ``MixingConfig.under_gossip(rule)``, as
+        ``net.mixing.under_gossip(net.config)``. Kept by name because optimizers pickled
+        before the move hold it as their ``config_transform``; unpickling replaces it with
+        their network's ``mixing.under_gossip``."""
+        raise TypeError(
+            "NetConfig.under_gossip moved to MixingConfig.under_gossip(rule): call "
+            "net.mixing.under_gossip(net.config)"
+        )
+
     @property
     def num_time_features(self) -> int:
         return len(self.time_taus)

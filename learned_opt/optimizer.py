@@ -223,7 +223,8 @@ class LearnedOptimizer(Optimizer):
         }
         for name, default in defaults.items():
             self.__dict__.setdefault(name, default)
-        if gossip:
+        # earlier versions' transform, by name, now the network's own mixing config's
+        if gossip or self.config_transform is NetConfig.under_gossip:
             self.config_transform = self.net.mixing.under_gossip
         if "_kernels" not in self.__dict__:
             self._kernels = Kernels(self.compile)

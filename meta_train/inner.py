@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
-from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, NetConfig
+from learned_opt.config import MOMENTUM_DECAYS, SECOND_MOMENT_DECAY, MixingConfig, NetConfig
 from learned_opt.distributed.exchange import exchange_and_mix, sends_state
 from learned_opt.distributed.mixing import check_share_state_every
 from learned_opt.distributed.simulated import SimulatedCommunicator
@@ -58,7 +58,8 @@ class InnerOptimizer:
     learning rate or the learned optimizer's multiplier. ``theta``/``cfg`` are set for the
     learned optimizer, and ``gossip_cfg``, the rule it steps with under gossip
     (:meth:`MixingConfig.under_gossip <learned_opt.config.MixingConfig.under_gossip>` of
-    ``cfg``; ``cfg`` itself where not given).
+    ``cfg``; where not given, that of the default ``MixingConfig``, as a network without
+    a mixing config of its own has).
     ``parts``: the networks the learned step evaluates (:class:`~learned_opt.step.Parts`;
     all by default). Leaving out a network whose output head is zero gives the same values.
     """
@@ -77,6 +78,8 @@ class InnerOptimizer:
 
     def __post_init__(self):
         check_share_state_every(self.share_state_every)
+        if self.gossip_cfg is None and self.cfg is not None:
+            self.gossip_cfg = MixingConfig().under_gossip(self.cfg)
 
     def init(self, params: Tensor, layout: FlatLayout | None = None) -> dict[str, Tensor]:
         """Zero state for flat stacked parameters (of ``layout``: the learned optimizer's
@@ -120,7 +123,7 @@ class InnerOptimizer:
         schedule's factor on ``lr`` at this step."""
         lr = self.lr * lr_scale
         if self.kind == "learned":
-            cfg = (self.gossip_cfg or self.cfg) if gossip else self.cfg
+            cfg = self.gossip_cfg if gossip else self.cfg
             out = flat_step(
                 self.theta, cfg, layout, p, g, state["m"], state["v"], step, lr,
                 log_lr=state.get("log_lr"), q=state.get("q"), parts=self.parts,

@@ -84,9 +84,8 @@ def validate_settings(hp: dict) -> SimpleNamespace:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
             _fail(name, f"must be a number >= 1 (1 = off), got {value!r}")
     fraction = s.scheduled_fraction = getattr(s, "scheduled_fraction", 0.0)
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
-        _fail("scheduled_fraction", f"must be a number in [0, 1], got {fraction!r}")
-    if not 0 <= fraction <= 1:
+    number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+    if not number or not 0 <= fraction <= 1:
         _fail("scheduled_fraction", f"must be a number in [0, 1], got {fraction!r}")
     if s.decentralized_score not in SCORES:
         _fail("decentralized_score", f"unknown score {s.decentralized_score!r}; valid: {SCORES}")

@@ -347,6 +347,7 @@ def test_meta_training_unrolls_the_adaptation_and_differentiates_through_it():
     theta = {k: v.detach().requires_grad_() for k, v in net.named_parameters()}
     layout = FlatLayout(("w", "b"), ((20, 16), (16,)))
     opt = InnerOptimizer("learned", theta=theta, cfg=ADAPT)
+    assert opt.gossip_cfg == MIXING.under_gossip(ADAPT)  # built without one: the defaults
     p = 0.1 * torch.randn(2, layout.size, generator=torch.Generator().manual_seed(0))
     state = opt.init(p, layout)
     assert state["log_lr"].shape == (2, 2)

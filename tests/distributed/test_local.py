@@ -197,3 +197,10 @@ def test_pickles_of_earlier_versions_keep_their_settings():
     assert old.config_transform == old.net.mixing.under_gossip
     for stale in ("gossip", "last_loss", "shipped_default", "checkpoint_by_default"):
         assert not hasattr(old, stale)
+    # pickled before MixingConfig: the transform was NetConfig.under_gossip, by name
+    opt.config_transform = NetConfig.under_gossip
+    moved = pickle.loads(pickle.dumps(opt))
+    assert moved.config_transform == moved.net.mixing.under_gossip
+    assert moved.config_transform(moved.config).lr_adapt_max == moved.net.mixing.lr_adapt_max_gossip
+    with pytest.raises(TypeError, match="MixingConfig.under_gossip"):
+        NetConfig().under_gossip()  # the old call names the new one
