@@ -140,6 +140,7 @@ SCHEDULE_PHRASES = {
 @section("validation_gossip_now_decentralized")
 @section("validation_gossip_state4_decentralized")
 @section("validation_gossip_no_state_decentralized")
+@section("validation_state_bf16_decentralized")
 @section("validation_adapt2x_tensor_stage5_wsd_half")
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
@@ -175,6 +176,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns3_now")
 @section("validation_ns3_now_wsd_half")
 @section("validation_ns3_now_decentralized")
+@section("validation_peak_bounds_wsd_half")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]

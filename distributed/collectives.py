@@ -160,9 +160,10 @@ class GroupCollectives:
         )
         return t
 
-    def check_layout(self, ys: list[Tensor], step: int = 0) -> None:
-        """Fail with a clear message unless every rank passes the same dtypes and shapes."""
-        layout = self._layout(ys)
+    def check_layout(self, ys: list[Tensor], step: int = 0, state: int = 0) -> None:
+        """Fail with a clear message unless every rank passes the same dtypes and shapes
+        (``state``: the last tensors are shared optimizer state, see :meth:`_layout`)."""
+        layout = self._layout(ys, state)
         mine = torch.tensor(
             [layout.fingerprint(), len(ys), sum(y.numel() for y in ys)],
             dtype=torch.int64,
@@ -185,10 +186,12 @@ class GroupCollectives:
             raise ValueError(f"parameter layout differs across ranks ({desc})")
         self._checked.add(layout)
 
-    def _layout(self, ys: list[Tensor]) -> Layout:
-        key = tuple((y.dtype, tuple(y.shape)) for y in ys)
+    def _layout(self, ys: list[Tensor], state: int = 0) -> Layout:
+        """The packed layout of ``ys``, whose last ``state`` tensors are shared optimizer
+        state (sent in :func:`~.packing.wire_dtype`)."""
+        key = (tuple((y.dtype, tuple(y.shape)) for y in ys), state)
         if key not in self._layouts:
-            self._layouts[key] = Layout.of(ys)
+            self._layouts[key] = Layout.of(ys, state)
         return self._layouts[key]
 
     def consensus_distance(self, ys: list[Tensor], step: int = 0) -> Tensor:

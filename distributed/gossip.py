@@ -132,15 +132,19 @@ class GossipOptimizer:
             rule reads) in
             the same exchange as the parameters, with Metropolis weights, so every worker
             normalises and steps alike (see :meth:`LearnedLocal.shared_state
-            <learned_opt.distributed.local.LearnedLocal.shared_state>`); an exchange that
-            carries it sends five times the bytes of the parameters alone for float32
-            parameters, and by default one exchange in two does (``share_state_every``).
+            <learned_opt.distributed.local.LearnedLocal.shared_state>`). It travels as
+            bfloat16 (:data:`~learned_opt.distributed.packing.STATE_WIRE_DTYPE`), so for
+            float32 parameters an exchange that carries it sends twice the bytes of the
+            parameters alone (the shipped rule's momentum and second moment; three times
+            for a rule that reads three momenta), and by default one exchange in two does
+            (``share_state_every``).
             ``None`` (default): on when the local optimizer has shared state and the
             exchange is not compressed (with ``compression`` it is not supported).
         share_state_every: with ``share_state``, one exchange in ``k`` carries the state
-            (the exchanges after local steps k, 2k, ...): a step then sends ``1 + 4 / k``
-            times the bytes of the parameters on average. Default 2 (three times the
-            bytes): as good as every exchange on the held-out and validation settings,
+            (the exchanges after local steps k, 2k, ...): a step then sends ``1 + 1 / k``
+            times the bytes of the parameters on average (``1 + 2 / k`` with three
+            momenta). Default 2 (1.5 times the bytes): as good as every exchange on the
+            held-out and validation settings,
             and cheaper (measured: docs/history.md, *Shared moments*); 1: every exchange.
         metrics_every: compute the consensus distance (one all_reduce) every k steps;
             0 disables it. All ranks must use the same value.
@@ -319,7 +323,7 @@ class GossipOptimizer:
         """Mix ``ys`` in place with the exchange in flight (started now if there is none)."""
         sent, extra = self._with_state(ys, self.step_count)
         if self._inflight is None:
-            self._inflight = self.communicator.begin(sent, self.step_count, None)
+            self._inflight = self.communicator.begin(sent, self.step_count, None, **extra)
         cfg = self.net.config if self.mixing == "learned" else None
         job, self._inflight = self._inflight, None
         theta = self._theta(ys[0])
@@ -342,8 +346,8 @@ class GossipOptimizer:
         self.local.step(None)
         self._record(info, ys)
         with torch.no_grad():
-            sent, _ = self._with_state(ys, self.step_count + 1)
-            self._inflight = self.communicator.begin(sent, self.step_count + 1, batch_loss)
+            sent, extra = self._with_state(ys, self.step_count + 1)
+            self._inflight = self.communicator.begin(sent, self.step_count + 1, batch_loss, **extra)
         self.step_count += 1
         return ret
 

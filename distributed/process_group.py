@@ -248,8 +248,11 @@ class ProcessGroupCommunicator(GroupCollectives):
             if me in (i, j)
         ]
 
-    def begin(self, ys: list[Tensor], step: int, loss=None, *, overlap: bool = True) -> Inflight:
-        """Pack ``ys`` (and ``loss``) and start the exchange of ``step``.
+    def begin(
+        self, ys: list[Tensor], step: int, loss=None, *, overlap: bool = True, state: int = 0
+    ) -> Inflight:
+        """Pack ``ys`` (and ``loss``) and start the exchange of ``step``; the last ``state``
+        of ``ys`` are shared optimizer state, sent in :func:`~.packing.wire_dtype`.
 
         With ``overlap`` every neighbour's send and receive is posted at once (gloo moves
         the bytes in its own threads) and nothing is waited for: the caller computes, then
@@ -257,9 +260,9 @@ class ProcessGroupCommunicator(GroupCollectives):
         ``ys`` are copied into the send buffer, so they may change afterwards; only one
         exchange may be in flight per communicator.
         """
-        layout = self._layout(ys)
+        layout = self._layout(ys, state)
         if layout not in self._checked:
-            self.check_layout(ys, step)
+            self.check_layout(ys, step, state)
         m = self.membership
         graph, members = m.graph, list(m.members)
         me = members.index(self.rank)
@@ -422,7 +425,7 @@ class ProcessGroupCommunicator(GroupCollectives):
         check_rule(rule, theta, cfg)
         if not ys:
             return [], {"neighbors": [], "weights": [], "excluded": [], "bytes_sent": 0}
-        job = self.begin(ys, step, loss, overlap=False)
+        job = self.begin(ys, step, loss, overlap=False, state=state)
         return self.finish_mix(job, ys, rule, theta, cfg, out=out, state=state)
 
     def finish_mix(

@@ -27,6 +27,7 @@ from .mixing import (
     robust_weights,
     tensor_rules,
 )
+from .packing import as_received
 from .topology import Edge, Topology
 
 
@@ -161,6 +162,10 @@ class SimulatedCommunicator:
         valid, edge_id = plan.valid.to(dev), plan.edge_id.to(dev)
         neighbor_t = plan.neighbor.to(dev).T  # [D, N]: slot s of every worker
         neighbor_ys = [y[neighbor_t] for y in ys]  # [D, N, *shape] each
+        first_state = len(ys) - state  # shared state arrives rounded, as real workers send it
+        neighbor_ys = [
+            nb if k < first_state else as_received(nb) for k, nb in enumerate(neighbor_ys)
+        ]
         slot_ws = [  # [D, N] each
             torch.where(valid, w[edge_id], torch.zeros((), dtype=w.dtype, device=dev)).T
             for w in weights

@@ -13,6 +13,7 @@ from learned_opt import LearnedOptimizer, LearnedOptimizerNet
 from learned_opt.distributed import GossipOptimizer
 from learned_opt.distributed.local import gossip_local
 from learned_opt.distributed.mixing import shares_state, tensor_rules
+from learned_opt.distributed.packing import Layout, as_received
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.inner import (
@@ -118,10 +119,52 @@ def test_state_tensors_take_static_weights_under_the_learned_rule():
              for k, v in net.named_parameters()}  # fmt: skip
     (params, state), info = sim.mix([y, y], 0, "learned", theta, net.config, state=1)
     learned, _ = sim.mix([y], 0, "learned", theta, net.config)
-    plain, _ = sim.mix([y], 0, "metropolis")
     torch.testing.assert_close(params, learned[0])
-    torch.testing.assert_close(state, plain[0])
+    # Metropolis on the ring (1/3 each), the neighbours' state as they send it (bfloat16)
+    received = y.to(torch.bfloat16).to(y.dtype)
+    expected = (y + received.roll(1, 0) + received.roll(-1, 0)) / 3
+    torch.testing.assert_close(state, expected)
     assert not torch.allclose(info["weights"][0], info["weights"][1])
+
+
+def test_shared_state_travels_in_bfloat16_and_parameters_exactly():
+    params = [torch.randn(3, 5), torch.randn(7, dtype=torch.float64)]
+    state = [torch.randn(3, 5), torch.randn(7, dtype=torch.float64), torch.randn(2)]
+    ys = params + state
+    whole, wire = Layout.of(ys), Layout.of(ys, state=len(state))
+    assert wire.dtypes == (torch.float32, torch.float64, torch.bfloat16, torch.float64,
+                           torch.bfloat16)  # fmt: skip
+
+    # float32 state at 2 bytes an element instead of 4 (float64 state travels as it is)
+    def payload(layout):
+        return sum(numel * dt.itemsize for dt, _, numel in layout.sections)
+
+    assert payload(whole) - payload(wire) == 2 * (15 + 2)
+    assert wire.nbytes < whole.nbytes
+    buf = torch.empty(wire.nbytes, dtype=torch.uint8)
+    assert wire.pack(ys, 0.5, buf)
+    got = wire.unpack(buf)
+    for sent, arrived in zip(params + state[1:2], got[:2] + got[3:4]):
+        assert arrived.dtype == sent.dtype and torch.equal(arrived, sent)
+    for sent, arrived in zip(state[0::2], got[2::2]):
+        assert arrived.dtype == torch.bfloat16
+        assert torch.equal(arrived, sent.to(torch.bfloat16))
+        assert torch.equal(as_received(sent), arrived.to(sent.dtype))
+    # a non-finite value in the state still marks the buffer
+    state[2][0] = float("inf")
+    assert not wire.pack(ys, None, buf)
+
+
+def test_the_simulator_mixes_the_state_as_received_and_stays_differentiable():
+    sim = SimulatedCommunicator(get_topology("ring", 4))
+    y = torch.randn(4, 6, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    (param, state), _ = sim.mix([y, y], 0, "metropolis", state=1)
+    received = y.detach().to(torch.bfloat16).float()
+    expected = (y.detach() + received.roll(1, 0) + received.roll(-1, 0)) / 3
+    torch.testing.assert_close(state.detach(), expected)
+    assert not torch.equal(state, param)  # the parameters' neighbours arrive exactly
+    state.sum().backward()
+    torch.testing.assert_close(y.grad, torch.ones_like(y))  # the rounding passes it straight
 
 
 def test_share_state_every_k_sends_the_state_in_one_exchange_of_k():
