@@ -12,4 +12,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
+import torch
+
 os.environ.setdefault("LEARNED_OPT_COMPILE", "0")
+
+
+@pytest.fixture
+def one_thread():
+    """Run the test on one intra-op thread (restored after it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -4,12 +4,8 @@ machine two threads mostly wait for each other (5x slower)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(threads)

@@ -278,11 +278,14 @@ def test_evaluation_inner_optimizer_evaluates_only_nonzero_networks_with_the_sam
     assert make_inner_optimizer("learned", net=trained, parts=None).parts.element_net
 
 
-def test_simulated_workers_keep_gram_polynomials_as_a_deployed_optimizer_does():
+def test_simulated_workers_keep_gram_polynomials_as_a_deployed_optimizer_does(one_thread):
     """Under ``NetConfig.ns_every`` each simulated worker keeps its matrices' Gram
     polynomials (``q``, flat, in segment order) and steps as a ``LearnedOptimizer`` of the
     same rule, row by row (the 64 x 72 matrix keeps one; the 8 x 72 one and the vector
-    do not)."""
+    do not). At one thread: with more, a stacked product and a single one may split their
+    work differently, and the polynomial of a near-singular Gram matrix amplifies that
+    rounding (1.5e-3 relative on some entries of ``q`` at two threads on a loaded machine,
+    the parameters still within 1e-5)."""
     from learned_opt import LearnedOptimizer
 
     net, _ = load_checkpoint("adapt_init_2x")
