@@ -177,6 +177,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns3_now_wsd_half")
 @section("validation_ns3_now_decentralized")
 @section("validation_peak_bounds_wsd_half")
+@section("validation_ns_warm_start")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
