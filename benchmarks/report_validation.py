@@ -141,6 +141,8 @@ SCHEDULE_PHRASES = {
 @section("validation_gossip_state4_decentralized")
 @section("validation_gossip_no_state_decentralized")
 @section("validation_state_bf16_decentralized")
+@section("validation_shared_v_only_decentralized")
+@section("validation_shared_m_only_decentralized")
 @section("validation_adapt2x_tensor_stage5_wsd_half")
 @section("validation_adapt2x_tensor_stage5")
 @section("validation_rate01_wsd_half")
