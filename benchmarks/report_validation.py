@@ -180,6 +180,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns3_now_decentralized")
 @section("validation_peak_bounds_wsd_half")
 @section("validation_ns_warm_start")
+@section("validation_ns_reuse_min96")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
