@@ -181,6 +181,7 @@ SCHEDULE_PHRASES = {
 @section("validation_peak_bounds_wsd_half")
 @section("validation_ns_warm_start")
 @section("validation_ns_reuse_min96")
+@section("validation_nesterov64_reuse96")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
