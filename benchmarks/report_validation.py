@@ -186,6 +186,9 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_warm_start")
 @section("validation_ns_reuse_min96")
 @section("validation_nesterov64_reuse96")
+@section("validation_update_hypergradient")
+@section("validation_floor1")
+@section("validation_gossip_ceiling7_decentralized")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
