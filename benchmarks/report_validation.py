@@ -228,3 +228,26 @@ def render_validation(r: dict) -> str:
         f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
     )
     return "\n\n".join(parts)
+
+
+@section("meta_training_stages")
+def render_meta_stages(r: dict) -> str:
+    """The meta-training stages against the hand-set rule (``benchmarks/meta_stages.py``)."""
+    rows = [
+        [f"`{row['rule']}`", row["date"], f"**{_x(row['median'])}**",
+         f"{row['times_reference']:.2f}", _x(row["median_short"]), _x(row["median_long"]),
+         _x(row["lowest"]), ", ".join(row["below_0.9"]) or "none"]
+        for row in r["rows"]
+    ]  # fmt: skip
+    header = ["rule", "validated", "median", "times the hand-set rule", "small problems",
+              "runs of 1000+ steps", "lowest row", "rows below 0.9x"]  # fmt: skip
+    verdict = "meets" if r["target_met"] else "does not meet"
+    return (
+        markdown_table(header, rows)
+        + f"\n\nSingle-worker validation family, step speedup against tuned AdamW (the first"
+        f" row is the hand-set rule, `{r['reference']}.json`; each stage was validated against"
+        f" it at the same code). The best stage, `{r['best_stage']}`, reaches"
+        f" {r['best_times_reference']:.2f} times the hand-set rule's median, and so"
+        f" {verdict} the {r['target_times_reference']:.2f} times a meta-trained checkpoint"
+        f" must reach before it may ship. Generated from the records by `{r['command']}`."
+    )
