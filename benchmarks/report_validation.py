@@ -187,6 +187,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_reuse_min96")
 @section("validation_nesterov64_reuse96")
 @section("validation_update_hypergradient")
+@section("validation_update_hypergradient_blend")
 @section("validation_floor1")
 @section("validation_gossip_ceiling7_decentralized")
 def render_validation(r: dict) -> str:
