@@ -104,7 +104,11 @@ def _first_steps(result: dict) -> str:
     parts = []
     first = cold.get("first_step_seconds", cold.get("seconds"))
     if first is not None:
-        parts.append(f"the first step took {first:.1f} s")
+        parts.append(
+            f"the first step took {first:.2f} s"
+            if first < 0.1
+            else f"the first step took {first:.1f} s"
+        )
     if cold.get("first_kernel_seconds") is not None:
         parts.append(
             f"the kernel of the costliest kind of bucket was ready after "
@@ -122,7 +126,7 @@ def _first_steps(result: dict) -> str:
             f"after {cold['warm_kernel_ready_seconds']:.1f} s "
             f"({cold['warm_steps_until_ready']} steps)."
         )
-    return text
+    return text + (f" {cold['note']}" if cold.get("note") else "")
 
 
 @section("step_overhead")
@@ -154,9 +158,15 @@ def render_step_overhead(result: dict) -> str:
     m = result["machine"]
     load = result.get("load_average_before")
     load_note = f", load average {load[0]:.1f} before measuring" if load else ""
+    day = result["date"][:10]
+    later = {}  # rows appended by a later run (--append): workload -> date
+    for r in result["rows"]:
+        if r.get("date", day)[:10] != day:
+            later.setdefault(r["workload"], r["date"][:10])
+    when = "".join(f"; {w} on {d}" for w, d in later.items())
     return (
         markdown_table(header, rows)
-        + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
+        + f"\n\nMeasured {day}{when} on {m['processor']} ({m['cpu_count']} cores"
         f"{load_note}), torch {m['torch']}; {_samples(result)}, every optimizer on its own "
         "copy of the model, taking turns, so that a busy machine slows them alike (compare "
         f"ratios, not times). AdamW with `foreach=True`.{_first_steps(result)} Command: "

@@ -490,12 +490,15 @@ def main(argv: list[str] | None = None) -> None:
     old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     rows: list = []
 
+    today = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
     def save() -> None:  # after every workload, so an interrupted run keeps what it measured
+        for row in rows:  # a row appended to an older run says when it was measured
+            row.setdefault("date", today)
         result = {
             "benchmark": "step_overhead",
             "command": command if old is None else f"{old['command']}; then {command}",
-            "date": (old or {}).get("date")
-            or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": (old or {}).get("date") or today,
             "machine": machine_info(),
             "load_average_before": (old or {}).get("load_average_before", load_before),
             "warmup": args.warmup,
