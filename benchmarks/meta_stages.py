@@ -13,6 +13,7 @@ on both sides.
 from __future__ import annotations
 
 import argparse
+import sys
 
 from benchmarks.common import write_json
 from benchmarks.compare_validation import load
@@ -52,16 +53,20 @@ def row(name: str, record: dict, reference_median: float) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reference", default=REFERENCE, help="the hand-set rule's record")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), help="stage records")
     parser.add_argument("--out", default="meta_training_stages")
     args = parser.parse_args(argv)
-    reference = load(args.reference)
-    base = reference["summary"]["median_speedup"]
-    rows = [row(args.reference, reference, base)]
-    rows += [row(name, load(name), base) for name in args.stages]
+    try:
+        reference = load(args.reference)
+        base = reference["summary"]["median_speedup"]
+        rows = [row(args.reference, reference, base)]
+        rows += [row(name, load(name), base) for name in args.stages]
+    except ValueError as exc:  # a missing, foreign or gossip-only record: one line
+        print(f"meta_stages: {exc}", file=sys.stderr)
+        return 2
     best = max(rows[1:], key=lambda r: r["times_reference"])
     payload = {
         "benchmark": "meta_training_stages",
@@ -78,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         f"best stage {best['record']}: {best['times_reference']:.2f} times the hand-set rule "
         f"(target {TARGET_TIMES})"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from benchmarks import common
 from benchmarks import meta_stages as ms
 
@@ -25,7 +23,7 @@ def test_each_stage_against_the_reference_and_the_verdict(tmp_path, monkeypatch,
     ref = _record(tmp_path / "ref.json", "hand", 1.2)
     a = _record(tmp_path / "a.json", "a.pt", 1.32, lowest=0.95)
     b = _record(tmp_path / "b.json", "b.pt", 1.2)
-    ms.main(["--reference", ref, "--stages", a, b, "--out", "stages"])
+    assert ms.main(["--reference", ref, "--stages", a, b, "--out", "stages"]) == 0
     out = json.loads((tmp_path / "stages.json").read_text())
     assert [r["times_reference"] for r in out["rows"]] == [1.0, 1.1, 1.0]
     assert out["best_stage"] == a and out["best_times_reference"] == 1.1
@@ -37,12 +35,16 @@ def test_each_stage_against_the_reference_and_the_verdict(tmp_path, monkeypatch,
     assert json.loads((tmp_path / "stages.json").read_text())["target_met"] is True
 
 
-def test_a_record_without_single_worker_rows_is_named(tmp_path, monkeypatch):
+def test_a_bad_record_is_a_one_line_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     ref = _record(tmp_path / "ref.json", "hand", 1.2)
     gossip_only = _record(tmp_path / "g.json", "g.pt", None)
-    with pytest.raises(ValueError, match="g.json: no single-worker rows"):
-        ms.main(["--reference", ref, "--stages", gossip_only])
+    for bad, says in ((gossip_only, "g.json: no single-worker rows"),
+                      (str(tmp_path / "none.json"), "no such validation record")):  # fmt: skip
+        assert ms.main(["--reference", ref, "--stages", bad, "--out", "stages"]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1
+    assert not (tmp_path / "stages.json").exists()
 
 
 def test_the_shipped_table_is_generated_from_the_committed_records():
