@@ -25,6 +25,7 @@ the first ``torch.optim`` optimizer of a process, which imports ``torch._dynamo`
 on both sides: what a cheaper step could reach with these step counts, and no more.
 
     python -m benchmarks.wallclock --suite heldout            # quality_heldout.json's rows
+    python -m benchmarks.wallclock --suite heldout --repeats 3  # each side's median of 3
     python -m benchmarks.wallclock --suite validation         # validation_final.json's rows
     python -m benchmarks.wallclock --suite heldout --tasks heldout_autoencoder
     python -m benchmarks.wallclock --suite validation --compile-after-seconds 10 --out X
@@ -153,6 +154,8 @@ def score(row: dict, rule: dict, adamw: dict) -> dict:
         "adamw_paced_wall_speedup": paced,
         "first_step_seconds": rule["seconds"][0],
         "kernel_ready_step": rule["ready_step"],
+        **({"kernel_ready_steps": rule["ready_steps"]}
+           if len(rule.get("ready_steps", ())) > 1 else {}),  # fmt: skip
         "recorded_speedup": row["recorded_speedup"],
         "recorded_wall_speedup": row["recorded_wall_speedup"],
     }  # fmt: skip
@@ -172,37 +175,55 @@ def run_keys(row: dict) -> tuple[tuple, tuple]:
     )
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One side's repeated runs as one: the first run's loss curve (the runs train alike:
+    same seed, one thread), at every step the median of the runs' cumulative seconds, and
+    the earliest step after which a run had its kernel (``ready_steps``: each run's)."""
+    ready = [r["ready_step"] for r in runs]
+    seconds = [statistics.median(s) for s in zip(*(r["seconds"] for r in runs))]
+    return {"curve": runs[0]["curve"], "seconds": seconds,
+            "ready_step": min((x for x in ready if x is not None), default=None),
+            "ready_steps": ready}  # fmt: skip
+
+
 def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = None,
-            log=print) -> list[dict]:  # fmt: skip
+            log=print, repeats: int = 1) -> list[dict]:  # fmt: skip
     """Run every row's two sides in fresh processes and score them. A task's rule runs
     once, to its longest horizon (a held multiplier: the shorter row is its prefix);
-    AdamW runs once per distinct rate and schedule (a held rate likewise)."""
+    AdamW runs once per distinct rate and schedule (a held rate likewise). With
+    ``repeats`` above 1 every run is repeated, the repeats taking turns (all runs once,
+    then all again), and each side's clock is the median of its runs
+    (:func:`median_run`): one run's clock moves from day to day by more than the rows'
+    differences."""
     runs: dict[tuple, dict] = {}
 
     def need(key: tuple, steps: int) -> None:
-        runs[key] = {"steps": max(steps, runs.get(key, {}).get("steps", 0))}
+        runs[key] = {"steps": max(steps, runs.get(key, {}).get("steps", 0)), "runs": []}
 
     for r in rows:
         for key in run_keys(r):
             need(key, r["horizon"])
     caches: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as root:
-        for key, job in runs.items():
-            if key[0] == "rule":
-                spec = {"task": key[1], "side": key[2], "schedule": "constant",
-                        "compile_after_seconds": compile_after}  # fmt: skip
-                cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) if warm_cache \
-                    else tempfile.mkdtemp(dir=root)  # fmt: skip
-                if warm_cache:  # fill the cache first, untimed, to the end of its compile
-                    run_fresh({**spec, "steps": job["steps"], "fill": True}, cache)
-            else:
-                spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
-                cache = tempfile.mkdtemp(dir=root)
-            start = time.perf_counter()
-            job.update(run_fresh({**spec, "steps": job["steps"]}, cache))
-            log(f"  {key}: {job['steps']} steps in {time.perf_counter() - start:.1f} s "
-                f"(kernel ready after step {job.get('ready_step')})")  # fmt: skip
-    return [score(r, *(runs[key] for key in run_keys(r))) for r in rows]
+        for repeat in range(repeats):
+            for key, job in runs.items():
+                if key[0] == "rule":
+                    spec = {"task": key[1], "side": key[2], "schedule": "constant",
+                            "compile_after_seconds": compile_after}  # fmt: skip
+                    cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) \
+                        if warm_cache else tempfile.mkdtemp(dir=root)  # fmt: skip
+                    if warm_cache and repeat == 0:  # fill the cache first, untimed
+                        run_fresh({**spec, "steps": job["steps"], "fill": True}, cache)
+                else:
+                    spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
+                    cache = tempfile.mkdtemp(dir=root)
+                start = time.perf_counter()
+                job["runs"].append(run_fresh({**spec, "steps": job["steps"]}, cache))
+                log(f"  [{repeat + 1}/{repeats}] {key}: {job['steps']} steps in "
+                    f"{time.perf_counter() - start:.1f} s (kernel ready after step "
+                    f"{job['runs'][-1].get('ready_step')})")  # fmt: skip
+    merged = {key: median_run(job["runs"]) for key, job in runs.items()}
+    return [score(r, *(merged[key] for key in run_keys(r))) for r in rows]
 
 
 def summarise(scored: list[dict]) -> dict:
@@ -247,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         help="queue the kernel's compile after S eager seconds instead of "
         "learned_opt.kernel.COMPILE_AFTER_SECONDS (to compare thresholds)",
     )
+    parser.add_argument(
+        "--repeats", type=int, default=1, metavar="N",
+        help="run every side N times, taking turns, and time it by the median (default 1)",
+    )  # fmt: skip
     parser.add_argument("--out", help="result name (default: wallclock_<suite>)")
     parser.add_argument(
         "--compare",
@@ -264,12 +289,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--compare needs --out")
         write_json(args.out, compare(args.compare))
         return 0
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     rows = rows_of(args.suite, args.tasks)
     if not rows:
         parser.error(f"no rows of {SUITES[args.suite]} match --tasks {args.tasks}")
     start = time.perf_counter()
     print(f"wallclock: {len(rows)} rows of {SUITES[args.suite]}, one fresh process per side")
-    scored = measure(rows, args.warm_cache, args.compile_after_seconds)
+    scored = measure(rows, args.warm_cache, args.compile_after_seconds, repeats=args.repeats)
     import torch
 
     from benchmarks.validation import commit
@@ -281,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         "kernel_route": "aot_package",  # built by a child, loaded by the training process
         "compile_after_seconds": (kernel.COMPILE_AFTER_SECONDS if args.compile_after_seconds
                                   is None else args.compile_after_seconds),
-        "timing_seed": TIMING_SEED, "rows": scored, "summary": summarise(scored),
+        "timing_seed": TIMING_SEED, "repeats": args.repeats, "rows": scored,
+        "summary": summarise(scored),
         "wall_seconds": round(time.perf_counter() - start, 1),
         "command": "python -m benchmarks.wallclock " + " ".join(argv or sys.argv[1:]),
         **machine(), "torch": torch.__version__, "commit": commit(),

@@ -88,6 +88,33 @@ def test_rows_of_a_recorded_suite(tmp_path, monkeypatch):
                      "recorded_wall_speedup": 0.6}]  # fmt: skip
 
 
+def test_repeats_take_turns_and_each_side_is_timed_by_its_median(monkeypatch):
+    calls = []
+    slow = {"rule": [[1.0, 2.0, 9.0], [1.0, 3.0, 4.0], [2.0, 4.0, 6.0]],
+            "adamw": [[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [1.0, 2.0, 3.0]]}  # fmt: skip
+    ready = {"rule": [None, 3, 2], "adamw": [None, None, None]}
+
+    def fake_run(spec, cache):
+        side = "rule" if spec["side"] != "adamw" else "adamw"
+        k = sum(1 for c in calls if c == side)
+        calls.append(side)
+        return {"curve": [4.0, 3.0, 2.0], "seconds": slow[side][k], "ready_step": ready[side][k]}
+
+    monkeypatch.setattr(wallclock, "run_fresh", fake_run)
+    (row,) = wallclock.measure([_row(horizon=3)], warm_cache=False, log=lambda _: None,
+                               repeats=3)  # fmt: skip
+    assert calls == ["rule", "adamw"] * 3  # the repeats take turns, not one side's three
+    assert row["seconds_rule"] == 6.0 and row["seconds_adamw"] == 3.0  # medians of the 3rd step
+    assert row["wall_speedup"] == 0.5 and row["speedup"] == 1.0
+    assert row["kernel_ready_step"] == 2 and row["kernel_ready_steps"] == [None, 3, 2]
+
+
+def test_repeats_below_one_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        wallclock.main(["--repeats", "0"])
+    assert "--repeats must be at least 1" in capsys.readouterr().err
+
+
 def test_one_side_runs_and_records_cumulative_seconds():
     out = wallclock.child({"task": "heldout_logreg_l2", "side": "adamw", "lr": 0.01,
                            "schedule": "constant", "steps": 5})  # fmt: skip
