@@ -136,3 +136,13 @@ def test_compare_tabulates_earlier_results(tmp_path, monkeypatch):
     table = wallclock.compare(["x=first", "y"])
     assert [r["label"] for r in table["runs"]] == ["first", "y"]
     assert table["runs"][1]["walls"] == {"t@200": 0.7}
+
+
+def test_the_tables_say_how_often_each_side_trained():
+    from benchmarks import report_sections
+
+    r = {"timing_seed": 0, "cache": "empty",
+         "summary": {"median_wall_speedup": 1.1, "median_speedup": 1.4}}  # fmt: skip
+    assert "trained once in a new process" in report_sections.render_wallclock_headline(r)
+    text = report_sections.render_wallclock_headline({**r, "repeats": 3})
+    assert "trained 3 times, the repeats taking turns, and timed by the median" in text
