@@ -474,11 +474,19 @@ def _trained(r: dict) -> str:
     return f"{n} times, the repeats taking turns, and timed by the median of its {n} clocks"
 
 
+def _trained_briefly(r: dict) -> str:
+    """:func:`_trained` for a headline."""
+    n = r.get("repeats", 1)
+    if n == 1:
+        return "once in a new process"
+    return f"{n} times, each in a new process, and timed by the median of its clocks"
+
+
 @section("wallclock_heldout:headline")
 def render_wallclock_headline(r: dict) -> str:
     s = r["summary"]
     return (
-        f"With the compile included (each side trained {_trained(r)} in a new process, seed "
+        f"With the compile included (each side trained {_trained_briefly(r)}, seed "
         f"{r['timing_seed']}, {'an empty' if r['cache'] == 'empty' else 'a warm'} compile cache), "
         f"the single-worker rows' median wall-clock speedup is **{_x(s['median_wall_speedup'])}** "
         f"({_x(s['median_speedup'])} in steps in those runs; "
