@@ -179,6 +179,38 @@ def render_cuda_check(r: dict) -> str:
     )
 
 
+@section("robust_cost")
+def render_robust_cost(r: dict) -> str:
+    """One rank's robust mix against the plain one, and its fused floor (robust_cost.py)."""
+    labels = {"plain": "plain mix", "robust": 'robust mix (`robust="clip"`)',
+              "distances": "the distance pass alone",
+              "fused_distances": "the distances in one compiled pass"}  # fmt: skip
+    rows = [[labels.get(k, k), f"{v:.2f}"] for k, v in r["ms"].items()]
+    extra, of_step = r["extra_ms"], r.get("extra_of_step") or {}
+    parts = [f"robust mixing adds {extra['robust']:.2f} ms"]
+    if "robust" in of_step:
+        parts[0] += f" ({of_step['robust']:.0%} of a rank's share of the step)"
+    if "fused_floor" in extra:
+        floor = f"with the distances fused into one pass it would add {extra['fused_floor']:.2f} ms"
+        if "fused_floor" in of_step:
+            floor += f" ({of_step['fused_floor']:.0%})"
+        parts.append(floor)
+    share = ""
+    if r.get("rank_share_ms"):
+        share = (f" A rank's share of the step: `gossip_step.json`'s {r['step_row']} row, "
+                 f"{r['step_ms']:.1f} ms for 4 ranks on 2 cores, times 2 / 4 "
+                 f"({r['rank_share_ms']:.1f} ms).")  # fmt: skip
+    return (
+        markdown_table(["one rank's mix", "ms"], rows)
+        + f"\n\n{r['setup'][:1].upper()}{r['setup'][1:]}: "
+        + "; ".join(parts)
+        + "."
+        + share
+        + f" Measured {r['date']} on {r['machine']}, torch {r['torch']}. "
+        f"Command: `{r['command'].strip()}`."
+    )
+
+
 @section("gossip_step")
 def render_gossip_step(r: dict) -> str:
     header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]

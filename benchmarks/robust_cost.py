@@ -1,0 +1,151 @@
+"""What robust mixing costs one rank when nobody attacks, and the least a fused pass could.
+
+Run: ``OMP_NUM_THREADS=1 python -m benchmarks.robust_cost`` (``--rounds``, ``--no-fused``).
+Writes ``benchmarks/results/robust_cost.json``.
+
+One rank's mix of the 1M-parameter MLP of ``benchmarks/gossip_step.py`` (784-1024-256-10:
+six tensors) with two neighbours, as :class:`~learned_opt.distributed.ProcessGroupCommunicator`
+does it, at one thread, in one process (no exchange: the neighbours' tensors are there).
+Sides, taking turns round after round, each the median over rounds of the mean of
+``--calls`` calls:
+
+- ``plain``: :func:`~learned_opt.distributed.mixing.mix` of every tensor in place;
+- ``robust``: ``robust="clip"``: the distances to every neighbour
+  (:func:`~learned_opt.distributed.mixing.distance_lists`), the clipped weights, then the
+  same mix;
+- ``distances``: the distance pass alone;
+- ``fused_distances`` (unless ``--no-fused``): every neighbour's squared distance of every
+  tensor in one ``torch.compile`` d function, which reads each tensor and each neighbour
+  once: the least that a pass computing the distances can cost, short of fusing them into
+  the mix, which cannot be, since the weights depend on them.
+
+The JSON records the milliseconds, ``robust`` over ``plain``, the extra milliseconds of
+``robust`` and of its fused floor (the fused distances, then the same weights and mix),
+and these over a rank's share of a step of ``gossip_step.json``'s D-Adam ring overlap row
+(4 ranks on 2 cores: the step's milliseconds times 2 / 4). The target of issue 33 is at
+most 5% of the step when nobody attacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
+from learned_opt.distributed.mixing import (  # noqa: E402
+    CLIP_MULTIPLE,
+    distance_lists,
+    mix,
+    robust_weight_lists,
+)
+
+#: The tensors of gossip_step.py's MLP, weights and biases.
+SHAPES = [(1024, 784), (1024,), (256, 1024), (256,), (10, 256), (10,)]
+NEIGHBOURS = 2
+#: The gossip_step.json row whose step time the costs are set against.
+STEP_ROW = "D-Adam ring overlap"
+
+
+def tensors(seed: int = 0):
+    """A rank's tensors, its neighbours' (close to them, as after gossip), and Metropolis
+    weights for a ring (1/3 each)."""
+    gen = torch.Generator().manual_seed(seed)
+    ys = [torch.randn(s, generator=gen) * 0.05 for s in SHAPES]
+    nbs = [[y + 1e-3 * torch.randn(y.shape, generator=gen) for _ in range(NEIGHBOURS)] for y in ys]
+    weights = [[1.0 / 3.0] * NEIGHBOURS for _ in ys]
+    return ys, nbs, weights
+
+
+def sides(ys, nbs, weights, fused: bool) -> tuple[dict, dict]:
+    """The functions timed, and the tensors that ``plain`` and ``robust`` mix into (each
+    its own copies of the rank's tensors)."""
+    targets = {name: [y.clone() for y in ys] for name in ("plain", "robust")}
+
+    def plain():
+        for y, t, nb, w in zip(ys, targets["plain"], nbs, weights):
+            mix(y, nb, w, out=t)
+
+    def robust():
+        dist = distance_lists(ys, nbs)
+        clipped = robust_weight_lists(ys, nbs, weights, CLIP_MULTIPLE, dist)
+        for y, t, nb, w in zip(ys, targets["robust"], nbs, clipped):
+            mix(y, nb, w, out=t)
+
+    out = {"plain": plain, "robust": robust, "distances": lambda: distance_lists(ys, nbs)}
+    if fused:
+        squared = torch.compile(
+            lambda xs, ns: [((n - x) ** 2).sum() for x, nb in zip(xs, ns) for n in nb],
+            fullgraph=True,
+        )
+        out["fused_distances"] = lambda: squared(ys, nbs)
+    return out, targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--no-fused", action="store_true", help="leave out the compiled pass")
+    parser.add_argument("--out", default="robust_cost")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.calls < 1:
+        parser.error("--rounds and --calls must be at least 1")
+    torch.set_num_threads(1)
+    ys, nbs, weights = tensors()
+    fns, _ = sides(ys, nbs, weights, fused=not args.no_fused)
+    for fn in fns.values():  # warm up (and compile the fused pass)
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                fn()
+            times[name].append((time.perf_counter() - start) / args.calls * 1e3)
+    ms = {name: round(statistics.median(t), 3) for name, t in times.items()}
+    step = None
+    gossip = RESULTS / "gossip_step.json"
+    if gossip.exists():
+        step = json.loads(gossip.read_text()).get("step_ms", {}).get(STEP_ROW)
+    extra = {"robust": round(ms["robust"] - ms["plain"], 3)}
+    if "fused_distances" in ms:  # the fused distances, then the same mix and weights
+        extra["fused_floor"] = round(ms["fused_distances"] + ms["robust"] - ms["distances"]
+                                     - ms["plain"], 3)  # fmt: skip
+    # a rank's share of the machine in gossip_step.py: 4 ranks on 2 cores
+    share = None if step is None else step * 2 / 4
+    of_step = {k: round(v / share, 3) for k, v in extra.items()} if share else None
+    payload = {
+        "benchmark": "robust_cost",
+        "setup": f"one rank's mix of {len(SHAPES)} tensors "
+        f"({sum(torch.Size(s).numel() for s in SHAPES):,} parameters) with {NEIGHBOURS} "
+        f"neighbours, 1 thread, median of {args.rounds} rounds of {args.calls} calls",
+        "ms": ms,
+        "robust_over_plain": round(ms["robust"] / ms["plain"], 3),
+        "extra_ms": extra,
+        "step_row": STEP_ROW,
+        "step_ms": step,
+        "rank_share_ms": share,
+        "extra_of_step": of_step,
+        "command": "OMP_NUM_THREADS=1 python -m benchmarks.robust_cost "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        **machine(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    write_json(args.out, payload)
+    print(json.dumps({k: payload[k] for k in ("ms", "robust_over_plain", "extra_ms",
+                                              "extra_of_step")}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
