@@ -73,7 +73,8 @@ POOL = 64  # random batches per rank, cycled (4,096 samples with random labels)
 FUSED_DECENT_DP = "Decent-DP fused Adam one-peer ring"
 
 
-def _model(seed: int) -> torch.nn.Module:
+def mlp(seed: int) -> torch.nn.Module:
+    """The MLP every rank trains (784-1024-256-10), initialised from ``seed``."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(784, 1024),
@@ -128,24 +129,24 @@ def _decent_dp(rank: int, fused: bool):
 
     else:
         fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
-    return DecentralizedDataParallel(_model(rank), fn, topology="ring", _local_world_size=WORLD)
+    return DecentralizedDataParallel(mlp(rank), fn, topology="ring", _local_world_size=WORLD)
 
 
 def _configs(rank: int) -> dict:
     out = {}
-    model = _model(rank)
+    model = mlp(rank)
     comm = ProcessGroupCommunicator(get_topology("ring", WORLD))
     out["allreduce + Adam"] = (model, _AllReduceAdam(model.parameters(), comm))
     for topo in ("ring", "one_peer_ring"):
         graph = get_topology(topo, WORLD)
         for overlap in (False, True):
             suffix = f" {topo}" + (" overlap" if overlap else "")
-            model = _model(rank)
+            model = mlp(rank)
             out["D-Adam" + suffix] = (
                 model,
                 dadam(model.parameters(), 1e-3, graph, overlap=overlap, metrics_every=0),
             )
-            model = _model(rank)
+            model = mlp(rank)
             local = LearnedOptimizer(model.parameters())
             out["learned + learned mixing" + suffix] = (
                 model,
@@ -154,12 +155,12 @@ def _configs(rank: int) -> dict:
     # the price of robust mixing when nobody attacks (a ring: with one neighbour per step
     # there is nothing to clip against)
     graph = get_topology("ring", WORLD)
-    model = _model(rank)
+    model = mlp(rank)
     out["D-Adam ring overlap, robust clip"] = (
         model,
         dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip", metrics_every=0),
     )
-    model = _model(rank)
+    model = mlp(rank)
     local = LearnedOptimizer(model.parameters())
     out["learned + learned mixing ring overlap, robust clip"] = (
         model,
@@ -167,13 +168,13 @@ def _configs(rank: int) -> dict:
     )
     graph = get_topology("one_peer_ring", WORLD)
     # the price of a per-step deadline for stragglers (store round trips, waiting threads)
-    model = _model(rank)
+    model = mlp(rank)
     out["D-Adam one_peer_ring deadline"] = (
         model,
         dadam(model.parameters(), 1e-3, graph, step_deadline=10.0, metrics_every=0),
     )
     # where the learned configuration's time goes: its optimizer, or its mixing
-    model = _model(rank)
+    model = mlp(rank)
     local = LearnedOptimizer(model.parameters())
     out["learned + Metropolis one_peer_ring overlap"] = (
         model,
@@ -187,13 +188,13 @@ def _configs(rank: int) -> dict:
         "no shared state": {"share_state": False},
     }
     for label, options in sharing.items():
-        model = _model(rank)
+        model = mlp(rank)
         local = LearnedOptimizer(model.parameters())
         out[f"learned + learned mixing one_peer_ring overlap, {label}"] = (
             model,
             GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, **options),
         )
-    model = _model(rank)
+    model = mlp(rank)
     adam = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
     out["Adam + learned mixing one_peer_ring overlap"] = (
         model,

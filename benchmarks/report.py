@@ -104,11 +104,8 @@ def _first_steps(result: dict) -> str:
     parts = []
     first = cold.get("first_step_seconds", cold.get("seconds"))
     if first is not None:
-        parts.append(
-            f"the first step took {first:.2f} s"
-            if first < 0.1
-            else f"the first step took {first:.1f} s"
-        )
+        digits = 2 if first < 0.1 else 1  # 0.04 s, not 0.0 s
+        parts.append(f"the first step took {first:.{digits}f} s")
     if cold.get("first_kernel_seconds") is not None:
         parts.append(
             f"the kernel of the costliest kind of bucket was ready after "

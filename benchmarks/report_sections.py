@@ -207,7 +207,7 @@ def render_robust_cost(r: dict) -> str:
         + "."
         + share
         + f" Measured {r['date']} on {r['machine']}, torch {r['torch']}. "
-        f"Command: `{r['command'].strip()}`."
+        f"Command: `{r['command']}`."
     )
 
 
@@ -478,8 +478,6 @@ def render_wallclock(r: dict) -> str:
             "rule's number of steps, so a cheaper step can reach no more"
         )
     cache = "an empty compile cache" if r["cache"] == "empty" else "a warm compile cache"
-    times = _trained(r)
-    each = " each time" if r.get("repeats", 1) > 1 else ""
     when = f"compiled in the background once its eager steps had taken {r['compile_after_seconds']:g} s"
     if r["cache"] != "empty" and r.get("kernel_route") == "aot_package":
         when = f"was loaded after its first steps where the earlier run had built it, else {when}"
@@ -488,8 +486,8 @@ def render_wallclock(r: dict) -> str:
         + f"\n\nMedian: **{_x(s['median_speedup'])}** in steps, **{_x(s['median_wall_speedup'])}** "
         f"in wall-clock time with the compile included (the suite's figure, measured once the "
         f"kernel is compiled: {_x(s['median_recorded_wall_speedup'])}{paced}). Each side trained the "
-        f"task {times}, at seed {r['timing_seed']}, in a new process{each} ({r['threads']} "
-        f"thread, {cache}), one process at a time; the rule's kernel {when}. Wall-clock speedup: AdamW's "
+        f"task {_trained(r)} ({r['threads']} thread, {cache}), at seed {r['timing_seed']}, "
+        f"one process at a time; the rule's kernel {when}. Wall-clock speedup: AdamW's "
         f"seconds to the level (the worse of the two best smoothed losses) over the rule's, "
         f"each counted from the optimizer's construction. AdamW at the rate and schedule "
         f"tuned for seed {r['timing_seed']} in `{r['source']}`. {_measured(r)} Wall time "
@@ -498,27 +496,22 @@ def render_wallclock(r: dict) -> str:
 
 
 def _trained(r: dict) -> str:
-    """How often each side of a wall-clock run trained: once, or N times timed by the median
-    of its runs' clocks (``--repeats``; the repeats took turns)."""
-    n = r.get("repeats", 1)
-    if n == 1:
-        return "once"
-    return f"{n} times, the repeats taking turns, and timed by the median of its {n} clocks"
-
-
-def _trained_briefly(r: dict) -> str:
-    """:func:`_trained` for a headline."""
+    """How often each side of a wall-clock run trained: once, or N times (``--repeats``, the
+    repeats taking turns) timed by the median of its runs' clocks."""
     n = r.get("repeats", 1)
     if n == 1:
         return "once in a new process"
-    return f"{n} times, each in a new process, and timed by the median of its clocks"
+    return (
+        f"{n} times, each in a new process, the repeats taking turns, and timed by the "
+        "median of its clocks"
+    )
 
 
 @section("wallclock_heldout:headline")
 def render_wallclock_headline(r: dict) -> str:
     s = r["summary"]
     return (
-        f"With the compile included (each side trained {_trained_briefly(r)}, seed "
+        f"With the compile included (each side trained {_trained(r)}, seed "
         f"{r['timing_seed']}, {'an empty' if r['cache'] == 'empty' else 'a warm'} compile cache), "
         f"the single-worker rows' median wall-clock speedup is **{_x(s['median_wall_speedup'])}** "
         f"({_x(s['median_speedup'])} in steps in those runs; "

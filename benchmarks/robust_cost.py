@@ -39,6 +39,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import gossip_step  # noqa: E402
 from benchmarks.common import RESULTS, machine, write_json  # noqa: E402
 from learned_opt.distributed.mixing import (  # noqa: E402
     CLIP_MULTIPLE,
@@ -47,8 +48,10 @@ from learned_opt.distributed.mixing import (  # noqa: E402
     robust_weight_lists,
 )
 
-#: The tensors of gossip_step.py's MLP, weights and biases.
-SHAPES = [(1024, 784), (1024,), (256, 1024), (256,), (10, 256), (10,)]
+#: The tensors of gossip_step.py's MLP, weights and biases (built with the global random
+#: state forked, which that builder seeds).
+with torch.random.fork_rng():
+    SHAPES = [tuple(p.shape) for p in gossip_step.mlp(0).parameters()]
 NEIGHBOURS = 2
 #: The gossip_step.json row whose step time the costs are set against.
 STEP_ROW = "D-Adam ring overlap"
@@ -135,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         "step_ms": step,
         "rank_share_ms": share,
         "extra_of_step": of_step,
-        "command": "OMP_NUM_THREADS=1 python -m benchmarks.robust_cost "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(
+            [
+                "OMP_NUM_THREADS=1 python -m benchmarks.robust_cost",
+                *(argv if argv is not None else sys.argv[1:]),
+            ]
+        ),  # fmt: skip
         **machine(),
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),

@@ -145,4 +145,7 @@ def test_the_tables_say_how_often_each_side_trained():
          "summary": {"median_wall_speedup": 1.1, "median_speedup": 1.4}}  # fmt: skip
     assert "trained once in a new process" in report_sections.render_wallclock_headline(r)
     text = report_sections.render_wallclock_headline({**r, "repeats": 3})
-    assert "trained 3 times, each in a new process, and timed by the median" in text
+    assert (
+        "trained 3 times, each in a new process, the repeats taking turns, and timed by the median"
+        in text
+    )
