@@ -17,7 +17,7 @@ REQUIRED_STATE = ("m", "v")
 OPTIONAL_STATE = ("log_lr", "step", "sparse_rows", "nonfinite_skips", "q")
 #: Hyper-parameters of torch's built-in optimizers that a LearnedOptimizer's groups lack.
 FOREIGN_GROUP_KEYS = (
-    "betas", "momentum", "eps", "amsgrad", "dampening", "nesterov", "weight_decay", "alpha",
+    "betas", "momentum", "eps", "amsgrad", "dampening", "nesterov", "alpha",
     "rho", "lr_decay", "initial_accumulator_value", "momentum_decay", "etas", "step_sizes",
 )  # fmt: skip
 
@@ -101,5 +101,6 @@ def _check(param_groups: list[dict], state_dict: dict) -> None:
         if foreign:
             raise StateDictError(
                 f"param_groups[{g}] holds {', '.join(foreign)}: a state dict of another "
-                "optimizer (a LearnedOptimizer's groups hold lr, a multiplier, and step)"
+                "optimizer (a LearnedOptimizer's groups hold lr, a multiplier, weight_decay "
+                "and step)"
             )

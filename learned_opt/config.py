@@ -94,6 +94,13 @@ class NetConfig:
     # per-element m/sqrt(v) shrinks in noise (to about 0.23 for pure noise at 0.9); 0 turns
     # it off (see MixingConfig.ortho_snr_gossip for the exponent under gossip).
     ortho_snr: float = 0.0
+    # Decoupled weight decay relative to each tensor's step size, as AdamW's is relative to
+    # its learning rate: before its update a tensor is multiplied by 1 - weight_decay * s,
+    # s the RMS its step would have along a unit-RMS direction this step (the lr
+    # multiplier times step_mult, its adapted multiplier and width factor, and
+    # ortho_step_mult / step_mult for an orthogonalised matrix). 0 (every shipped rule):
+    # none. LearnedOptimizer sets it per param group (its weight_decay).
+    weight_decay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.width not in (8, 16, 32):
@@ -127,6 +134,10 @@ class NetConfig:
         if not 0 <= float(self.ortho_nesterov) <= 1:
             raise ValueError(
                 f"NetConfig.ortho_nesterov must be in [0, 1], got {self.ortho_nesterov!r}"
+            )
+        if not 0 <= float(self.weight_decay) < float("inf"):
+            raise ValueError(
+                f"NetConfig.weight_decay must be a finite number >= 0, got {self.weight_decay!r}"
             )
         if not 0 <= float(self.ortho_snr) <= 4:
             raise ValueError(f"NetConfig.ortho_snr must be in [0, 4], got {self.ortho_snr!r}")

@@ -6,12 +6,14 @@ import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from itertools import chain
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ._state_dict import FOREIGN_GROUP_KEYS
 from .allocator import tune_malloc
 from .checkpoint import (
     DEFAULT_CHECKPOINT,
@@ -41,6 +43,18 @@ def checked_lr(lr, where: str = "lr") -> float:
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"Invalid {where}: {lr!r} (the multiplier must be finite and >= 0)")
     return float(value)
+
+
+def checked_weight_decay(weight_decay, where: str = "weight_decay") -> float | None:
+    """``weight_decay`` as a float (None stays None: the rule's own), or a ``ValueError``
+    unless it is a finite number >= 0."""
+    if weight_decay is None:
+        return None
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)):
+        raise ValueError(f"Invalid {where}: {weight_decay!r} (must be a number >= 0 or None)")
+    if not (math.isfinite(weight_decay) and weight_decay >= 0.0):
+        raise ValueError(f"Invalid {where}: {weight_decay!r} (must be finite and >= 0)")
+    return float(weight_decay)
 
 
 #: The error of a positional argument after ``params``.
@@ -86,6 +100,14 @@ class LearnedOptimizer(Optimizer):
             of ``param_groups`` that makes it negative, infinite or NaN raises a
             ``ValueError`` instead of corrupting the parameters.
         net: an in-memory :class:`LearnedOptimizerNet` to use instead of a checkpoint.
+        weight_decay: decoupled weight decay, as AdamW's ``weight_decay`` (a number >= 0,
+            per param group like ``lr``; None, the default: the rule's own,
+            :attr:`~learned_opt.config.NetConfig.weight_decay`, 0 for every shipped rule).
+            Before its update a tensor is multiplied by ``1 - weight_decay * s``, ``s`` the
+            size of its step this step (what AdamW's learning rate is to AdamW's decay):
+            so ``weight_decay=0.1`` decays as ``AdamW(weight_decay=0.1)`` does for the same
+            step sizes, and follows ``lr``, its schedule and the adapted step sizes. The
+            usual param groups without decay for biases and norms work unchanged.
         compile: run the step's compiled kernel (the default), or always run the eager
             reference (``False``; also the environment variable
             ``LEARNED_OPT_COMPILE=0``). ``step()`` never waits for a compile: the first
@@ -141,11 +163,13 @@ class LearnedOptimizer(Optimizer):
         checkpoint: str | os.PathLike | None = None,
         lr: float = 1.0,
         net: LearnedOptimizerNet | None = None,
+        weight_decay: float | None = None,
         compile: bool = True,
     ):
         if positional:  # the Adam(params, 1e-3) habit would make every step 1000x too small
             raise TypeError(KEYWORD_ONLY.format(positional[0]))
         checked_lr(lr, "learning-rate multiplier lr")
+        checked_weight_decay(weight_decay)
         if not isinstance(compile, bool):
             raise ValueError(f"Invalid compile: {compile!r} (must be True or False)")
         if net is None:
@@ -162,7 +186,7 @@ class LearnedOptimizer(Optimizer):
         self._parts: Parts | None = None
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
-        super().__init__(params, dict(lr=lr, step=0))
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, step=0))
         if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
             tune_malloc()  # the eager step's temporaries reuse memory (see .allocator)
 
@@ -183,8 +207,16 @@ class LearnedOptimizer(Optimizer):
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # named parameters
             if isinstance(p, Tensor) and not p.is_floating_point():
                 raise ValueError(f"LearnedOptimizer needs floating-point parameters, got {p.dtype}")
+        foreign = sorted(k for k in FOREIGN_GROUP_KEYS if k in param_group)
+        if foreign:
+            raise ValueError(
+                f"a param group holds {', '.join(foreign)}: hyper-parameters of torch's "
+                "optimizers that a LearnedOptimizer has not (its update is learned; its groups "
+                "take lr, a multiplier, and weight_decay); remove them"
+            )
         if "lr" in param_group:
             checked_lr(param_group["lr"], "lr of the new param group")
+        checked_weight_decay(param_group.get("weight_decay"), "weight_decay of the new param group")
         super().add_param_group({**param_group, "params": params})
 
     def __getstate__(self) -> dict:
@@ -206,6 +238,7 @@ class LearnedOptimizer(Optimizer):
         for group in self.param_groups:
             group.setdefault("step", 0)
             group.setdefault("lr", 1.0)
+            group.setdefault("weight_decay", None)  # saved before weight decay: the rule's
         if "net" not in self.__dict__:
             raise ValueError(
                 "this pickled LearnedOptimizer holds no network (net): it was pickled by a "
@@ -318,9 +351,13 @@ class LearnedOptimizer(Optimizer):
             cfg = self.config_transform(cfg)
         for index, group in enumerate(self.param_groups):
             lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
+            decay = checked_weight_decay(
+                group.get("weight_decay"), f"param_groups[{index}]['weight_decay']"
+            )
             items = self._group_items(group, cfg)
             if not items:
                 continue
+            rule = cfg if decay is None else replace(cfg, weight_decay=decay)
             group["step"] += 1
             by_kind: dict[tuple, list] = {}  # one kernel per device and compute dtype
             for item in items:
@@ -329,7 +366,7 @@ class LearnedOptimizer(Optimizer):
                 theta = self.theta(device, dtype)
                 params, grads, states = zip(*kind)
                 tensors = [kernel_state(s) for s in states]
-                oks = self._kernels.step(theta, cfg, parts, params, grads, tensors, lr)
+                oks = self._kernels.step(theta, rule, parts, params, grads, tensors, lr)
                 for p, state, ok in zip(params, states, oks):
                     if not ok:
                         self._skipped(index, group, p, state)

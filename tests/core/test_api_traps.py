@@ -56,7 +56,7 @@ def _other_shapes_state(params):
         ),
         (
             lambda params: torch.optim.Adam(params, lr=3e-4).state_dict(),
-            "param_groups[0] holds amsgrad, betas, eps, weight_decay: a state dict of another optimizer",
+            "param_groups[0] holds amsgrad, betas, eps: a state dict of another optimizer",
         ),
         (
             _other_shapes_state,

@@ -11,8 +11,10 @@ Generic checks that do not apply, and why:
 
 - foreach / fused / differentiable / capturable: no such flags. One dispatcher picks the
   implementation by device and tensor size (``supported_impls=()``).
-- maximize, weight_decay: not arguments of a learned optimizer (the network decides the
-  update; decay belongs in the loss).
+- maximize: not an argument of a learned optimizer (the network decides the update).
+  ``weight_decay`` is AdamW's decoupled decay, relative to each tensor's step size; it
+  runs here as one more configuration (``tests/core/test_weight_decay.py`` checks what
+  it does).
 - complex parameters (``supports_complex=False``): the features are real; complex
   parameters are refused with a ``ValueError``.
 - sparse gradients (``supports_sparse=False``): refused with a clear ``RuntimeError``.
@@ -49,6 +51,7 @@ def _inputs(device, dtype=None):
         OptimizerInput(params=None, kwargs={"lr": torch.tensor(0.5)}, desc="Tensor lr"),
         OptimizerInput(params=None, kwargs={"checkpoint": "adam_init"}, desc="adam_init"),
         OptimizerInput(params=None, kwargs={"compile": False}, desc="reference only"),
+        OptimizerInput(params=None, kwargs={"weight_decay": 0.1}, desc="weight decay"),
     ]
 
 
@@ -65,6 +68,11 @@ def _error_inputs(device, dtype):
         bad_lr(float("inf"), "infinite lr", "finite and >= 0"),
         bad_lr(float("nan"), "nan lr", "finite and >= 0"),
         bad_lr("0.1", "string lr", "must be a number"),
+        ErrorOptimizerInput(
+            OptimizerInput(params=None, kwargs={"weight_decay": -0.1}, desc="negative decay"),
+            error_type=ValueError,
+            error_regex="Invalid weight_decay",
+        ),
         ErrorOptimizerInput(
             OptimizerInput(params=None, kwargs={"compile": "yes"}, desc="compile 'yes'"),
             error_type=ValueError,

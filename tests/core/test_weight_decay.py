@@ -1,0 +1,159 @@
+"""Decoupled weight decay (``weight_decay``, per param group): a tensor is multiplied by
+``1 - weight_decay * s`` before its update, ``s`` the size of its step (see
+:attr:`learned_opt.config.NetConfig.weight_decay`), and the keys of torch's other
+optimizers are refused instead of being ignored."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from learned_opt import LearnedOptimizer, kernel
+from learned_opt.kernel import _Step, flat_inputs, package_path, state_keys, theta_inputs
+
+#: A vector, a small matrix that takes the Adam form and one that is orthogonalised.
+SHAPES = [(8,), (3, 5), (32, 64)]
+
+
+def _params(seed: int = 0) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+
+
+def _grads(params, seed: int) -> None:
+    gen = torch.Generator().manual_seed(100 + seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+
+
+def _after_steps(groups_of, steps: int = 1, **kwargs):
+    """The parameters before and after ``steps`` steps of an optimizer built on
+    ``groups_of(params)``, the same gradients whatever the settings."""
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = LearnedOptimizer(groups_of(params), compile=False, **kwargs)
+    for k in range(steps):
+        _grads(params, k)
+        opt.step()
+    return before, [p.detach().clone() for p in params], opt
+
+
+def test_decay_is_weight_decay_times_each_tensor_s_step_size():
+    """At the first step the rule's update has the same size on every element of an
+    Adam-form tensor (a sign step) and unit RMS times the step size on an orthogonalised
+    matrix; decay subtracts ``weight_decay * s * p`` on top of that same update."""
+    before, plain, _ = _after_steps(list)
+    _, decayed, _ = _after_steps(list, weight_decay=0.1)
+    for shape, p, new, new_decayed in zip(SHAPES, before, plain, decayed):
+        step = new - p
+        size = step.square().mean().sqrt() if shape == (32, 64) else step.abs()
+        assert float(size.min()) > 0
+        torch.testing.assert_close(new_decayed - new, -0.1 * size * p, atol=1e-6, rtol=1e-4)
+
+
+def test_no_decay_is_the_rule_itself_bitwise():
+    """``weight_decay`` None (the rule's own: 0 for every shipped rule) and 0 give the same
+    parameters and state as each other, over steps that run and reuse Newton-Schulz."""
+    _, plain, opt = _after_steps(list, steps=3)
+    _, zero, opt_zero = _after_steps(list, steps=3, weight_decay=0.0)
+    for a, b in zip(plain, zero):
+        assert torch.equal(a, b)
+    for s, t in zip(opt.state.values(), opt_zero.state.values()):
+        assert all(torch.equal(s[k], t[k]) for k in s if torch.is_tensor(s[k]))
+
+
+def test_a_group_without_decay_steps_as_without_weight_decay():
+    """The usual groups: decay for the matrices, none for the vector (bias, norm)."""
+    _, plain, _ = _after_steps(list, steps=2)
+    _, mixed, opt = _after_steps(
+        lambda ps: [{"params": ps[1:], "weight_decay": 0.1}, {"params": ps[:1], "weight_decay": 0}],
+        steps=2,
+    )
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert torch.equal(mixed[0], plain[0])
+    assert not torch.equal(mixed[2], plain[2])
+
+
+def test_decay_follows_the_lr_multiplier():
+    """At ``lr=0`` nothing moves, decay included (it scales with the step size, as
+    AdamW's scales with its learning rate, so a schedule that ends at 0 ends decay too)."""
+    before, after, _ = _after_steps(list, lr=0.0, weight_decay=0.5)
+    for p, new in zip(before, after):
+        assert torch.equal(p, new)
+
+
+def test_the_kernel_s_traced_step_decays_as_the_reference(tmp_path, monkeypatch):
+    """The compiled kernel is the exported step with the group's decay fixed in it: run
+    eagerly (no compile here), it steps as the reference, and the decayed group's package
+    is not the undecayed one's."""
+    params = _params()
+    opt = LearnedOptimizer(params, weight_decay=0.1, compile=False)
+    _grads(params, 0)
+    opt.step()  # state to step from
+    _grads(params, 1)
+    rule = replace(opt.config, weight_decay=0.1)
+    theta = opt.theta(torch.device("cpu"), torch.float32)
+    states = [kernel.kernel_state(opt.state[p]) for p in params]
+    copies = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in states]
+    ps, gs = [p.detach().clone() for p in params], [p.grad.clone() for p in params]
+    lr = torch.tensor(1.0)
+    module = _Step(rule, opt.parts, sorted(theta), [False] * 3, [state_keys(s) for s in copies])
+    program = torch.export.export(module, (flat_inputs(theta_inputs(theta), ps, gs, copies, lr),))
+    program.module()(flat_inputs(theta_inputs(theta), ps, gs, copies, lr))
+    opt.step()
+    for p, traced in zip(params, ps):
+        torch.testing.assert_close(traced, p.detach(), atol=1e-6, rtol=1e-5)
+    monkeypatch.setenv(kernel.KERNEL_DIR_ENV, str(tmp_path))
+    args = (theta, rule, opt.parts, ps, gs, copies, lr)
+    plain = (theta, opt.config, *args[2:])
+    assert package_path(args) != package_path(plain)
+
+
+@pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "0.1", True])
+def test_an_invalid_weight_decay_is_refused_in_one_line(bad):
+    with pytest.raises(ValueError) as info:
+        LearnedOptimizer(_params(), weight_decay=bad)
+    assert "weight_decay" in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(ValueError):
+        LearnedOptimizer([{"params": _params(), "weight_decay": bad}])
+
+
+def test_a_weight_decay_made_invalid_after_building_is_refused_at_the_step():
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = LearnedOptimizer(params, weight_decay=0.1, compile=False)
+    opt.param_groups[0]["weight_decay"] = -1.0
+    _grads(params, 0)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['weight_decay'\]"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and not opt.state
+
+
+@pytest.mark.parametrize("key, value", [("betas", (0.9, 0.95)), ("eps", 1e-8), ("momentum", 0.9)])
+def test_keys_of_torch_s_other_optimizers_are_refused_not_ignored(key, value):
+    with pytest.raises(ValueError) as info:
+        LearnedOptimizer([{"params": _params(), key: value}])
+    message = str(info.value)
+    assert key in message and "remove them" in message and "\n" not in message
+    opt = LearnedOptimizer(_params())
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": _params(1), key: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_weight_decay_survives_a_state_dict_and_older_state_dicts_load():
+    """A state dict carries each group's decay; one saved before weight decay existed
+    (groups without the key) loads as the rule's own, None."""
+    _, _, opt = _after_steps(list, weight_decay=0.1)
+    saved = opt.state_dict()
+    assert saved["param_groups"][0]["weight_decay"] == 0.1
+    fresh = LearnedOptimizer(_params(), compile=False)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["weight_decay"] == 0.1
+    del saved["param_groups"][0]["weight_decay"]
+    older = LearnedOptimizer(_params(), weight_decay=0.3, compile=False)
+    older.load_state_dict(saved)
+    assert older.param_groups[0]["weight_decay"] is None
