@@ -211,8 +211,8 @@ class LearnedOptimizer(Optimizer):
         if foreign:
             raise ValueError(
                 f"a param group holds {', '.join(foreign)}: hyper-parameters of torch's "
-                "optimizers that a LearnedOptimizer has not (its update is learned; its groups "
-                "take lr, a multiplier, and weight_decay); remove them"
+                "optimizers that a LearnedOptimizer does not take (its update is learned; its "
+                "groups take lr, a multiplier, and weight_decay); remove them"
             )
         if "lr" in param_group:
             checked_lr(param_group["lr"], "lr of the new param group")

@@ -225,6 +225,9 @@ def flat_step(
     iterates at every step. ``parts``: the networks to evaluate
     (:func:`active_parts`; all of them by default).
 
+    ``cfg.weight_decay`` above 0 multiplies each segment by :func:`decay_factor` before its
+    update (decoupled weight decay, relative to the segment's step size).
+
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
     and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
     other segments or, through autograd, theta. ``read_mask`` (an eager caller on CPU, not
