@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import compile_env, machine, write_json
+from benchmarks.common import command_line, compile_env, machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKS = (30, 60, 90, 120, 180, 240, 300, 420, 600)
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         args.out,
         {
             "benchmark": "build_race",
-            "command": "python -m benchmarks.build_race "
-            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": command_line("python -m benchmarks.build_race", argv),
             "workload": "transformer-0.5M",
             "threads": args.threads,
             "seconds": args.seconds,

@@ -6,7 +6,9 @@ import json
 import math
 import os
 import platform
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -84,6 +86,13 @@ def compile_env(cache: str, threads: int) -> dict[str, str]:
     }  # fmt: skip
     env.pop("LEARNED_OPT_KERNEL_DIR", None)
     return env
+
+
+def command_line(prefix: str, argv=None) -> str:
+    """The command a result records: ``prefix`` then the arguments (``argv``, by default
+    this process's), quoted for a shell, with nothing after ``prefix`` when there are none."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return f"{prefix} {shlex.join(args)}" if args else prefix
 
 
 def write_json(name: str, payload: dict, quiet: bool = False) -> Path:

@@ -29,6 +29,7 @@ from learned_opt.distributed.compression import default_consensus_step, default_
 from learned_opt.distributed.train import launched
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.common import command_line  # noqa: E402
 from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "gossip_compression.json"
@@ -90,7 +91,7 @@ def main() -> None:
     for r in runs.values():
         r["loss_vs_exact"] = r["averaged_model_train_loss"] / exact["averaged_model_train_loss"]
         r["bytes_reduction_x"] = exact["bytes_per_step"] / r["bytes_per_step"]
-    command = "OMP_NUM_THREADS=1 python benchmarks/gossip_compression.py " + " ".join(sys.argv[1:])
+    command = command_line("OMP_NUM_THREADS=1 python benchmarks/gossip_compression.py")
     run = {
         **gossip_run_info(command.strip(), os.getloadavg()[0], "at the end"),
         "setup": f"{WORKERS} processes, digits_mlp (8,970 parameters), ring, {args.partition}"

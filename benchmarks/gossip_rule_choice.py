@@ -20,7 +20,7 @@ import sys
 import time
 
 from benchmarks import validation
-from benchmarks.common import machine, write_json
+from benchmarks.common import command_line, machine, write_json
 
 #: (label, --side or --checkpoint arguments of benchmarks.validation)
 CANDIDATES = [
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json("validation_gossip_rule", {
         "benchmark": "gossip_rule_choice", "candidates": rows, "best": ranked[0]["label"],
         "seeds": list(validation.SEEDS), "wall_seconds": round(time.perf_counter() - start, 1),
-        "command": "python -m benchmarks.gossip_rule_choice " + " ".join(
-            sys.argv[1:] if argv is None else argv),
+        "command": command_line("python -m benchmarks.gossip_rule_choice", argv),
         **machine(),
     })  # fmt: skip
     print(f"best: {ranked[0]['label']}")

@@ -30,14 +30,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from benchmarks import heldout_decentralized as dec
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, command_line, machine, write_json
 from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
 from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import load_checkpoint
@@ -217,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": summary, "rows": rows, "horizon": settings[0]["horizon"],
         "seeds": args.seeds,
         "wall_seconds": round(time.perf_counter() - start, 1),
-        "command": "python -m benchmarks.gossip_validation "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("python -m benchmarks.gossip_validation", argv),
         **machine(),
     })  # fmt: skip
     return 0

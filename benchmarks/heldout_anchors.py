@@ -23,7 +23,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, command_line, machine, write_json
 from benchmarks.quality_heldout import CACHE, DEC_SEEDS, DEFAULT_LONG, LONG, SHORT
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import BaselineCache, speedup
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": args.seeds,
         "anchor_versions": anchors.versions(),
         "wall_seconds": round(time.perf_counter() - start, 1),
-        "command": "python -m benchmarks.heldout_anchors " + " ".join(argv or sys.argv[1:]),
+        "command": command_line("python -m benchmarks.heldout_anchors", argv),
         **machine(),
     }
     write_json("heldout_anchors", payload)

@@ -32,14 +32,13 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
 from benchmarks import heldout_decentralized as dec
-from benchmarks.common import machine, write_json
+from benchmarks.common import command_line, machine, write_json
 from benchmarks.gossip_validation import CACHE as VALIDATION_CACHE
 from benchmarks.gossip_validation import SETTINGS as VALIDATION_SETTINGS
 from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
@@ -220,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "local_steps",
         "targets": {"bytes_reduction_x": BYTES_TARGET, "loss_ratio": LOSS_TARGET},
         "grid": grid,
-        "command": "OMP_NUM_THREADS=1 nice -n 5 python -m benchmarks.local_steps "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line(
+            "OMP_NUM_THREADS=1 nice -n 5 python -m benchmarks.local_steps", argv
+        ),
         **machine(),
     }
     with ProcessPoolExecutor(args.jobs) as pool:

@@ -30,7 +30,7 @@ from torch.func import grad_and_value, vmap
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, write_json  # noqa: E402
+from benchmarks.common import command_line, machine, write_json  # noqa: E402
 from learned_opt.meta_train import inner  # noqa: E402
 from learned_opt.meta_train.data import step_seeds  # noqa: E402
 from learned_opt.meta_train.inner import make_inner_optimizer  # noqa: E402
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     med = {side: statistics.median(v) for side, v in seconds.items()}
     payload = {
         "benchmark": "meta_throughput",
-        "command": "OMP_NUM_THREADS=1 python -m benchmarks.meta_throughput "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("OMP_NUM_THREADS=1 python -m benchmarks.meta_throughput", argv),
         **machine(),
         "load_average_before": load,
         "config": args.config,

@@ -28,7 +28,7 @@ import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, write_json  # noqa: E402
+from benchmarks.common import command_line, machine, write_json  # noqa: E402
 from learned_opt import orthogonal  # noqa: E402
 
 SHAPES = [(256, 1024), (128, 512), (512, 128), (128, 128), (64, 256)]
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    result = {**machine(), "command": "python -m benchmarks.ns_precision " + " ".join(sys.argv[1:])}
+    result = {**machine(), "command": command_line("python -m benchmarks.ns_precision")}
     result["timings"] = timings()
     result["quality"] = quality()
     for row in result["timings"]:

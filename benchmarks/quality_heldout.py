@@ -39,7 +39,7 @@ import torch
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
-from benchmarks.common import RESULTS, curves_png, machine, write_json
+from benchmarks.common import RESULTS, command_line, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
 from benchmarks.job_queue import JobQueue, run_jobs
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                     if k in old}  # fmt: skip
     suite = Suite(args)
     start = time.perf_counter()
-    command = "python -m benchmarks.quality_heldout " + " ".join(argv or sys.argv[1:])
+    command = command_line("python -m benchmarks.quality_heldout", argv)
     loads: list[float] = []  # the machine's load while measuring, for the record
 
     def snapshot(quiet: bool):

@@ -50,7 +50,7 @@ from learned_opt.orthogonal import is_matrix
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
-from benchmarks.common import compile_env  # noqa: E402
+from benchmarks.common import command_line, compile_env  # noqa: E402
 from benchmarks.muon_adamw import MuonWithAdamW  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
@@ -469,8 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cold_start_only:
         result = json.loads(args.out.read_text())
         load = list(os.getloadavg())
-        command = f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py " + " ".join(
-            argv if argv is not None else sys.argv[1:]
+        command = command_line(
+            f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py", argv
         )
         result["cold_start"] = {
             **cold_start(args.threads), "load_average_before": load, "command": command,
@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
     load_before = list(os.getloadavg())
     t0 = time.perf_counter()
-    command = f"OMP_NUM_THREADS={args.threads} python " + " ".join(
-        ["benchmarks/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
+    command = command_line(
+        f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py", argv
     )
     old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     rows: list = []

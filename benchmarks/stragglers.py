@@ -45,6 +45,7 @@ from learned_opt.distributed import GossipOptimizer, launch_local
 from learned_opt.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.common import command_line  # noqa: E402
 from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "stragglers.json"
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{r['fast_edges_skipped_fraction']:.2f}, loss "
                   f"{r['averaged_model_train_loss']:.4f}, wall {r['wall_s']} s", flush=True)  # fmt: skip
     given = sys.argv[1:] if argv is None else argv
-    command = "nice -n 5 python benchmarks/stragglers.py " + " ".join(given)
+    command = command_line("nice -n 5 python benchmarks/stragglers.py", given)
     payload = {
         **gossip_run_info(command.strip(), os.getloadavg()[0], "at the end"),
         "setup": f"{args.workers} processes, {TASK} (IID shards), D-Adam (Adam lr {LR:g}, Metropolis "

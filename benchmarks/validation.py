@@ -39,7 +39,7 @@ import torch
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
-from benchmarks.common import RESULTS, machine, write_json
+from benchmarks.common import RESULTS, command_line, machine, write_json
 from benchmarks.gossip_validation import WORKER_FIELDS, learned_run, parse_side
 from benchmarks.job_queue import run_jobs
 from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             f"unknown problems {sorted(set(args.problems) - known)}; valid: {sorted(known)}"
         )
     name = args.out or ("validation_quick" if args.quick else "validation")
-    command = "python -m benchmarks.validation " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("python -m benchmarks.validation", argv)
     payload = execute(args, side, command, name)
     write_json(name, payload)
     s = payload["summary"]

@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, compile_env, machine, write_json
+from benchmarks.common import RESULTS, command_line, compile_env, machine, write_json
 
 #: The recorded suites whose rows are timed, and the seed their step times are taken at.
 SUITES = {"heldout": "quality_heldout.json", "validation": "validation_final.json"}
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "timing_seed": TIMING_SEED, "repeats": args.repeats, "rows": scored,
         "summary": summarise(scored),
         "wall_seconds": round(time.perf_counter() - start, 1),
-        "command": "python -m benchmarks.wallclock " + " ".join(argv or sys.argv[1:]),
+        "command": command_line("python -m benchmarks.wallclock", argv),
         **machine(), "torch": torch.__version__, "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
