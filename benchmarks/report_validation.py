@@ -190,6 +190,7 @@ SCHEDULE_PHRASES = {
 @section("validation_update_hypergradient_blend")
 @section("validation_floor1")
 @section("validation_gossip_ceiling7_decentralized")
+@section("validation_weight_decay")
 def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
