@@ -26,6 +26,14 @@ class StateDictError(ValueError):
     """A state dict that a LearnedOptimizer cannot load; nothing was loaded."""
 
 
+def refuse_foreign_keys(group: dict, where: str, why: str, error=ValueError) -> None:
+    """Raise ``error`` (one line: ``where``, the keys, ``why``) if the param group ``group``
+    holds any of :data:`FOREIGN_GROUP_KEYS`."""
+    foreign = sorted(k for k in FOREIGN_GROUP_KEYS if k in group)
+    if foreign:
+        raise error(f"{where} holds {', '.join(foreign)}: {why}")
+
+
 def _shape(t: Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
@@ -97,10 +105,8 @@ def _check(param_groups: list[dict], state_dict: dict) -> None:
             raise StateDictError(f"parameter {index}: saved state is not a dict")
         _check_entry(index, p, entry)
     for g, saved in enumerate(saved_groups):  # another optimizer's state before any step
-        foreign = sorted(k for k in FOREIGN_GROUP_KEYS if k in saved)
-        if foreign:
-            raise StateDictError(
-                f"param_groups[{g}] holds {', '.join(foreign)}: a state dict of another "
-                "optimizer (a LearnedOptimizer's groups hold lr, a multiplier, weight_decay "
-                "and step)"
-            )
+        refuse_foreign_keys(
+            saved, f"param_groups[{g}]", "a state dict of another optimizer (a "
+            "LearnedOptimizer's groups hold lr, a multiplier, weight_decay and step)",
+            StateDictError,
+        )  # fmt: skip

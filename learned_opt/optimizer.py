@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ._state_dict import FOREIGN_GROUP_KEYS
+from ._state_dict import refuse_foreign_keys
 from .allocator import tune_malloc
 from .checkpoint import (
     DEFAULT_CHECKPOINT,
@@ -207,13 +207,11 @@ class LearnedOptimizer(Optimizer):
             p = p[1] if isinstance(p, tuple) and len(p) == 2 else p  # named parameters
             if isinstance(p, Tensor) and not p.is_floating_point():
                 raise ValueError(f"LearnedOptimizer needs floating-point parameters, got {p.dtype}")
-        foreign = sorted(k for k in FOREIGN_GROUP_KEYS if k in param_group)
-        if foreign:
-            raise ValueError(
-                f"a param group holds {', '.join(foreign)}: hyper-parameters of torch's "
-                "optimizers that a LearnedOptimizer does not take (its update is learned; its "
-                "groups take lr, a multiplier, and weight_decay); remove them"
-            )
+        refuse_foreign_keys(
+            param_group, "a param group", "hyper-parameters of torch's optimizers that a "
+            "LearnedOptimizer does not take (its update is learned; its groups take lr, a "
+            "multiplier, and weight_decay); remove them",
+        )  # fmt: skip
         if "lr" in param_group:
             checked_lr(param_group["lr"], "lr of the new param group")
         checked_weight_decay(param_group.get("weight_decay"), "weight_decay of the new param group")
