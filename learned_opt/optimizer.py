@@ -65,6 +65,18 @@ KEYWORD_ONLY = (
 )
 
 
+#: A multiplier at most this small, given when an optimizer or a param group is built, is
+#: most likely a learning rate of Adam's kind (1e-2 to 1e-5) carried over from a script
+#: written for another optimizer, and is warned about (a schedule lowering it later is not).
+ADAM_SIZED_LR = 0.01
+#: The warning for such a multiplier.
+SMALL_LR = (
+    "LearnedOptimizer: lr={lr!r} is a multiplier of the learned step, not a learning rate "
+    "like Adam's: every step will be {factor:.0f}x smaller than the rule's own (lr=1.0, the "
+    "default); leave lr out unless you mean it"
+)
+
+
 def has_empty_rows(grad: Tensor) -> bool:
     """Whether at least half the rows of a 2-D gradient are zeros: the mark of an embedding
     table, whose rows absent from the batch get no gradient. Such a matrix takes the Adam
@@ -186,7 +198,9 @@ class LearnedOptimizer(Optimizer):
         self._parts: Parts | None = None
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
+        self._building = True  # add_param_group's warnings name the caller of the constructor
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, step=0))
+        del self._building
         if any(p.device.type == "cpu" for g in self.param_groups for p in g["params"]):
             tune_malloc()  # the eager step's temporaries reuse memory (see .allocator)
 
@@ -212,8 +226,10 @@ class LearnedOptimizer(Optimizer):
             "LearnedOptimizer does not take (its update is learned; its groups take lr, a "
             "multiplier, and weight_decay); remove them",
         )  # fmt: skip
-        if "lr" in param_group:
-            checked_lr(param_group["lr"], "lr of the new param group")
+        lr = checked_lr(param_group.get("lr", self.defaults["lr"]), "lr of the new param group")
+        if 0 < lr <= ADAM_SIZED_LR:  # named at the caller's line: the constructor's or this
+            level = 4 if self.__dict__.get("_building") else 2
+            warnings.warn(SMALL_LR.format(lr=lr, factor=1 / lr), UserWarning, stacklevel=level)
         checked_weight_decay(param_group.get("weight_decay"), "weight_decay of the new param group")
         super().add_param_group({**param_group, "params": params})
 

@@ -87,3 +87,40 @@ def test_own_state_dict_still_loads():
     fresh.load_state_dict(opt.state_dict())
     assert fresh.param_groups[0]["step"] == 2
     assert all(torch.equal(fresh.state[p]["v"], opt.state[p]["v"]) for p in params)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda params: LearnedOptimizer(params, lr=3e-4),
+        lambda params: LearnedOptimizer([{"params": params, "lr": 1e-3}]),
+        lambda params: LearnedOptimizer(params[:1]).add_param_group(
+            {"params": params[1:], "lr": 1e-2}
+        ),
+    ],
+    ids=["keyword", "group", "added group"],
+)
+def test_an_adam_sized_lr_warns_at_the_caller_s_line(build):
+    """``lr=3e-4`` given by keyword, the habit of a script written for AdamW, makes every
+    step thousands of times smaller than the rule's: one warning, at the caller's line."""
+    with pytest.warns(UserWarning, match="is a multiplier of the learned step") as record:
+        build(make_params())
+    assert len(record) == 1 and record[0].filename == __file__
+    assert "\n" not in str(record[0].message) and "x smaller" in str(record[0].message)
+
+
+def test_a_multiplier_or_a_schedule_lowering_it_does_not_warn():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = make_params()
+        opt = LearnedOptimizer(params, lr=0.5)
+        LearnedOptimizer(make_params())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1e-4)
+        fixed_grads(params, 0)
+        opt.step()
+        sched.step()
+        fixed_grads(params, 1)
+        opt.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.5e-4)
