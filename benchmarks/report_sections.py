@@ -211,6 +211,25 @@ def render_robust_cost(r: dict) -> str:
     )
 
 
+@section("weight_decay")
+def render_weight_decay(r: dict) -> str:
+    """Each side at each decay on the two overfitting problems (weight_decay.py)."""
+    side = {"learned": "learned rule", "adamw": "AdamW (lr 1e-3)"}
+    rows = [
+        [f"`{x['problem']}`", side[x["side"]], f"{x['weight_decay']:g}", f"{x['train_loss']:.4f}",
+         f"{x['test_loss']:.3f}", f"{x['test_accuracy']:.1%}", f"{x['matrix_norm']:.1f}"]
+        for x in r["rows"]
+    ]  # fmt: skip
+    head = ["problem", "optimizer", "weight_decay", "training loss", "held-out loss",
+            "held-out accuracy", "matrix norm"]  # fmt: skip
+    return (
+        markdown_table(head, rows)
+        + f"\n\n{r['setup'][:1].upper()}{r['setup'][1:]} ({r['seeds']} seeds, {r['steps']} "
+        f"steps). Measured {r['date']} on {r['machine']}, torch {r['torch']}. "
+        f"Command: `{r['command']}`."
+    )
+
+
 @section("gossip_step")
 def render_gossip_step(r: dict) -> str:
     header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]

@@ -94,12 +94,14 @@ class NetConfig:
     # per-element m/sqrt(v) shrinks in noise (to about 0.23 for pure noise at 0.9); 0 turns
     # it off (see MixingConfig.ortho_snr_gossip for the exponent under gossip).
     ortho_snr: float = 0.0
-    # Decoupled weight decay relative to each tensor's step size, as AdamW's is relative to
-    # its learning rate: before its update a tensor is multiplied by 1 - weight_decay * s,
-    # s the RMS its step would have along a unit-RMS direction this step (the lr
-    # multiplier times step_mult, its adapted multiplier and width factor, and
-    # ortho_step_mult / step_mult for an orthogonalised matrix). 0 (every shipped rule):
-    # none. LearnedOptimizer sets it per param group (its weight_decay).
+    # Decoupled weight decay, AdamW's at its learning rate step_mult times the lr
+    # multiplier: before its update every tensor is multiplied by
+    # 1 - weight_decay * step_mult * lr, so weight_decay=0.1 decays as
+    # AdamW(lr=1e-3, weight_decay=0.1) does, and follows the multiplier's schedule. Not
+    # scaled by the adapted step sizes: decay makes the gradient agree with itself, which
+    # would grow them, and a decay grown with them fed back on itself (a 10-128-128-2 MLP's
+    # weights overflowed at 1.0). 0 (every shipped rule): none. LearnedOptimizer sets it
+    # per param group (its weight_decay).
     weight_decay: float = 0.0
 
     def __post_init__(self) -> None:

@@ -115,11 +115,11 @@ class LearnedOptimizer(Optimizer):
         weight_decay: decoupled weight decay, as AdamW's ``weight_decay`` (a number >= 0,
             per param group like ``lr``; None, the default: the rule's own,
             :attr:`~learned_opt.config.NetConfig.weight_decay`, 0 for every shipped rule).
-            Before its update a tensor is multiplied by ``1 - weight_decay * s``, ``s`` the
-            size of its step this step (what AdamW's learning rate is to AdamW's decay):
-            so ``weight_decay=0.1`` decays as ``AdamW(weight_decay=0.1)`` does for the same
-            step sizes, and follows ``lr``, its schedule and the adapted step sizes. The
-            usual param groups without decay for biases and norms work unchanged.
+            Before its update every tensor is multiplied by
+            ``1 - weight_decay * step_mult * lr``, ``step_mult`` the rule's base step
+            (1e-3 for every shipped rule): ``weight_decay=0.1`` decays as
+            ``AdamW(lr=1e-3, weight_decay=0.1)`` does, and follows ``lr`` and its schedule.
+            The usual param groups without decay for biases and norms work unchanged.
         compile: run the step's compiled kernel (the default), or always run the eager
             reference (``False``; also the environment variable
             ``LEARNED_OPT_COMPILE=0``). ``step()`` never waits for a compile: the first

@@ -225,8 +225,8 @@ def flat_step(
     iterates at every step. ``parts``: the networks to evaluate
     (:func:`active_parts`; all of them by default).
 
-    ``cfg.weight_decay`` above 0 multiplies each segment by :func:`decay_factor` before its
-    update (decoupled weight decay, relative to the segment's step size).
+    ``cfg.weight_decay`` above 0 multiplies every segment by
+    ``1 - weight_decay * step_mult * lr`` before its update (decoupled weight decay).
 
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
     and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
@@ -271,8 +271,8 @@ def flat_step(
         snr = momentum_snr(m_new[..., 0, :], sums.v_mean, step, layout)
         mask = constant(matrices, torch.bool, p.device)
         scale = torch.where(mask, scale * snr**cfg.ortho_snr, scale)
-    if cfg.weight_decay:
-        p_in = p_in * segment_expand(decay_factor(cfg, scale, matrices), layout)
+    if cfg.weight_decay:  # decoupled, AdamW's at lr * step_mult (see NetConfig.weight_decay)
+        p_in = p_in * (1.0 - cfg.weight_decay * cfg.step_mult * lr)
     d = log_mag = None
     if parts.element_net:
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
@@ -304,17 +304,6 @@ def flat_step(
     if q is not None:
         out = (*out, q if new_q is None else new_q)
     return (*out, sums.ok) if return_finite else out
-
-
-def decay_factor(cfg: NetConfig, scale: Tensor, matrices) -> Tensor:
-    """Per tensor (``[..., T]``), what decoupled weight decay multiplies a parameter by
-    before its update (:attr:`~learned_opt.config.NetConfig.weight_decay`):
-    ``1 - weight_decay * s``, ``s`` the RMS of its step along a unit-RMS direction (the
-    step scale ``-scale``, times ``ortho_step_mult / step_mult`` for an orthogonalised
-    matrix, whose direction has that RMS)."""
-    ortho = cfg.ortho_step_mult / cfg.step_mult
-    unit = constant(tuple(ortho if m else 1.0 for m in matrices), scale.dtype, scale.device)
-    return 1.0 + cfg.weight_decay * scale * unit
 
 
 def momentum_snr(m1: Tensor, v_mean: Tensor, step, layout: FlatLayout) -> Tensor:
