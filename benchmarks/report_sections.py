@@ -215,17 +215,15 @@ def render_robust_cost(r: dict) -> str:
 def render_weight_decay(r: dict) -> str:
     """Each side at each decay on the two overfitting problems (weight_decay.py)."""
     side = {"learned": "learned rule", "adamw": "AdamW (lr 1e-3)"}
-    rows = [
-        [f"`{x['problem']}`", side[x["side"]], f"{x['weight_decay']:g}", f"{x['train_loss']:.4f}",
-         f"{x['test_loss']:.3f}", f"{x['test_accuracy']:.1%}", f"{x['matrix_norm']:.1f}"]
-        for x in r["rows"]
-    ]  # fmt: skip
-    head = ["problem", "optimizer", "weight_decay", "training loss", "held-out loss",
-            "held-out accuracy", "matrix norm"]  # fmt: skip
-    return (
-        markdown_table(head, rows)
-        + f"\n\n{r['setup'][:1].upper()}{r['setup'][1:]} ({r['seeds']} seeds, {r['steps']} "
-        f"steps). Measured {r['date']} on {r['machine']}, torch {r['torch']}. "
+    head = {"problem": "problem", "side": "optimizer", "weight_decay": "weight_decay",
+            "train_loss": "training loss", "test_loss": "held-out loss",
+            "test_accuracy": "held-out accuracy", "matrix_norm": "matrix norm"}  # fmt: skip
+    cell = {"problem": "`{}`".format, "side": side.get, "weight_decay": "{:g}".format,
+            "train_loss": "{:.4f}".format, "test_loss": "{:.3f}".format,
+            "test_accuracy": "{:.1%}".format, "matrix_norm": "{:.1f}".format}  # fmt: skip
+    rows = [[cell[k](x[k]) for k in head] for x in r["rows"]]
+    setup = f"{r['setup'][:1].upper()}{r['setup'][1:]} ({r['seeds']} seeds, {r['steps']} steps)"
+    return f"{markdown_table(list(head.values()), rows)}\n\n{setup}. {_measured(r)} " + (
         f"Command: `{r['command']}`."
     )
 
