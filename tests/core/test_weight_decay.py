@@ -156,3 +156,15 @@ def test_weight_decay_survives_a_state_dict_and_older_state_dicts_load():
     older = LearnedOptimizer(_params(), weight_decay=0.3, compile=False)
     older.load_state_dict(saved)
     assert older.param_groups[0]["weight_decay"] is None
+
+
+def test_a_tensor_whose_gradient_is_nan_is_neither_stepped_nor_decayed():
+    params = _params()
+    before = [p.detach().clone() for p in params]
+    opt = LearnedOptimizer(params, weight_decay=1.0, compile=False)
+    _grads(params, 0)
+    params[1].grad[0, 0] = float("nan")
+    opt.step()
+    assert torch.equal(params[1].detach(), before[1])
+    assert not torch.equal(params[0].detach(), before[0])
+    assert opt.nonfinite_skips == 1
