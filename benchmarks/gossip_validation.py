@@ -70,7 +70,8 @@ SETTINGS = [
 
 def parse_side(text: str) -> tuple[str, str, dict]:
     """``label=checkpoint`` or ``label=checkpoint:field=value,field=value`` ->
-    ``(label, checkpoint, {field: float})``; a bare ``checkpoint`` is its own label."""
+    ``(label, checkpoint, {field: value})``, each value a float, or a name (a string, such as
+    ``ns_schedule=fit3``); a bare ``checkpoint`` is its own label."""
     label, eq, rest = text.partition("=")
     if not eq:
         label, rest = text, text
@@ -82,10 +83,15 @@ def parse_side(text: str) -> tuple[str, str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise argparse.ArgumentTypeError(f"side {text!r}: {item!r} is not field=value")
+        value = value.strip()
         try:
             fields[key.strip()] = float(value)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"side {text!r}: {value!r} is not a number") from None
+            if not value.isidentifier():  # a name, for a config field that takes one
+                raise argparse.ArgumentTypeError(
+                    f"side {text!r}: {value!r} is neither a number nor a name"
+                ) from None
+            fields[key.strip()] = value
     return label, checkpoint, fields
 
 

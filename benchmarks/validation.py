@@ -17,7 +17,8 @@ training-set loss, learned mixing, tuned D-SGD, D-Adam and DSGT).
 The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
 label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` or
 :class:`~learned_opt.config.MixingConfig` fields replaced (as in
-:mod:`benchmarks.registry_sides`). Tuned baselines and anchor runs are cached in
+:mod:`benchmarks.registry_sides`; a value is a number, or a name for a field that takes
+one, such as ``output=adam``). Tuned baselines and anchor runs are cached in
 ``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
 Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
 rewritten as results come in.
@@ -71,6 +72,9 @@ def typed_fields(checkpoint: str, fields: dict) -> dict:
     out = {}
     for key, value in fields.items():
         current = getattr(net.config, key, getattr(net.mixing, key, None))
+        if isinstance(value, str) != isinstance(current, str):
+            kind = "a name" if isinstance(current, str) else "a number"
+            raise ValueError(f"field {key}={value!r}: {checkpoint}'s {key} takes {kind}")
         whole = isinstance(current, int) and not isinstance(current, bool)
         out[key] = int(value) if whole and float(value).is_integer() else value
     return out

@@ -23,7 +23,10 @@ def test_sides_parse_with_and_without_overrides():
         "e4", "adapt_init", {"lr_adapt_max_gossip": 4.0},
     )  # fmt: skip
     assert gv.parse_side("s=runs/x.pt:a=1,b=2.5")[2] == {"a": 1.0, "b": 2.5}
-    for bad in ("=default", "x=:a=1", "x=default:a", "x=default:a=b"):
+    assert gv.parse_side("f=adapt_init_2x:ns_steps=3,ns_schedule=fit3")[2] == {
+        "ns_steps": 3.0, "ns_schedule": "fit3",
+    }  # fmt: skip
+    for bad in ("=default", "x=:a=1", "x=default:a", "x=default:a=", "x=default:a=b c"):
         with pytest.raises(argparse.ArgumentTypeError):
             gv.parse_side(bad)
 

@@ -73,6 +73,16 @@ def test_a_side_replaces_config_fields_with_their_types():
     assert opt.param_groups[0]["lr"] == 0.5
 
 
+def test_a_side_may_name_a_value_where_the_config_takes_a_name():
+    fields = val.typed_fields("adapt_init_2x", {"output": "adam"})
+    opt = val.side_factory("adapt_init_2x", fields)([nn.Parameter(torch.zeros(8, 8))], 1.0)
+    assert opt.net.config.output == "adam"
+    with pytest.raises(ValueError, match="ns_steps='four'.* takes a number"):
+        val.typed_fields("adapt_init_2x", {"ns_steps": "four"})
+    with pytest.raises(ValueError, match="output=1.0.* takes a name"):
+        val.typed_fields("adapt_init_2x", {"output": 1.0})
+
+
 def test_the_gossip_bounds_a_side_runs_with_are_its_own():
     """A checkpoint carries its own gossip bounds: the record says which ran."""
     assert val.gossip_bounds("adapt_init", {}) == {
