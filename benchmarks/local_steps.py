@@ -10,8 +10,9 @@ steps, seed 0). Every run's inner optimizer is Adam at the rate tuned for D-Adam
 setting (the held-out suite's, or the validation family's, cached baselines). The
 baseline is exact per-step gossip: D-Adam, Metropolis-mixed, every step. The variants
 take ``H`` local steps between rounds of
-:class:`~learned_opt.distributed.local_steps.SimulatedLocalSteps` (outer Nesterov SGD or the
-shipped learned optimizer, top-k with error feedback). Scored: the averaged model's loss on
+:class:`~learned_opt.distributed.local_steps.SimulatedLocalSteps` (outer Nesterov SGD, the
+shipped learned optimizer, or plain SGD at lr 1, whose anchor moves by the tracked mean
+pseudo-gradient; top-k with error feedback). Scored: the averaged model's loss on
 the whole training set at the end, and the bytes each rank sent (payloads as
 :mod:`learned_opt.distributed.compression` builds them, once per neighbour; exact gossip
 sends its float32 parameters to every neighbour every step).
@@ -24,7 +25,10 @@ Choices are made first, on the decentralized validation family
 and the outer learning rates over :data:`GRID`, among the variants that send >= 100x
 fewer bytes on every validation setting, by the median loss ratio. That table is written
 into the JSON before any held-out run; the held-out settings then run only the chosen
-variants (and ``H`` at the chosen density, for the record).
+variants (and ``H`` at the chosen density, for the record), and the *frontier*: at each
+bytes reduction of :data:`FRONTIER`, the validation variant of any outer rule with the
+lowest median loss ratio among those sending at least that many times fewer bytes (what
+the loss target costs in bytes, where 100x misses it).
 """
 
 from __future__ import annotations
@@ -61,9 +65,16 @@ BYTES_TARGET, LOSS_TARGET = 100.0, 1.05
 #: Validation settings the choice is made on (tasks of the meta-training registry).
 VALIDATION = [s for s in VALIDATION_SETTINGS
               if s["task"] in ("digits_mlp", "wine_autoencoder", "logreg_wine_l2", "digits_cnn")]  # fmt: skip
-#: The choice grid: local steps, top-k density, outer Nesterov lr, outer learned multiplier.
+#: The choice grid: local steps, top-k density, outer Nesterov lr, outer learned
+#: multiplier; and the local steps of the plain outer rule, SGD at lr 1 (the anchor moves
+#: by the tracked mean pseudo-gradient: the ranks' average, as FedAvg's; at ``H = 1``
+#: compressed per-step gossip with gradient tracking).
 GRID = {"H": (2, 4, 16, 32), "density": (0.01, 0.02, 0.05, 0.1), "nesterov_lr": (0.3, 0.7),
-        "learned_lr": (0.3, 1.0)}  # fmt: skip
+        "learned_lr": (0.3, 1.0), "sgd_H": (1, 2, 4)}  # fmt: skip
+#: Outer rules, in the order they are chosen and reported.
+OUTERS = ("nesterov", "learned", "sgd")
+#: Bytes reductions at which the frontier records the best validation variant.
+FRONTIER = (5.0, 10.0, 30.0, 100.0)
 #: Inner Adam rate where no tuned D-Adam rate is cached.
 FALLBACK_LR = 0.03
 
@@ -198,6 +209,20 @@ def variants_of(grid: dict) -> list[dict]:
         for d in grid["density"]:
             out += [dict(H=h, density=d, outer="nesterov", outer_lr=x) for x in grid["nesterov_lr"]]
             out += [dict(H=h, density=d, outer="learned", outer_lr=x) for x in grid["learned_lr"]]
+    out += [dict(H=h, density=d, outer="sgd", outer_lr=1.0)
+            for h in grid.get("sgd_H", ()) for d in grid["density"]]  # fmt: skip
+    return out
+
+
+def frontier(tables: list[dict]) -> list[dict]:
+    """Per bytes reduction of :data:`FRONTIER`: the validation variant (any outer rule)
+    with the lowest median loss ratio among those sending at least that many times fewer
+    bytes on every setting (None where none does)."""
+    out = []
+    for least in FRONTIER:
+        ok = [t for t in tables if t["min_bytes_reduction_x"] >= least]
+        best = min(ok, key=lambda t: (t["median_loss_ratio"], t["max_loss_ratio"]), default=None)
+        out.append({"min_bytes_reduction_x": least, "best": best})
     return out
 
 
@@ -212,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         validation = [dict(s, horizon=16) for s in VALIDATION if s["task"] == "logreg_wine_l2"]
         heldout = [dict(DEC_FULL[2], horizon=16)]
-        grid = {"H": (4,), "density": (0.1,), "nesterov_lr": (0.7,), "learned_lr": (1.0,)}
+        grid = {"H": (4,), "density": (0.1,), "nesterov_lr": (0.7,), "learned_lr": (1.0,),
+                "sgd_H": (1,)}  # fmt: skip
     check_not_held_out([s["task"] for s in validation])
     out = args.out or ("local_steps_quick" if args.quick else "local_steps")
     payload = {
@@ -227,12 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = sweep(pool, validation, BaselineCache(VALIDATION_CACHE), variants_of(grid))
         chosen, tables = {}, []
-        for outer in ("nesterov", "learned"):
+        for outer in OUTERS:
             best, table = choose(rows, outer)
             chosen[outer], tables = best, tables + table
-        payload["validation"] = {"rows": rows, "table": tables, "chosen": chosen}
+        front = frontier(tables)
+        payload["validation"] = {"rows": rows, "table": tables, "chosen": chosen,
+                                 "frontier": front}  # fmt: skip
         write_json(out, payload, quiet=True)  # the choice is recorded before any held-out run
         print(f"chosen: {chosen}", flush=True)
+        key = ("H", "density", "outer", "outer_lr")
         picked = [dict(H=c["H"], density=c["density"], outer=o, outer_lr=c["outer_lr"])
                   for o, c in chosen.items() if c is not None]  # fmt: skip
         extra = []
@@ -240,13 +269,19 @@ def main(argv: list[str] | None = None) -> int:
             c = chosen["nesterov"]
             extra = [dict(H=h, density=c["density"], outer="nesterov", outer_lr=c["outer_lr"])
                      for h in grid["H"] if h != c["H"]]  # fmt: skip
+        for f in front:  # the frontier's variants, measured on the held-out settings too
+            v = f["best"] and {k: f["best"][k] for k in key}
+            if v and v not in picked + extra:
+                extra.append(v)
         held = sweep(pool, heldout, BaselineCache(HELDOUT_CACHE), picked + extra)
     for row in held:
         row["chosen"] = any(all(row[k] == p[k] for k in p) for p in picked)
+        row["frontier"] = [f["min_bytes_reduction_x"] for f in front
+                           if f["best"] and all(row[k] == f["best"][k] for k in key)]  # fmt: skip
     payload["heldout"] = {"rows": held, "summary": {
         o: {"passes": sum(r["passes"] for r in held if r["chosen"] and r["outer"] == o),
             "of": sum(1 for r in held if r["chosen"] and r["outer"] == o)}
-        for o in ("nesterov", "learned")}}  # fmt: skip
+        for o in OUTERS}}  # fmt: skip
     payload["wall_seconds"] = round(time.perf_counter() - start, 1)
     write_json(out, payload)
     return 0

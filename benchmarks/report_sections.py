@@ -442,7 +442,14 @@ def render_local_steps(r: dict) -> str:
     picks = "; ".join(
         f"{o}: H={c['H']}, top-k {c['density']:g}, outer lr {c['outer_lr']:g} (validation median "
         f"loss ratio {c['median_loss_ratio']:.3g}x, at least {c['min_bytes_reduction_x']:.0f}x "
-        "fewer bytes)"
+        "fewer bytes"
+        + (
+            ""
+            if c.get("meets_bytes_target", True)
+            else ": none of its variants "
+            "sends the target's fewer bytes, so its best at any compression"
+        )
+        + ")"
         for o, c in chosen.items()
         if c
     )
@@ -452,18 +459,40 @@ def render_local_steps(r: dict) -> str:
         [x["task"], x["workers"], x["topology"], f"{x['outer']} {x['outer_lr']:g}", x["H"],
          f"{x['density']:g}", f"{x['bytes_per_rank']:,.0f}", _x(x["bytes_reduction_x"]),
          _f(x["final"]), _f(x["exact_final"]), _x(x["loss_ratio"]),
-         ("yes" if x["passes"] else "no") + ("" if x.get("chosen", True) else " (record)")]
+         ("yes" if x["passes"] else "no") + _local_steps_mark(x)]
         for x in r.get("heldout", {}).get("rows", [])
     ]  # fmt: skip
     summary = "; ".join(f"{o} {s['passes']} of {s['of']}"
                         for o, s in r.get("heldout", {}).get("summary", {}).items())  # fmt: skip
+    front = "; ".join(
+        f"at least {f['min_bytes_reduction_x']:g}x fewer bytes: "
+        + (f"{b['outer']} {b['outer_lr']:g}, H={b['H']}, top-k {b['density']:g}, median "
+           f"{b['median_loss_ratio']:.3g}x (worst {b['max_loss_ratio']:.3g}x)" if b else "none")
+        for f in r["validation"].get("frontier", []) for b in [f["best"]]
+    )  # fmt: skip
     return (
         markdown_table(header, rows)
         + f"\n\nTarget: at least {t['bytes_reduction_x']:g}x fewer bytes than exact per-step "
         f"gossip (D-Adam) with the final averaged-model loss at most {t['loss_ratio']:g}x the "
         f"exact run's. Chosen on the validation family: {picks}. Settings passing: {summary} "
-        "(rows marked record are the other H at the chosen density). " + _measured(r)
+        "(rows marked record are the other H at the chosen density; rows marked frontier "
+        "the validation family's best loss ratio at that compression). "
+        + (
+            f"Frontier on the validation family (loss ratio against exact gossip): {front}. "
+            if front
+            else ""
+        )
+        + _measured(r)
     )
+
+
+def _local_steps_mark(x: dict) -> str:
+    """How a held-out row of ``local_steps`` was picked, after its pass column."""
+    if x.get("chosen", True):
+        return ""
+    if x.get("frontier"):
+        return " (frontier, " + ", ".join(f">= {f:g}x" for f in x["frontier"]) + ")"
+    return " (record)"
 
 
 @section("wallclock_heldout")
