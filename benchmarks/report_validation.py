@@ -162,6 +162,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ns_stale2")
 @section("validation_ns_adaptive15")
 @section("validation_ns_every2")
+@section("validation_ns_every3")
 @section("validation_width_family")
 @section("validation_width_family_wsd_half")
 @section("validation_omax128")
