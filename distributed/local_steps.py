@@ -42,9 +42,11 @@ Two drivers run the same per-rank object, :class:`LocalSteps`:
   ``benchmarks/local_steps.py``);
 - ``LocalSteps(..., communicator=ProcessGroupCommunicator(topology))`` on each real rank,
   :meth:`LocalSteps.step` after every inner step: it exchanges through the communicator's
-  uncompressed ``exchange()`` (this module compresses). This path is written but not
-  tested on real processes yet. A rank that fails is not handled: the public copies would
-  disagree, so a neighbour missing from an exchange raises ``RuntimeError``.
+  uncompressed ``exchange()`` (this module compresses). On 4 gloo ranks it ends every
+  rank where the simulator ends it, to the bit, and counts the same bytes
+  (``tests/distributed/test_process_group.py``). A rank that fails is not handled: the
+  public copies would disagree, so a neighbour missing from an exchange raises
+  ``RuntimeError``.
 
 Topologies must be static (``period == 1``) with compression: a copy ``h_j`` is only kept
 for the neighbours a rank always talks to.

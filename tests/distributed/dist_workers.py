@@ -140,6 +140,40 @@ def _forged_pack(layout, ys, loss, buf) -> bool:
     return True
 
 
+#: Local steps on real ranks (``local_steps_run``): rounds, local steps per round, inner lr.
+LOCAL_ROUNDS, LOCAL_H, LOCAL_LR = 5, 3, 0.2
+
+
+def local_targets(n: int) -> torch.Tensor:
+    """Each rank's quadratic's minimum, ``[n, 6, 3]`` (label skew in miniature)."""
+    return torch.randn(n, 6, 3, generator=torch.Generator().manual_seed(11)) * 3.0
+
+
+def local_start() -> torch.Tensor:
+    """The parameters every rank starts from (a seeded initialisation, as LocalSteps needs)."""
+    return torch.randn(6, 3, generator=torch.Generator().manual_seed(12))
+
+
+def local_steps_run(rank: int, n: int) -> dict:
+    """``LocalSteps`` through a real ``ProcessGroupCommunicator``: SGD local steps on the
+    rank's own quadratic, compressed rounds with tracking, outer Nesterov. Returns the
+    final parameters and the bytes sent (the simulator runs the same in the parent)."""
+    from learned_opt.distributed.local_steps import LocalSteps, nesterov
+
+    topo = get_topology("ring", n)
+    param = local_start()
+    target = local_targets(n)[rank]
+    ls = LocalSteps(
+        [param], nesterov(0.5), local_steps=LOCAL_H, topology=topo, rank=rank,
+        compression="topk:0.25", communicator=ProcessGroupCommunicator(topo, timeout=COLLECTIVE_TIMEOUT),
+    )  # fmt: skip
+    rounds = 0
+    for _ in range(LOCAL_ROUNDS * LOCAL_H):
+        param.sub_(LOCAL_LR * (param - target))  # the inner step: SGD on ||p - target||^2 / 2
+        rounds += ls.step()
+    return {"param": param.clone(), "bytes_sent": ls.bytes_sent, "rounds": rounds}
+
+
 def _robust_mix(rank: int, n: int) -> dict:
     """``robust="clip"`` on the ring: step 0 rank 1 sends 1e6, step 1 it sends NaN, step 2
     NaN with a forged finite flag; then the same forged NaN through a top-k exchange."""
@@ -228,6 +262,7 @@ def exchange_suite(rank: int, n: int) -> dict:
         out["nan"] = (info["excluded"], comm.nonfinite_excluded, [m.tolist() for m in mixed])
 
     out["robust"] = _robust_mix(rank, n)
+    out["local_steps"] = local_steps_run(rank, n)
 
     gen = torch.Generator().manual_seed(rank)
     params = [torch.randn(6, 3, generator=gen), torch.randn(4, generator=gen)]

@@ -153,6 +153,23 @@ def test_bad_outer_and_driver_misuse_raise():
         SimulatedLocalSteps([torch.zeros(3, 2)], nesterov(), local_steps=1, topology=topo)
 
 
+def test_a_neighbour_missing_from_a_round_raises_and_moves_nothing():
+    """A rank whose neighbour is gone (its payload missing) cannot keep its copies in step
+    with the others: the round raises, naming who was expected, and leaves the parameters
+    and the anchor as they were."""
+    topo = get_topology("ring", 4)
+    ls = LocalSteps([torch.ones(8)], nesterov(), local_steps=1, topology=topo, rank=0)
+    ls.params[0].sub_(0.5)
+    payload = ls.encode()
+    before = ls.params[0].clone(), ls.anchors[0].detach().clone()
+    with pytest.raises(
+        RuntimeError, match=r"rank 0 round 0: expected payloads from \[1, 3\], got \[1\]"
+    ):
+        ls.finish({1: payload})
+    assert torch.equal(ls.params[0], before[0]) and torch.equal(ls.anchors[0], before[1])
+    assert ls.rounds == 0
+
+
 def test_benchmark_quick_writes_valid_json(tmp_path, monkeypatch):
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))

@@ -178,3 +178,34 @@ def test_real_run_equals_simulator():
     assert not torch.allclose(real[0]["adapt_every3", False][0], real[0]["adapt", False][0])
     # the two orders differ: the overlapped run is a variant, not the same trajectory
     assert not torch.allclose(real[0]["adam", True][0], real[0]["adam", False][0])
+
+
+@pytest.mark.timeout(w.test_timeout())
+def test_local_steps_on_real_ranks_equal_the_simulator(exchange_results):
+    """``LocalSteps`` with a real communicator (compressed rounds, tracking, outer
+    Nesterov) ends every rank where the single-process simulator ends it, to the bit, and
+    counts the same bytes: the path a torchrun job takes is the one the benchmark measures."""
+    from learned_opt.distributed.local_steps import SimulatedLocalSteps, nesterov
+
+    stacked = w.local_start().expand(N, 6, 3).clone()
+    targets = w.local_targets(N)
+    sim = SimulatedLocalSteps(
+        [stacked], nesterov(0.5), local_steps=w.LOCAL_H, topology=get_topology("ring", N),
+        compression="topk:0.25",
+    )  # fmt: skip
+    for _ in range(w.LOCAL_ROUNDS * w.LOCAL_H):
+        for i in range(N):
+            stacked[i].sub_(w.LOCAL_LR * (stacked[i] - targets[i]))
+        sim.step()
+    assert all(res["local_steps"]["rounds"] == w.LOCAL_ROUNDS for res in exchange_results)
+    for rank, res in enumerate(exchange_results):
+        assert torch.equal(res["local_steps"]["param"], stacked[rank]), rank
+        assert res["local_steps"]["bytes_sent"] == sim.ranks[rank].bytes_sent
+    alone = w.local_start().expand(N, 6, 3).clone()  # the same local steps without rounds
+    for _ in range(w.LOCAL_ROUNDS * w.LOCAL_H):
+        alone.sub_(w.LOCAL_LR * (alone - targets))
+
+    def spread(x):
+        return float((x - x.mean(0)).norm())
+
+    assert spread(stacked) < 0.7 * spread(alone)  # the rounds pulled the ranks together
