@@ -11,6 +11,9 @@ A rank that dies or freezes is dropped and the others train on (``--on-failure r
 stops them instead; ``--kill-rank R --kill-step S`` injects such a failure). Note that
 torchrun itself stops every worker when one exits with an error; the survivors train on
 under launchers that leave them running (``launch_local``) and through frozen ranks.
+``--local-steps H`` takes H local steps between exchanges instead (DiLoCo class,
+:class:`~.local_steps.LocalSteps`: the anchors' and the tracked pseudo-gradients'
+differences, compressed by ``--compression``, then an outer step, ``--outer``).
 ``--overlap`` moves the exchange behind the next forward and backward pass;
 ``--step-deadline S`` waits at most S seconds for a neighbour, and mixes a late exchange
 when it arrives. With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
@@ -40,6 +43,7 @@ from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
 from .averaging import all_reduce_mean_
 from .compression import default_consensus_step, get_compressor
 from .gossip import GossipOptimizer, fused_where_supported
+from .local_steps import LocalSteps, nesterov
 from .mixing import parse_robust
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
@@ -72,6 +76,8 @@ def require_tasks_extra() -> None:
 
 
 DEFAULT_LR = {"learned": 1.0, "adam": 1e-3, "sgd": 0.1}
+#: ``--outer`` rules of ``--local-steps`` and their default ``--outer-lr``.
+OUTER_LR = {"sgd": 1.0, "nesterov": 0.7}
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -141,6 +147,28 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--robust: {exc}")
     if (args.kill_rank is None) != (args.kill_step is None):
         p.error("--kill-rank and --kill-step go together")
+    if args.local_steps is not None:
+        if args.local_steps < 1:
+            p.error(f"--local-steps must be >= 1, got {args.local_steps}")
+        clash = [flag for flag, on in (("--mixing allreduce", args.mixing == "allreduce"),
+                 ("--mixing learned", args.mixing == "learned"), ("--overlap", args.overlap),
+                 ("--step-deadline", args.step_deadline is not None),
+                 ("--robust", args.robust is not None)) if on]  # fmt: skip
+        if clash:
+            p.error(f"--local-steps mixes with Metropolis or uniform weights; not with {clash[0]}")
+        world = int(os.environ.get("WORLD_SIZE", 0))
+        if world and args.compression is not None:
+            try:
+                period = get_topology(args.topology, world).period
+            except ValueError:
+                period = 1  # reported above
+            if period != 1:
+                p.error(
+                    f"--local-steps with --compression needs a static topology; {args.topology} "
+                    f"changes every step (period {period})"
+                )
+    if args.outer_lr is not None and not 0 < args.outer_lr < float("inf"):
+        p.error(f"--outer-lr must be finite and > 0, got {args.outer_lr}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -232,11 +260,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=2,
         help="with the moments shared: one exchange of every k carries them (default 2)",
     )
+    p.add_argument(
+        "--local-steps",
+        type=int,
+        default=None,
+        help="H: local steps between compressed exchanges with an outer step (DiLoCo class)",
+    )
+    p.add_argument(
+        "--outer",
+        choices=sorted(OUTER_LR),
+        default="sgd",
+        help="with --local-steps: the outer rule (sgd at lr 1 moves the anchor by the "
+        "tracked mean pseudo-gradient; nesterov is DiLoCo's)",
+    )
+    p.add_argument(
+        "--outer-lr", type=float, default=None, help="default: 1.0 (sgd), 0.7 (nesterov)"
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
     if args.mixing is None:
-        args.mixing = "learned" if args.optimizer == "learned" else "metropolis"
+        learned = args.optimizer == "learned" and args.local_steps is None
+        args.mixing = "learned" if learned else "metropolis"
     _check_args(p, args)
     return args
 
@@ -249,6 +294,14 @@ def _local_optimizer(args, params):
     if args.optimizer == "adam":
         return torch.optim.Adam(params, lr=lr, **fused)
     return torch.optim.SGD(params, lr=lr, **fused)
+
+
+def _outer(args):
+    """The ``--outer`` rule of ``--local-steps``, as :class:`~.local_steps.LocalSteps` takes it."""
+    lr = args.outer_lr if args.outer_lr is not None else OUTER_LR[args.outer]
+    if args.outer == "nesterov":
+        return nesterov(lr)
+    return lambda anchors: torch.optim.SGD(anchors, lr=lr)
 
 
 def local_device() -> torch.device:
@@ -287,9 +340,10 @@ def train(args: argparse.Namespace) -> dict:
         topology,
         timeout=args.timeout,
         on_failure=args.on_failure,
-        compression=None if args.mixing == "allreduce" else args.compression,
-        consensus_step=args.consensus_step,
-        drift_correction=args.drift_correction,
+        # local steps compress their own rounds, through an exact exchange
+        compression=None if args.mixing == "allreduce" or args.local_steps else args.compression,
+        consensus_step=None if args.local_steps else args.consensus_step,
+        drift_correction=None if args.local_steps else args.drift_correction,
         step_deadline=None if args.mixing == "allreduce" else args.step_deadline,
         robust=args.robust,
     )
@@ -299,7 +353,22 @@ def train(args: argparse.Namespace) -> dict:
         from torch.utils.tensorboard import SummaryWriter  # only when logging is asked for
 
         writer = SummaryWriter(os.path.join(args.logdir, f"rank{rank}"))
-    if args.mixing == "allreduce":
+    rounds = None
+    if args.local_steps:
+        opt = local
+        rounds = LocalSteps(
+            params,
+            _outer(args),
+            local_steps=args.local_steps,
+            topology=topology,
+            rank=rank,
+            compression=args.compression,
+            consensus_step=args.consensus_step,
+            drift_correction=args.drift_correction,
+            rule=args.mixing,
+            communicator=comm,
+        )
+    elif args.mixing == "allreduce":
         opt = local
         comm.check_layout([p.detach() for p in params])
     else:
@@ -332,6 +401,8 @@ def train(args: argparse.Namespace) -> dict:
             sent += comm.bytes_sent
         else:
             opt.step()
+        if rounds is not None:
+            rounds.step()  # a round after every --local-steps steps
         losses.append(float(loss.detach()))
         if writer is not None:
             writer.add_scalar("train/loss", losses[-1], step)
@@ -355,7 +426,8 @@ def train(args: argparse.Namespace) -> dict:
         "mixing": args.mixing,
         "topology": args.topology,
         "compression": args.compression,
-        "drift_correction": comm.drift_correction,
+        "drift_correction": comm.drift_correction if rounds is None else rounds.beta,
+        "local_steps": args.local_steps,
         "workers": world,
         "steps": args.steps,
         "survivors": comm.members,
@@ -364,7 +436,7 @@ def train(args: argparse.Namespace) -> dict:
         "averaged_model_train_loss": averaged_train_loss,
         **{f"test_{k}": v for k, v in metrics.items()},
         "consensus_distance": consensus,
-        "bytes_per_step": sent / args.steps,
+        "bytes_per_step": (sent if rounds is None else rounds.bytes_sent) / args.steps,
         "seconds": elapsed,
     }
     if writer is not None:
@@ -380,8 +452,10 @@ def format_summary(s: dict) -> str:
     return (
         f"task={s['task']} optimizer={s['optimizer']} mixing={s['mixing']} "
         f"topology={s['topology']} workers={s['workers']} steps={s['steps']} "
-        f"train_loss={s['train_loss']:.4f} test_loss={s['test_loss']:.4f}{acc} "
-        f"consensus={s['consensus_distance']:.3g} time={s['seconds']:.1f}s"
+        + (f"local_steps={s['local_steps']} " if s.get("local_steps") else "")
+        + f"train_loss={s['train_loss']:.4f} test_loss={s['test_loss']:.4f}{acc} "
+        f"consensus={s['consensus_distance']:.3g} bytes/step={s['bytes_per_step']:,.0f} "
+        f"time={s['seconds']:.1f}s"
         + (f" lost={[f['rank'] for f in s['failures']]}" if s["failures"] else "")
     )
 

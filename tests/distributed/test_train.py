@@ -21,6 +21,7 @@ CONFIGS = [
     ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
     ["--optimizer", "adam", "--compression", "topk:0.1", "--drift-correction", "0.01"],
     ["--optimizer", "adam", "--compression", "topk:0.1"],
+    ["--optimizer", "adam", "--local-steps", "3", "--compression", "topk:0.2"],
 ]
 
 
@@ -51,6 +52,11 @@ def test_train_entry_point_all_optimizers(tmp_path):
     assert results[0][5]["drift_correction"] == 0.01  # passed down to the communicator
     assert results[0][6]["drift_correction"] == pytest.approx(0.005)  # topk:0.1's default
     assert results[0][0]["drift_correction"] is None  # exact exchange
+    local_steps, exact = results[0][7], results[0][1]
+    assert local_steps["local_steps"] == 3 and "local_steps=3" in format_summary(local_steps)
+    # rounds every 3 steps of a fifth of the entries, against every parameter every step
+    assert local_steps["bytes_per_step"] < exact["bytes_per_step"] / 5
+    assert local_steps["drift_correction"] == pytest.approx(0.01)  # topk:0.2's default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
 
 
@@ -68,6 +74,9 @@ def test_parse_args_defaults():
     assert parse_args(["--no-share-state"]).share_state is False
     assert parse_args([]).share_state_every == 2
     assert parse_args(["--share-state-every", "4"]).share_state_every == 4
+    # local steps mix with Metropolis weights whatever the local optimizer
+    local = parse_args(["--local-steps", "4"])
+    assert local.mixing == "metropolis" and local.outer == "sgd" and local.outer_lr is None
 
 
 def test_gossip_optimizer_validates_arguments():
@@ -168,6 +177,12 @@ def test_the_shipped_rule_is_one_rule_wherever_the_optimizer_steps():
         (["--step-deadline", "0"], "--step-deadline must be in (0, --timeout)"),
         (["--step-deadline", "1", "--overlap"], "--step-deadline goes with neither"),
         (["--kill-rank", "1"], "--kill-rank and --kill-step go together"),
+        (["--local-steps", "0"], "--local-steps must be >= 1"),
+        (["--local-steps", "2", "--overlap"], "not with --overlap"),
+        (["--local-steps", "2", "--mixing", "allreduce"], "not with --mixing allreduce"),
+        (["--local-steps", "2", "--mixing", "learned"], "not with --mixing learned"),
+        (["--local-steps", "2", "--robust", "clip"], "not with --robust"),
+        (["--outer-lr", "0"], "--outer-lr must be finite and > 0"),
     ],
 )
 def test_argument_mistakes_are_one_line_with_exit_code_2(argv, fragment, monkeypatch, capsys):
@@ -254,3 +269,13 @@ def test_the_torch_local_optimizers_are_fused_where_torch_supports_it():
             opt.step()
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b)
+
+
+def test_compressed_local_steps_need_a_static_topology(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = ["--local-steps", "2", "--compression", "topk:0.1", "--topology", "one_peer_ring"]
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert "needs a static topology; one_peer_ring changes every step" in capsys.readouterr().err
+    assert parse_args(argv[:2] + ["--topology", "one_peer_ring"]).local_steps == 2  # exact: any
