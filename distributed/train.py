@@ -156,6 +156,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                  ("--robust", args.robust is not None)) if on]  # fmt: skip
         if clash:
             p.error(f"--local-steps mixes with Metropolis or uniform weights; not with {clash[0]}")
+        unset = (args.consensus_step, args.drift_correction)
+        if args.compression is None and any(v is not None for v in unset):
+            p.error("--local-steps: --consensus-step and --drift-correction need --compression")
         world = int(os.environ.get("WORLD_SIZE", 0))
         if world and args.compression is not None:
             try:
@@ -167,6 +170,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                     f"--local-steps with --compression needs a static topology; {args.topology} "
                     f"changes every step (period {period})"
                 )
+    elif args.outer is not None or args.outer_lr is not None:
+        p.error("--outer and --outer-lr go with --local-steps")
     if args.outer_lr is not None and not 0 < args.outer_lr < float("inf"):
         p.error(f"--outer-lr must be finite and > 0, got {args.outer_lr}")
 
@@ -269,9 +274,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--outer",
         choices=sorted(OUTER_LR),
-        default="sgd",
-        help="with --local-steps: the outer rule (sgd at lr 1 moves the anchor by the "
-        "tracked mean pseudo-gradient; nesterov is DiLoCo's)",
+        default=None,
+        help="with --local-steps: the outer rule, sgd (the default: at lr 1 it moves the "
+        "anchor by the tracked mean pseudo-gradient) or nesterov (DiLoCo's)",
     )
     p.add_argument(
         "--outer-lr", type=float, default=None, help="default: 1.0 (sgd), 0.7 (nesterov)"
@@ -298,8 +303,9 @@ def _local_optimizer(args, params):
 
 def _outer(args):
     """The ``--outer`` rule of ``--local-steps``, as :class:`~.local_steps.LocalSteps` takes it."""
-    lr = args.outer_lr if args.outer_lr is not None else OUTER_LR[args.outer]
-    if args.outer == "nesterov":
+    outer = args.outer or "sgd"
+    lr = args.outer_lr if args.outer_lr is not None else OUTER_LR[outer]
+    if outer == "nesterov":
         return nesterov(lr)
     return lambda anchors: torch.optim.SGD(anchors, lr=lr)
 

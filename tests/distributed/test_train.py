@@ -76,7 +76,7 @@ def test_parse_args_defaults():
     assert parse_args(["--share-state-every", "4"]).share_state_every == 4
     # local steps mix with Metropolis weights whatever the local optimizer
     local = parse_args(["--local-steps", "4"])
-    assert local.mixing == "metropolis" and local.outer == "sgd" and local.outer_lr is None
+    assert local.mixing == "metropolis" and local.outer is None and local.outer_lr is None
 
 
 def test_gossip_optimizer_validates_arguments():
@@ -182,7 +182,13 @@ def test_the_shipped_rule_is_one_rule_wherever_the_optimizer_steps():
         (["--local-steps", "2", "--mixing", "allreduce"], "not with --mixing allreduce"),
         (["--local-steps", "2", "--mixing", "learned"], "not with --mixing learned"),
         (["--local-steps", "2", "--robust", "clip"], "not with --robust"),
-        (["--outer-lr", "0"], "--outer-lr must be finite and > 0"),
+        (["--local-steps", "2", "--outer-lr", "0"], "--outer-lr must be finite and > 0"),
+        (["--outer", "nesterov"], "--outer and --outer-lr go with --local-steps"),
+        (["--outer-lr", "0.5"], "--outer and --outer-lr go with --local-steps"),
+        (
+            ["--local-steps", "2", "--drift-correction", "0.01"],
+            "--consensus-step and --drift-correction need --compression",
+        ),
     ],
 )
 def test_argument_mistakes_are_one_line_with_exit_code_2(argv, fragment, monkeypatch, capsys):
