@@ -72,7 +72,7 @@ def typed_fields(checkpoint: str, fields: dict) -> dict:
     out = {}
     for key, value in fields.items():
         current = getattr(net.config, key, getattr(net.mixing, key, None))
-        if isinstance(value, str) != isinstance(current, str):
+        if current is not None and isinstance(value, str) != isinstance(current, str):
             kind = "a name" if isinstance(current, str) else "a number"
             raise ValueError(f"field {key}={value!r}: {checkpoint}'s {key} takes {kind}")
         whole = isinstance(current, int) and not isinstance(current, bool)

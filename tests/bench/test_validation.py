@@ -81,6 +81,9 @@ def test_a_side_may_name_a_value_where_the_config_takes_a_name():
         val.typed_fields("adapt_init_2x", {"ns_steps": "four"})
     with pytest.raises(ValueError, match="output=1.0.* takes a name"):
         val.typed_fields("adapt_init_2x", {"output": 1.0})
+    unknown = val.typed_fields("adapt_init_2x", {"no_such": "x"})  # the config names it
+    with pytest.raises(ValueError, match=r"unknown config fields \['no_such'\]"):
+        val.side_factory("adapt_init_2x", unknown)
 
 
 def test_the_gossip_bounds_a_side_runs_with_are_its_own():
