@@ -41,7 +41,8 @@ Two drivers run the same per-rank object, :class:`LocalSteps`:
   (the held-out decentralized benchmark's simulator; measured by
   ``benchmarks/local_steps.py``);
 - ``LocalSteps(..., communicator=ProcessGroupCommunicator(topology))`` on each real rank,
-  :meth:`LocalSteps.step` after every inner step: it exchanges through the communicator's
+  :meth:`LocalSteps.step` after every inner step (and :meth:`LocalSteps.flush` after the
+  last one): it exchanges through the communicator's
   uncompressed ``exchange()`` (this module compresses). On 4 gloo ranks it ends every
   rank where the simulator ends it, to the bit, and counts the same bytes
   (``tests/distributed/test_process_group.py``). A rank that fails is not handled: the
@@ -264,10 +265,26 @@ class LocalSteps:
         self.count += 1
         if self.count % self.local_steps:
             return False
-        payload = self.encode()
+        self._exchange_round(self.local_steps)
+        return True
+
+    def flush(self) -> bool:
+        """At the end of a run whose last round was cut short of ``H`` local steps: that
+        round now, through the communicator, so that the rank ends on its new anchor, as
+        :meth:`SimulatedLocalSteps.round` ends a simulated run. Every rank must call it (it
+        exchanges); returns whether there was a round to take."""
+        if self.communicator is None:
+            raise ValueError("flush() needs a communicator; the simulator drives encode/finish")
+        steps = self.count % self.local_steps
+        if steps:
+            self._exchange_round(steps)
+            self.count += self.local_steps - steps  # the next round is a whole one again
+        return bool(steps)
+
+    def _exchange_round(self, steps: int) -> None:
+        payload = self.encode(steps)
         peers, tensors, _, _ = self.communicator.exchange(payload, self.rounds)
         self.finish({j: [t.clone() for t in ts] for j, ts in zip(peers, tensors)})
-        return True
 
 
 class SimulatedLocalSteps:

@@ -414,6 +414,8 @@ def train(args: argparse.Namespace) -> dict:
             writer.add_scalar("train/loss", losses[-1], step)
     if isinstance(opt, GossipOptimizer):
         opt.flush()  # mix in what --overlap or --step-deadline left in flight
+    if rounds is not None:
+        rounds.flush()  # a last, shorter round where --steps is not a multiple of H
     elapsed = time.perf_counter() - start
     with torch.no_grad():
         ys = [p.detach() for p in params]

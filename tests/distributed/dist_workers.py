@@ -142,6 +142,8 @@ def _forged_pack(layout, ys, loss, buf) -> bool:
 
 #: Local steps on real ranks (``local_steps_run``): rounds, local steps per round, inner lr.
 LOCAL_ROUNDS, LOCAL_H, LOCAL_LR = 5, 3, 0.2
+#: Local steps after the last whole round, which ``LocalSteps.flush`` sends.
+LOCAL_TAIL = 2
 
 
 def local_targets(n: int) -> torch.Tensor:
@@ -168,10 +170,12 @@ def local_steps_run(rank: int, n: int) -> dict:
         compression="topk:0.25", communicator=ProcessGroupCommunicator(topo, timeout=COLLECTIVE_TIMEOUT),
     )  # fmt: skip
     rounds = 0
-    for _ in range(LOCAL_ROUNDS * LOCAL_H):
+    for _ in range(LOCAL_ROUNDS * LOCAL_H + LOCAL_TAIL):
         param.sub_(LOCAL_LR * (param - target))  # the inner step: SGD on ||p - target||^2 / 2
         rounds += ls.step()
-    return {"param": param.clone(), "bytes_sent": ls.bytes_sent, "rounds": rounds}
+    flushed = ls.flush()  # the last LOCAL_TAIL steps' round
+    return {"param": param.clone(), "bytes_sent": ls.bytes_sent, "rounds": rounds,
+            "flushed": flushed, "flushed_again": ls.flush()}  # fmt: skip
 
 
 def _robust_mix(rank: int, n: int) -> dict:

@@ -149,6 +149,8 @@ def test_bad_outer_and_driver_misuse_raise():
     ls = LocalSteps([torch.zeros(3)], nesterov(), local_steps=1, topology=topo, rank=0)
     with pytest.raises(ValueError, match="step\\(\\) needs a communicator"):
         ls.step()
+    with pytest.raises(ValueError, match="flush\\(\\) needs a communicator"):
+        ls.flush()
     with pytest.raises(ValueError, match="stacked tensor has 3 workers"):
         SimulatedLocalSteps([torch.zeros(3, 2)], nesterov(), local_steps=1, topology=topo)
 

@@ -21,7 +21,7 @@ CONFIGS = [
     ["--optimizer", "adam", "--mixing", "learned", "--overlap"],
     ["--optimizer", "adam", "--compression", "topk:0.1", "--drift-correction", "0.01"],
     ["--optimizer", "adam", "--compression", "topk:0.1"],
-    ["--optimizer", "adam", "--local-steps", "3", "--compression", "topk:0.2"],
+    ["--optimizer", "adam", "--local-steps", "4", "--compression", "topk:0.2"],
 ]
 
 
@@ -53,8 +53,9 @@ def test_train_entry_point_all_optimizers(tmp_path):
     assert results[0][6]["drift_correction"] == pytest.approx(0.005)  # topk:0.1's default
     assert results[0][0]["drift_correction"] is None  # exact exchange
     local_steps, exact = results[0][7], results[0][1]
-    assert local_steps["local_steps"] == 3 and "local_steps=3" in format_summary(local_steps)
-    # rounds every 3 steps of a fifth of the entries, against every parameter every step
+    assert local_steps["local_steps"] == 4 and "local_steps=4" in format_summary(local_steps)
+    # 4 rounds (the last after 3 steps, at the end) of a fifth of the entries, against every
+    # parameter every step
     assert local_steps["bytes_per_step"] < exact["bytes_per_step"] / 5
     assert local_steps["drift_correction"] == pytest.approx(0.01)  # topk:0.2's default
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0", "rank1"]
