@@ -71,7 +71,7 @@ SETTINGS = [
 def parse_side(text: str) -> tuple[str, str, dict]:
     """``label=checkpoint`` or ``label=checkpoint:field=value,field=value`` ->
     ``(label, checkpoint, {field: value})``, each value a float, or a name (a string, such as
-    ``ns_schedule=fit3``); a bare ``checkpoint`` is its own label."""
+    ``output=adam``); a bare ``checkpoint`` is its own label."""
     label, eq, rest = text.partition("=")
     if not eq:
         label, rest = text, text

@@ -214,6 +214,12 @@ def variants_of(grid: dict) -> list[dict]:
     return out
 
 
+def variant(d: dict) -> dict:
+    """The variant a row or a validation table entry is about: its ``H``, density, outer
+    rule and outer lr."""
+    return {k: d[k] for k in ("H", "density", "outer", "outer_lr")}
+
+
 def frontier(tables: list[dict]) -> list[dict]:
     """Per bytes reduction of :data:`FRONTIER`: the validation variant (any outer rule)
     with the lowest median loss ratio among those sending at least that many times fewer
@@ -261,23 +267,20 @@ def main(argv: list[str] | None = None) -> int:
                                  "frontier": front}  # fmt: skip
         write_json(out, payload, quiet=True)  # the choice is recorded before any held-out run
         print(f"chosen: {chosen}", flush=True)
-        key = ("H", "density", "outer", "outer_lr")
-        picked = [dict(H=c["H"], density=c["density"], outer=o, outer_lr=c["outer_lr"])
-                  for o, c in chosen.items() if c is not None]  # fmt: skip
+        picked = [variant(c) for c in chosen.values() if c is not None]
         extra = []
         if chosen["nesterov"] is not None:  # H at the chosen density, for the record
             c = chosen["nesterov"]
-            extra = [dict(H=h, density=c["density"], outer="nesterov", outer_lr=c["outer_lr"])
-                     for h in grid["H"] if h != c["H"]]  # fmt: skip
+            extra = [variant({**c, "H": h}) for h in grid["H"] if h != c["H"]]
         for f in front:  # the frontier's variants, measured on the held-out settings too
-            v = f["best"] and {k: f["best"][k] for k in key}
+            v = f["best"] and variant(f["best"])
             if v and v not in picked + extra:
                 extra.append(v)
         held = sweep(pool, heldout, BaselineCache(HELDOUT_CACHE), picked + extra)
     for row in held:
-        row["chosen"] = any(all(row[k] == p[k] for k in p) for p in picked)
+        row["chosen"] = variant(row) in picked
         row["frontier"] = [f["min_bytes_reduction_x"] for f in front
-                           if f["best"] and all(row[k] == f["best"][k] for k in key)]  # fmt: skip
+                           if f["best"] and variant(f["best"]) == variant(row)]  # fmt: skip
     payload["heldout"] = {"rows": held, "summary": {
         o: {"passes": sum(r["passes"] for r in held if r["chosen"] and r["outer"] == o),
             "of": sum(1 for r in held if r["chosen"] and r["outer"] == o)}

@@ -109,9 +109,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name} must be > 0, got {value}")
     if args.lr is not None and not (0 <= args.lr < float("inf")):
         p.error(f"--lr must be finite and >= 0, got {args.lr}")
+    topology = None  # known where the launcher says how many ranks there are
     if "WORLD_SIZE" in os.environ:
         try:
-            get_topology(args.topology, int(os.environ["WORLD_SIZE"]))
+            topology = get_topology(args.topology, int(os.environ["WORLD_SIZE"]))
         except ValueError as exc:
             p.error(f"--topology: {exc}")
     if "learned" in (args.optimizer, args.mixing):
@@ -159,17 +160,11 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         unset = (args.consensus_step, args.drift_correction)
         if args.compression is None and any(v is not None for v in unset):
             p.error("--local-steps: --consensus-step and --drift-correction need --compression")
-        world = int(os.environ.get("WORLD_SIZE", 0))
-        if world and args.compression is not None:
-            try:
-                period = get_topology(args.topology, world).period
-            except ValueError:
-                period = 1  # reported above
-            if period != 1:
-                p.error(
-                    f"--local-steps with --compression needs a static topology; {args.topology} "
-                    f"changes every step (period {period})"
-                )
+        if topology is not None and args.compression is not None and topology.period != 1:
+            p.error(
+                f"--local-steps with --compression needs a static topology; {args.topology} "
+                f"changes every step (period {topology.period})"
+            )
     elif args.outer is not None or args.outer_lr is not None:
         p.error("--outer and --outer-lr go with --local-steps")
     if args.outer_lr is not None and not 0 < args.outer_lr < float("inf"):
