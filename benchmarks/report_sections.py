@@ -680,6 +680,31 @@ def render_build_race(r: dict) -> str:
     )
 
 
+@section("build_anatomy")
+def render_build_anatomy(r: dict) -> str:
+    """Where a kernel build's seconds go, for each variant of the build."""
+    phases = [
+        ("export", "torch.export"), ("inductor_python", "inductor (Python)"),
+        ("isa_probes", "vector-ISA probes"), ("wrapper", "C++ wrapper"),
+        ("kernels", "C++ kernels"), ("link_and_other", "linking and other"),
+    ]  # fmt: skip
+    rows = []
+    for name, v in r["variants"].items():
+        total = v["total"]
+        packages = " + ".join(str(b["tensors"]) for b in v["builds"])
+        rows.append([name, packages, f"{total['seconds']:.1f}",
+                     *(f"{total.get(k, 0.0):.1f}" for k, _ in phases)])  # fmt: skip
+    return (
+        markdown_table(
+            ["variant", "tensors per package", "build s", *(h + " s" for _, h in phases)], rows
+        )
+        + f"\n\nThe packages of {r['workload']}'s kinds of bucket, built in turn in a new process "
+        f"with an empty compile cache, at {r['threads']} threads and normal priority, one variant "
+        f"at a time (load average {r['load_average_before']:.1f} before). {_measured(r)} "
+        f"Command: `{r['command']}`."
+    )
+
+
 @section("ns_precision")
 def render_ns_precision(r: dict) -> str:
     ms = {(tuple(t["shape"]), t["path"], t["dtype"]): t["ms"] for t in r["timings"]}
