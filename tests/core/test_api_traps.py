@@ -124,3 +124,29 @@ def test_a_multiplier_or_a_schedule_lowering_it_does_not_warn():
         fixed_grads(params, 1)
         opt.step()
         assert opt.param_groups[0]["lr"] == pytest.approx(0.5e-4)
+
+
+def test_one_cycle_runs_on_the_multiplier_once_told_not_to_cycle_momentum():
+    """``OneCycleLR`` and ``CyclicLR`` also cycle a momentum by default, which the rule does
+    not take from its param groups: torch refuses that at construction (one line, the
+    README says what to pass), and with ``cycle_momentum=False`` the multiplier follows
+    the cycle without a warning."""
+    import warnings
+
+    params = make_params()
+    opt = LearnedOptimizer(params)
+    with pytest.raises(ValueError, match="cycle_momentum"):
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1.0, total_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1.0, total_steps=100, cycle_momentum=False
+        )
+        lrs = []
+        for k in range(4):
+            fixed_grads(params, k)
+            opt.step()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+    assert lrs == sorted(lrs) and 0.04 < lrs[0] < lrs[-1] <= 1.0  # warming up to max_lr
+    assert all(torch.isfinite(p).all() for p in params)
