@@ -17,7 +17,12 @@ the log of each clipped ratio::
 The log of the mean is dominated by the largest losses of the unroll (its first steps);
 the mean of the logs weighs every step alike on a log scale, so a rule that reaches a low
 loss early and stays there scores better than one that ends at the same loss late or
-climbs back after a dip.
+climbs back after a dip. ``meta_objective: tail_log`` weighs each truncation's mean of
+the logs by ``2 * position``, where ``position`` is the middle of the truncation as a share
+of its trajectory's length: over a trajectory the weights average one, and a truncation
+near the end counts about twice as much as the mean, one near the start about nothing, so
+a rule is judged mostly by where its long runs end (a step-size signal that is greedy,
+shrinking the step where the gradient is noise, wins the first steps and loses the end).
 """
 
 from __future__ import annotations
@@ -32,21 +37,27 @@ from .inner import InnerOptimizer, Trajectory, inner_step
 
 ESTIMATORS = ("tbptt", "pes")
 #: Meta-objectives of :func:`truncation_meta_loss` (the first is the default).
-META_OBJECTIVES = ("log_mean", "mean_log")
+META_OBJECTIVES = ("log_mean", "mean_log", "tail_log")
 META_LOSS_FLOOR = 1e-6
 
 
 def truncation_meta_loss(
-    losses: list[Tensor], loss0: float, loss_clip: float, objective: str = "log_mean"
+    losses: list[Tensor],
+    loss0: float,
+    loss_clip: float,
+    objective: str = "log_mean",
+    position: float = 0.5,
 ) -> Tensor:
     """Meta-loss of one truncation from its per-step worker losses (each ``[N]``):
-    ``objective`` is one of :data:`META_OBJECTIVES` (see the module docstring)."""
+    ``objective`` is one of :data:`META_OBJECTIVES` (see the module docstring);
+    ``position``, the truncation's middle as a share of its trajectory (``tail_log``)."""
     ratios = torch.stack(losses) / loss0
     ratios = torch.nan_to_num(ratios, nan=loss_clip, posinf=loss_clip).clamp(max=loss_clip)
     if objective == "log_mean":
         return torch.log(ratios.mean() + META_LOSS_FLOOR)
-    if objective == "mean_log":
-        return torch.log(ratios + META_LOSS_FLOOR).mean()
+    if objective in ("mean_log", "tail_log"):
+        mean_log = torch.log(ratios + META_LOSS_FLOOR).mean()
+        return mean_log if objective == "mean_log" else 2.0 * position * mean_log
     raise ValueError(f"unknown meta-objective {objective!r}; valid: {META_OBJECTIVES}")
 
 
@@ -60,7 +71,7 @@ def unroll(
     objective: str = "log_mean",
 ):
     """Run up to ``steps`` inner steps (stopping at the trajectory's end); meta-loss."""
-    losses = []
+    losses, start = [], traj.step
     for _ in range(steps):
         if traj.done:
             break
@@ -71,7 +82,8 @@ def unroll(
         if not bool(torch.isfinite(step_losses.detach()).all()):
             traj.length = traj.step  # diverged: end the trajectory, the sampler resets it
             break
-    return truncation_meta_loss(losses, traj.loss0, loss_clip, objective)
+    position = (start + traj.step) / (2 * max(traj.length, 1))
+    return truncation_meta_loss(losses, traj.loss0, loss_clip, objective, position)
 
 
 class TBPTT:

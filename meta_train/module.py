@@ -45,8 +45,10 @@ class MetaTrainModule(L.LightningModule):
             "next_worker" (each worker on the next worker's batch) or "average" (the
             workers' averaged model on every worker's batch; see ``inner.SCORES``).
         estimator: "tbptt" or "pes"; pes_sigma, pes_pairs: PES perturbation scale and pairs.
-        meta_objective: "log_mean" (log of the mean loss ratio of a truncation) or
-            "mean_log" (mean of the log ratios; see :mod:`.estimators`).
+        meta_objective: "log_mean" (log of the mean loss ratio of a truncation),
+            "mean_log" (mean of the log ratios) or "tail_log" (that mean weighted by where
+            the truncation lies in its trajectory, the end counting most; see
+            :mod:`.estimators`).
         train_parts: the parts of the network that meta-training changes, from "tensor"
             (the per-tensor network), "element" (the per-element MLP) and "edge" (the
             mixing head); the others keep their values exactly (no perturbation, no

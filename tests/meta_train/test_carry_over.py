@@ -57,6 +57,46 @@ def test_mean_log_prefers_a_low_loss_reached_early_and_kept():
         truncation_meta_loss(early, 1.0, 4.0, "median")
 
 
+def test_tail_log_weighs_a_truncation_by_where_it_lies_in_its_trajectory():
+    curve = _curve(0.5, 0.25)
+    mean_log = float(truncation_meta_loss(curve, 1.0, 4.0, "mean_log"))
+    for position in (0.05, 0.5, 0.95):
+        value = float(truncation_meta_loss(curve, 1.0, 4.0, "tail_log", position))
+        assert abs(value - 2 * position * mean_log) < 1e-6
+    # over a trajectory's truncations the weights average one: the same curve everywhere
+    # scores as mean_log does, and a rule that ends lower beats one that starts lower
+    positions = [(k + 0.5) / 4 for k in range(4)]
+    total = sum(float(truncation_meta_loss(curve, 1.0, 4.0, "tail_log", q)) for q in positions)
+    assert abs(total / 4 - mean_log) < 1e-6
+    fast_then_flat = [_curve(0.1, 0.1), _curve(0.1, 0.1), _curve(0.1, 0.1), _curve(0.1, 0.1)]
+    slow_then_low = [_curve(0.5, 0.5), _curve(0.2, 0.2), _curve(0.05, 0.05), _curve(0.02, 0.02)]
+
+    def run_score(truncations, objective):
+        return sum(
+            float(truncation_meta_loss(c, 1.0, 4.0, objective, q))
+            for c, q in zip(truncations, positions)
+        )
+
+    assert run_score(fast_then_flat, "mean_log") < run_score(slow_then_low, "mean_log")
+    assert run_score(slow_then_low, "tail_log") < run_score(fast_then_flat, "tail_log")
+
+
+def test_the_unroll_tells_the_objective_where_its_truncation_lies(one_param_task):
+    from learned_opt.meta_train import estimators
+
+    seen = []
+    real = estimators.truncation_meta_loss
+    estimators.truncation_meta_loss = lambda *a: seen.append(a[-1]) or real(*a)
+    try:
+        traj = new_trajectory(one_param_task, 1, "ring", "iid", 1.0, 0, 8)
+        opt = make_inner_optimizer("adam", lr=0.1)
+        for _ in range(2):
+            estimators.unroll(traj, opt, 4, 4.0, objective="tail_log")
+    finally:
+        estimators.truncation_meta_loss = real
+    assert seen == [0.25, 0.75]
+
+
 def test_estimators_touch_only_the_trainable_parameters(one_param_task):
     torch.manual_seed(0)
     net = LearnedOptimizerNet(NetConfig(width=8)).double()
