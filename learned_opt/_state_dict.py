@@ -50,7 +50,8 @@ def _check_entry(index: int, p: Tensor, entry: dict) -> None:
             f"{where}: saved state has keys {sorted(entry)}, a LearnedOptimizer's has "
             f"{list(REQUIRED_STATE + OPTIONAL_STATE)}: a state dict of another optimizer?"
         )
-    expected = {"m": [(k, *_shape(p)) for k in (1, 3)], "v": [_shape(p)]}
+    # the momenta a rule reads: 1, or 2 for a row-sparse table (see step.moment_rows), or 3
+    expected = {"m": [(k, *_shape(p)) for k in (1, 2, 3)], "v": [_shape(p)]}
     for key, shapes in expected.items():
         value = entry[key]
         if not isinstance(value, Tensor) or not value.is_floating_point():

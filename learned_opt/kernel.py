@@ -99,6 +99,7 @@ def step_tensors(
     grads: list[Tensor],
     states: list[dict[str, Tensor]],
     lr: Tensor,
+    packs: dict | None = None,
 ) -> Tensor:
     """Step every tensor of ``params`` in place (parameter and state); returns, per tensor,
     whether it was stepped (False where its gradient or the parameter held NaN or Inf).
@@ -116,23 +117,28 @@ def step_tensors(
     :data:`PACK_NUMEL` elements with the same dtypes, step count and ``sparse_rows`` mark
     are stepped in one call (:func:`_step_packed`). Then the tensors of one shape, dtypes
     and mark step as the rows of one call (:func:`_step_stacked`; a tensor alone, as a
-    view)."""
+    view). ``packs``: where the packs' flat state is kept between eager steps (a dict the
+    caller keeps; see :class:`_Pack`), which may then replace the state entries of
+    ``states`` with views of it; None: a pack gathers and scatters its state each step."""
     # eagerly on CPU: the host reads flags and step counts, and small tensors are packed
     eager_cpu = bool(params) and params[0].device.type == "cpu"
     eager_cpu = eager_cpu and not torch.compiler.is_compiling()
     oks: list[Tensor | None] = [None] * len(params)
     singles = list(range(len(params)))
     if eager_cpu:
-        packs: dict[tuple, list[int]] = {}
-        for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            if p.numel() <= PACK_NUMEL:
-                key = (p.dtype, g.dtype, float(s["step"]), bool(s.get("sparse_rows")))
-                packs.setdefault(key, []).append(i)
-        packs = {k: index for k, index in packs.items() if len(index) > 1}
-        for index in packs.values():
+        small = [i for i, p in enumerate(params) if p.numel() <= PACK_NUMEL]
+        counts = torch.stack([states[i]["step"] for i in small]).tolist() if small else []
+        groups: dict[tuple, list[int]] = {}
+        for i, count in zip(small, counts):
+            key = (params[i].dtype, grads[i].dtype, count, bool(states[i].get("sparse_rows")))
+            groups.setdefault(key, []).append(i)
+        for index in groups.values():
+            if len(index) < 2:
+                continue
+            index.sort(key=lambda i: params[i].numel())  # same sizes adjacent: fewer sums
             flags = _step_packed(
                 theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                [states[i] for i in index], lr,
+                [states[i] for i in index], lr, packs,
             )  # fmt: skip
             for i, ok in zip(index, flags.unbind()):
                 oks[i] = ok
@@ -150,47 +156,133 @@ def step_tensors(
     return torch.stack(oks) if oks else torch.ones(0, dtype=torch.bool)
 
 
-def _step_packed(theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> Tensor:
+def _step_packed(
+    theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, packs: dict | None = None
+) -> Tensor:
     """:func:`step_tensors` of tensors of one dtype, step count and ``sparse_rows`` mark (so
     one number of momenta, :func:`~learned_opt.step.moment_rows`), as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
     step as one call each: the same sums, bitwise, where the tensors average at least
-    :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding).
-    Returns their stepped flags."""
-    layout = FlatLayout(
-        tuple(str(i) for i in range(len(params))), tuple(tuple(p.shape) for p in params),
-        tuple(bool(s.get("sparse_rows", False)) for s in states),
-    )  # fmt: skip
-    dtype = compute_dtype(params[0])
+    :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding),
+    on the flat state of a :class:`_Pack` (kept in ``packs`` between steps). Returns their
+    stepped flags."""
+    sparse = bool(states[0].get("sparse_rows"))  # one mark for the pack
+    rows = moment_rows(parts, sparse)
+    keeping = () if sparse else gram_layout(cfg, tuple(tuple(p.shape) for p in params))
+    key = (tuple(map(id, states)), rows, keeping)
+    pack = packs.get(key) if packs is not None else None
+    if pack is None:
+        pack = _Pack(params, states, rows, keeping)
+        if packs is not None:
+            if len(packs) >= MAX_PACKS:  # packs that change step after step
+                packs.clear()
+            packs[key] = pack
+    if not pack.current(states):
+        pack.gather(states, install=packs is not None)
+    layout, dtype = pack.layout, compute_dtype(params[0])
     p = torch.cat([t.reshape(-1) for t in params]).to(dtype).unsqueeze(0)
     g = torch.cat([t.reshape(-1) for t in grads]).to(dtype).unsqueeze(0)
-    rows = moment_rows(parts, any(layout.sparse_rows))  # one mark for the whole pack
-    m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1).unsqueeze(0)
-    v = torch.cat([s["v"].reshape(-1) for s in states]).unsqueeze(0)
-    log_lr = torch.stack([s["log_lr"] for s in states]).unsqueeze(0) if cfg.adapts_lr else None
-    keeping = [states[k] for k in gram_layout(cfg, layout.shapes, layout.matrices(cfg))]
-    q = torch.cat([s["q"].reshape(-1) for s in keeping]).unsqueeze(0) if keeping else None
+    log_lr = pack.log_lr.unsqueeze(0) if cfg.adapts_lr else None
+    q = pack.q.unsqueeze(0) if keeping else None
     out = flat_step(
-        theta, cfg, layout, p, g, m, v, states[0]["step"] + 1, lr, log_lr=log_lr, q=q,
-        return_finite=True, parts=parts, read_mask=True,
+        theta, cfg, layout, p, g, pack.m.unsqueeze(0), pack.v.unsqueeze(0), pack.step[0] + 1,
+        lr, log_lr=log_lr, q=q, return_finite=True, parts=parts, read_mask=True,
     )  # fmt: skip
-    if keeping:
-        for s, new in zip(keeping, out[-2][0].split([s["q"].numel() for s in keeping])):
-            s["q"].copy_(new.view(s["q"].shape))
-    numels = layout.numels
-    for t, new in zip(params, out[0][0].split(numels)):
+    for t, new in zip(params, out[0][0].split(layout.numels)):
         t.copy_(new.view(t.shape))
-    for s, new_m, new_v in zip(states, out[1][0].split(numels, -1), out[2][0].split(numels)):
-        s["m"][:rows].copy_(new_m.view(rows, *s["m"].shape[1:]))
-        s["v"].copy_(new_v.view(s["v"].shape))
     ok = out[-1][0]
-    stepped = ok.to(states[0]["step"].dtype).unbind()  # one conversion, one split
-    for s, add in zip(states, stepped):
-        s["step"].add_(add)
-    if log_lr is not None:
-        for s, new in zip(states, out[3][0].unbind()):
-            s["log_lr"].copy_(new)
+    pack.store(out[1][0], out[2][0], out[3][0] if log_lr is not None else None,
+               out[-2][0] if keeping else None, ok)  # fmt: skip
+    if not pack.installed:
+        pack.scatter(states)
     return ok
+
+
+#: At most this many packs' flat state is kept per optimizer (:class:`_Pack`).
+MAX_PACKS = 16
+
+
+class _Pack:
+    """The flat state of a pack of small tensors (:func:`_step_packed`), kept between
+    eager steps: one buffer per state entry (``m`` ``[rows, P]``, ``v`` ``[P]``,
+    ``log_lr`` and ``step`` ``[T]``, and ``q`` over the matrices that keep a Gram
+    polynomial), whose views replace the tensors' own state entries (``install``), so that
+    a step copies only the parameters and gradients in and the parameters out. Measured
+    with ``benchmarks/eager_step.py``. The views are contiguous only where each tensor has
+    one momentum (the shipped rule's), so a pack of tensors with more gathers its state
+    into the buffers and scatters it back every step. A state entry replaced from outside
+    (a loaded state dict, a rule that reads other momenta) is seen at the next step,
+    which gathers the state again."""
+
+    def __init__(self, params, states, rows: int, keeping: tuple[int, ...]):
+        self.layout = FlatLayout(
+            tuple(str(i) for i in range(len(params))), tuple(tuple(p.shape) for p in params),
+            tuple(bool(s.get("sparse_rows", False)) for s in states),
+        )  # fmt: skip
+        self.rows, self.keeping = rows, keeping
+        self.views: list[tuple] | None = None  # each tensor's installed entries
+
+    @property
+    def installed(self) -> bool:
+        return self.views is not None
+
+    def current(self, states) -> bool:
+        """Whether every state entry of ``states`` is still this pack's view."""
+        if self.views is None:
+            return False
+        return all(
+            s["m"] is m and s["v"] is v and s["log_lr"] is lr and s["step"] is n and s.get("q") is q
+            for s, (m, v, lr, n, q) in zip(states, self.views)
+        )
+
+    def gather(self, states, install: bool) -> None:
+        """Copy the state of ``states`` into new buffers, and with ``install`` (and one
+        momentum each) make each entry of ``states`` a view of them."""
+        rows, numels = self.rows, self.layout.numels
+        self.m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1)
+        self.v = torch.cat([s["v"].reshape(-1) for s in states])
+        self.log_lr = torch.stack([s["log_lr"] for s in states])
+        self.step = torch.stack([s["step"] for s in states])
+        qs = [states[k]["q"] for k in self.keeping]
+        self.q = torch.cat([q.reshape(-1) for q in qs]) if qs else None
+        self.views = None
+        if not install or rows != 1 or any(s["m"].shape[0] != 1 for s in states):
+            return
+        ms, vs = self.m.split(numels, dim=1), self.v.split(numels)
+        for s, m, v, lr, n in zip(states, ms, vs, self.log_lr.unbind(), self.step.unbind()):
+            s["m"], s["v"] = m.view(s["m"].shape), v.view(s["v"].shape)
+            s["log_lr"], s["step"] = lr, n
+        if qs:
+            for k, q in zip(self.keeping, self.q.split([q.numel() for q in qs])):
+                states[k]["q"] = q.view(states[k]["q"].shape)
+        self.views = [(s["m"], s["v"], s["log_lr"], s["step"], s.get("q")) for s in states]
+
+    def store(self, m: Tensor, v: Tensor, log_lr: Tensor | None, q: Tensor | None, ok) -> None:
+        """Write a step's new state (``m`` ``[rows, P]``, ``v`` ``[P]``, ``log_lr`` ``[T]``
+        or None where the rule keeps it, ``q``) into the buffers, and count the step of
+        each tensor that ``ok`` says was stepped."""
+        self.m.copy_(m)
+        self.v.copy_(v)
+        if log_lr is not None:
+            self.log_lr.copy_(log_lr)
+        if q is not None:
+            self.q.copy_(q)
+        self.step.add_(ok.to(self.step.dtype))
+
+    def scatter(self, states) -> None:
+        """Copy the buffers back into the state entries of ``states`` (a pack whose
+        entries are not its views)."""
+        rows, numels = self.rows, self.layout.numels
+        for s, m, v in zip(states, self.m.split(numels, dim=1), self.v.split(numels)):
+            s["m"][:rows].copy_(m.view(rows, *s["m"].shape[1:]))
+            s["v"].copy_(v.view(s["v"].shape))
+        for s, lr, n in zip(states, self.log_lr.unbind(), self.step.unbind()):
+            s["log_lr"].copy_(lr)
+            s["step"].copy_(n)
+        if self.q is not None:
+            qs = [states[k]["q"] for k in self.keeping]
+            for q, new in zip(qs, self.q.split([q.numel() for q in qs])):
+                q.copy_(new.view(q.shape))
 
 
 def _stack_key(p: Tensor, g: Tensor, s: dict) -> tuple:
@@ -280,7 +372,10 @@ class Kernels:
     Tensors are stepped in buckets of at most :data:`BUCKET`, ordered by shape, and every
     bucket of the same shapes runs the same compiled function: a small model steps in
     one call, and a model of many layers compiles each kind of bucket once (a 10M-parameter
-    transformer of 124 tensors compiles a few graphs instead of one of 124 tensors)."""
+    transformer of 124 tensors compiles a few graphs instead of one of 124 tensors). The
+    buckets without a kernel yet step together, in one call of the reference (whose
+    packs and stacks then span buckets), and the eager packs keep their flat state in the
+    optimizer's :class:`_Pack` cache."""
 
     def __init__(self, compile: bool = True):
         self.compile = compile
@@ -290,33 +385,47 @@ class Kernels:
         self.eager_seconds = 0.0
         self._plans: dict[tuple, list] = {}  # see _plan
         self._lr: tuple | None = None  # (value, dtype, device, its 0-d tensor)
+        self._packs: dict[tuple, _Pack] = {}  # the eager packs' flat state (see _Pack)
 
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
         """:func:`step_tensors` over every bucket of tensors, each with its kernel if it is
         ready, else with the reference (and the compile queued once the eager steps have
         taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
-        was stepped."""
+        was stepped. ``states`` are the tensors' optimizer states, whose entries an eager
+        step may replace with views of a pack's flat state (see :class:`_Pack`)."""
         lr_t = self._lr_tensor(float(lr), states[0]["v"].dtype, params[0].device)
         device = params[0].device.type
         if device == "cpu":
             _yield_threads(_worker().busy())
-        # plain tensors sharing the parameters' memory, as the copies the kernel was built on
-        params, grads = [p.detach() for p in params], [g.detach() for g in grads]
         if not (self.compile and compiling_enabled() and device in KERNEL_DEVICES):
-            return step_tensors(theta, cfg, parts, params, grads, list(states), lr_t).tolist()
+            packs = self._packs
+            return step_tensors(theta, cfg, parts, params, grads, states, lr_t, packs).tolist()
         # the kernel and the reference step outside autocast, which would otherwise cast
         # the matrix products of a step() called inside it
         outside = contextlib.nullcontext()
         if torch.is_autocast_enabled(device):
             outside = torch.autocast(device, enabled=False)
-        order, oks = [], []
+        order, oks, eager = [], [], []
         with outside:
             for index, entry in self._plan(cfg, parts, params, grads, states):
                 args = (
                     theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
                     [states[i] for i in index], lr_t,
                 )  # fmt: skip
-                oks.append(self._step_bucket(entry, args))
+                if entry.fn is not None:
+                    oks.append(entry.fn(*_kernel_args(args)))
+                    order += index
+                else:
+                    self._queue_if_due(entry, args)
+                    eager.append((index, entry))
+            if eager:  # the buckets without a kernel: one reference call for all of them
+                index = [i for bucket, _ in eager for i in bucket]
+                start = time.perf_counter()
+                oks.append(step_tensors(
+                    theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
+                    [states[i] for i in index], lr_t, self._packs,
+                ))  # fmt: skip
+                self._count_eager(time.perf_counter() - start, eager, params)
                 order += index
         flags = (oks[0] if len(oks) == 1 else torch.cat(oks)).tolist()  # one read back
         stepped = [False] * len(params)
@@ -349,23 +458,24 @@ class Kernels:
             self._plans[key] = plan
         return plan
 
-    def _step_bucket(self, entry: _Entry, args: tuple) -> Tensor:
-        """Step one bucket: its kernel, or the reference (and queue its compile once due)."""
-        if entry.fn is not None:
-            return entry.fn(*args)
+    def _queue_if_due(self, entry: _Entry, args: tuple) -> None:
+        """Count an eager step of a bucket of ``args``, and queue its compile once due."""
         entry.eager_steps += 1
         if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
-            entry.built = _is_built(args)
+            entry.built = _is_built(_kernel_args(args))
         if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
                 and (entry.built or self.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
             entry.queued = True
-            _worker().submit(entry, args)
-        start = time.perf_counter()
-        oks = step_tensors(*args)
-        seconds = time.perf_counter() - start
+            _worker().submit(entry, _kernel_args(args))
+
+    def _count_eager(self, seconds: float, eager: list, params) -> None:
+        """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
+        elements, to each of its ``(index, entry)`` buckets'."""
         self.eager_seconds += seconds
-        entry.eager_seconds += seconds
-        return oks
+        sizes = [sum(params[i].numel() for i in index) for index, _ in eager]
+        total = max(sum(sizes), 1)
+        for (_, entry), size in zip(eager, sizes):
+            entry.eager_seconds += seconds * size / total
 
     def ready(self) -> bool:
         """Whether every bucket stepped so far runs its compiled kernel."""
@@ -703,6 +813,15 @@ STATE_KEYS = ("m", "v", "log_lr", "step")
 def state_keys(state: dict) -> tuple[str, ...]:
     """The state tensors of ``state`` that a kernel takes, in order."""
     return STATE_KEYS + (("q",) if "q" in state else ())
+
+
+def _kernel_args(args: tuple) -> tuple:
+    """A bucket's arguments as its kernel takes them: plain tensors sharing the
+    parameters' and gradients' memory (as the copies the kernel was built on), and of each
+    state the :func:`kernel_state`."""
+    theta, cfg, parts, params, grads, states, lr = args
+    params, grads = [p.detach() for p in params], [g.detach() for g in grads]
+    return theta, cfg, parts, params, grads, [kernel_state(s) for s in states], lr
 
 
 def kernel_state(state: dict) -> dict:

@@ -24,7 +24,7 @@ from .checkpoint import (
 )
 from .config import NetConfig
 from .features import compute_dtype, init_state
-from .kernel import Kernels, kernel_state
+from .kernel import Kernels
 from .network import LearnedOptimizerNet, Theta
 from .orthogonal import reuses_gram
 from .step import Parts, active_parts, fit_state_rows, moment_rows
@@ -390,8 +390,7 @@ class LearnedOptimizer(Optimizer):
             for (device, dtype), kind in by_kind.items():
                 theta = self.theta(device, dtype)
                 params, grads, states = zip(*kind)
-                tensors = [kernel_state(s) for s in states]
-                oks = self._kernels.step(theta, rule, parts, params, grads, tensors, lr)
+                oks = self._kernels.step(theta, rule, parts, params, grads, states, lr)
                 for p, state, ok in zip(params, states, oks):
                     if not ok:
                         self._skipped(index, group, p, state)

@@ -152,13 +152,14 @@ def ortho_direction(cfg: NetConfig, shape, z: Tensor) -> Tensor:
     """The step direction of matrices of ``shape`` from their :func:`ortho_input` ``z``
     (``[..., numel]``, leading dims stack matrices): Newton-Schulz, then unit RMS per
     matrix, relative to the Adam form's ``step_mult``."""
-    return _scaled(cfg, newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps), z)
+    return _scaled(cfg, newton_schulz(z.reshape(*z.shape[:-1], *shape), cfg.ns_steps), z.shape)
 
 
-def _scaled(cfg: NetConfig, o: Tensor, z: Tensor) -> Tensor:
-    """An orthogonalised matrix ``o`` as a step direction in ``z``'s flat layout: unit RMS
-    per matrix, relative to the Adam form's ``step_mult``."""
-    return (cfg.ortho_step_mult / cfg.step_mult) * unit_rms(o.reshape(z.shape))
+def _scaled(cfg: NetConfig, o: Tensor, shape, dim=-1) -> Tensor:
+    """Orthogonalised matrices ``o`` as step directions of ``shape`` (flat, or ``o``'s own
+    with ``dim=(-2, -1)``): unit RMS per matrix, relative to the Adam form's
+    ``step_mult``."""
+    return (cfg.ortho_step_mult / cfg.step_mult) * unit_rms(o.reshape(shape), dim=dim)
 
 
 def is_matrix(shape: tuple[int, ...], cfg: NetConfig) -> bool:
@@ -290,18 +291,15 @@ def shape_direction(
         else:
             pieces[k] = direction[..., lo:hi]
     for ks in groups.values():
-        zs = []
-        for k in ks:
-            m = m1[..., starts[k] : starts[k + 1]]
-            if g is not None and takes_nesterov(shapes[k], cfg):
-                m = torch.lerp(m, g[..., starts[k] : starts[k + 1]], cfg.ortho_nesterov)
-            dk = None if d is None else d[..., starts[k] : starts[k + 1]]
-            zs.append(ortho_input(m, m.square().mean(dim=-1, keepdim=True), dk))
+        m = _stacked(m1, ks, starts, numels)  # [k, ..., n]: the group's matrices, flat
+        if g is not None and takes_nesterov(shapes[ks[0]], cfg):  # alike across the group
+            m = torch.lerp(m, _stacked(g, ks, starts, numels), cfg.ortho_nesterov)
+        dk = None if d is None else _stacked(d, ks, starts, numels)
+        z = ortho_input(m, m.square().mean(dim=-1, keepdim=True), dk)
         qs = None
         if ks[0] in q_starts:
-            r = min(shapes[ks[0]])
-            qs = [q[..., q_starts[k] : q_starts[k] + r * r] for k in ks]
-        outs, kept = ortho_directions(cfg, [tuple(shapes[k]) for k in ks], zs, qs, refresh)
+            qs = _stacked(q, ks, q_starts, {k: gram_numel(shapes[k]) for k in ks})
+        outs, kept = ortho_directions(cfg, [tuple(shapes[k]) for k in ks], z, qs, refresh)
         for i, k in enumerate(ks):
             pieces[k] = outs[i]
             if kept is not None:
@@ -313,33 +311,42 @@ def shape_direction(
     return out, (kept_q[0] if len(kept_q) == 1 else torch.cat(kept_q, dim=-1))
 
 
+def _stacked(t: Tensor, ks, starts, sizes) -> Tensor:
+    """The segments ``ks`` of ``t`` (``[..., P]``; each segment's start and size in
+    ``starts`` and ``sizes``) stacked: ``[len(ks), ..., n]`` (a view for one)."""
+    parts = [t[..., starts[k] : starts[k] + sizes[k]] for k in ks]
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+
+
 def ortho_directions(
     cfg: NetConfig,
     shapes: list[tuple[int, int]],
-    zs: list[Tensor],
-    qs: list[Tensor] | None = None,
+    z: Tensor,
+    q: Tensor | None = None,
     refresh: bool | Tensor = True,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """:func:`ortho_direction` of matrices whose shapes are equal or transposed, in one
-    batched Newton-Schulz iteration (each tall one on its transpose, as alone); with their
-    kept Gram polynomials ``qs`` (flat, ``[..., r * r]`` each), :func:`newton_schulz_reusing`
-    under ``refresh``, and the new polynomials are returned (else None)."""
-    if qs is not None:  # the matrices of one shape (see shape_direction), in their layout
-        x = torch.stack([z.reshape(*z.shape[:-1], *shapes[0]) for z in zs])
+    batched Newton-Schulz iteration (each tall one on its transpose, as alone): ``z``
+    (``[k, ..., numel]``) holds their :func:`ortho_input` stacked, and each matrix's
+    direction (``[..., numel]``) is returned. With their kept Gram polynomials ``q`` (flat,
+    ``[k, ..., r * r]``; the matrices then share one shape), :func:`newton_schulz_reusing`
+    under ``refresh``, and the new polynomials are returned too (else None)."""
+    if q is not None:  # the matrices of one shape (see shape_direction), in their layout
         k = min(shapes[0])
-        q = torch.stack(qs).reshape(*x.shape[:-2], k, k)
-        o, q = newton_schulz_reusing(x, q, refresh, cfg.ns_steps)
-        kept = list(q.reshape(len(qs), *qs[0].shape).unbind(0))
-        return [_scaled(cfg, oi, z) for oi, z in zip(o.unbind(0), zs)], kept
-    if len(zs) == 1:
-        return [ortho_direction(cfg, shapes[0], zs[0])], None
+        x = z.reshape(*z.shape[:-1], *shapes[0])
+        o, new_q = newton_schulz_reusing(x, q.reshape(*q.shape[:-1], k, k), refresh, cfg.ns_steps)
+        return list(_scaled(cfg, o, z.shape).unbind(0)), list(new_q.reshape(q.shape).unbind(0))
+    if all(shape == shapes[0] for shape in shapes):
+        return list(ortho_direction(cfg, shapes[0], z).unbind(0)), None
     wide = min(shapes[0]), max(shapes[0])
     mats = []
-    for shape, z in zip(shapes, zs):
-        x = z.reshape(*z.shape[:-1], *shape)
+    for shape, zi in zip(shapes, z.unbind(0)):
+        x = zi.reshape(*zi.shape[:-1], *shape)
         mats.append(x if shape == wide else x.transpose(-1, -2))
     o = newton_schulz(torch.stack(mats), cfg.ns_steps)
+    o = _scaled(cfg, o, o.shape, dim=(-2, -1))  # a matrix's RMS is its transpose's
     out = []
-    for shape, z, x in zip(shapes, zs, o.unbind(0)):
-        out.append(_scaled(cfg, x if shape == wide else x.transpose(-1, -2), z))
+    for shape, x in zip(shapes, o.unbind(0)):
+        x = x if shape == wide else x.transpose(-1, -2)
+        out.append(x.reshape(*x.shape[:-2], -1))
     return out, None

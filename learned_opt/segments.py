@@ -40,13 +40,24 @@ class FlatLayout:
         sparse = self.sparse_rows or (False,) * len(self.shapes)
         return tuple(is_matrix(s, cfg) and not r for s, r in zip(self.shapes, sparse))
 
-    @property
+    @functools.cached_property
     def numels(self) -> list[int]:
         return [math.prod(s) for s in self.shapes]
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return sum(self.numels)
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The segments as runs of adjacent segments of one size: ``(count, numel)`` each."""
+        out: list[list[int]] = []
+        for n in self.numels:
+            if out and out[-1][1] == n:
+                out[-1][0] += 1
+            else:
+                out.append([1, n])
+        return tuple((k, n) for k, n in out)
 
     @classmethod
     def of(cls, params: dict[str, Tensor], batch_dims: int = 0) -> FlatLayout:
@@ -103,11 +114,11 @@ class FlatLayout:
 #: at most this many times ``P``; beyond that they sum blocks of :data:`SUM_BLOCK` first.
 MAX_PADDING = 4
 SUM_BLOCK = 1024
-#: On CPU, one row of segments averaging at least this many elements is summed a segment
-#: at a time (``"split"``), fewer with ``index_add``: a segment's sum costs about 2.6 us
-#: whatever its size, ``index_add`` about 3.5 ns an element (one thread; a small MLP's
-#: 6 segments of 26k elements in all: 21 us against 95 us; 40 segments of 528 on average:
-#: 102 us against 74 us).
+#: On CPU, one row of segments averaging at least this many elements is summed a run of
+#: same-size segments at a time (``"split"``), fewer with ``index_add``: a run's sum
+#: costs about 2.6 us whatever its size, ``index_add`` about 3.5 ns an element (one
+#: thread; a small MLP's 6 segments of 26k elements in all: 21 us against 95 us; 40
+#: segments of 528 on average: 102 us against 74 us, a segment a run).
 SPLIT_MIN_MEAN = 1024
 
 
@@ -119,7 +130,8 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
     same-shape tensors) are summed by a reshape on every device. ``method``:
     ``"index_add"`` (the default on CPU for one row of small segments, where it adds in
     order; on CUDA it adds with atomics, in a varying order), ``"split"`` (a sum per
-    segment, stacked, the same sums as each tensor's own: the default on CPU for more than
+    segment, one call for each run of adjacent segments of one size
+    (:attr:`FlatLayout.runs`), the same sums as each tensor's own: the default on CPU for more than
     one row, such as the 11 feature rows, where ``index_add`` along the last dim measured
     10x slower, and for one row of segments of :data:`SPLIT_MIN_MEAN` elements or more on
     average), ``"padded"`` (scatter into
@@ -137,7 +149,13 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
         padded_size = num * max(layout.numels, default=0)
         method = "padded" if padded_size <= MAX_PADDING * max(layout.size, 1) else "blocked"
     if method == "split":
-        return torch.stack([part.sum(-1) for part in x.split(layout.numels, dim=-1)], dim=-1)
+        runs = layout.runs
+        parts = x.split([k * n for k, n in runs], dim=-1)
+        sums = [
+            part.sum(-1, keepdim=True) if k == 1 else part.reshape(*lead, k, n).sum(-1)
+            for part, (k, n) in zip(parts, runs)
+        ]
+        return sums[0] if len(sums) == 1 else torch.cat(sums, dim=-1)
     if method == "index_add":
         return x.new_zeros(*lead, num).index_add(-1, layout.segments(x.device), x)
     if method == "padded":

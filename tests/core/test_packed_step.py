@@ -263,3 +263,37 @@ def test_a_pack_of_tensors_averaging_split_min_mean_steps_bitwise_as_one_by_one(
         assert torch.equal(p, q), name
         for key in ("m", "v", "log_lr"):
             assert torch.equal(packed_opt.state[p][key], single_opt.state[q][key]), name
+
+
+def test_a_pack_keeps_its_state_flat_and_reads_entries_replaced_from_outside(monkeypatch):
+    """Between eager steps the shipped rule's packed tensors keep their state as views of
+    one flat buffer per entry (a step then copies only the parameters and gradients in,
+    and the parameters out). An entry replaced from outside (set by hand, or a loaded
+    state dict) is read at the next step, as the one-by-one step reads it."""
+    import io
+
+    model = _Mixed()
+    one_by_one = copy.deepcopy(model)
+    numel = kernel.PACK_NUMEL
+    packed = _run(model, monkeypatch, True, steps=2)
+    single = _run(one_by_one, monkeypatch, False, steps=2)
+    flat = [model.emb.weight, model.small.weight, model.small.bias, model.norm.bias]
+    for key in ("m", "v", "log_lr", "step"):
+        buffers = {packed.state[p][key].untyped_storage().data_ptr() for p in flat}
+        assert len(buffers) == 1, key
+    for opt, net in ((packed, model), (single, one_by_one)):
+        opt.state[net.small.weight]["m"] = 0.5 * opt.state[net.small.weight]["m"]
+        opt.state[net.norm.bias]["log_lr"] = torch.tensor(-1.0)
+    saved = io.BytesIO()
+    torch.save(packed.state_dict(), saved)
+    saved.seek(0)
+    packed.load_state_dict(torch.load(saved, weights_only=True))
+    for step in range(2, 4):
+        for pack, net, opt in ((True, model, packed), (False, one_by_one, single)):
+            monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
+            key = _STACK_KEY if pack else lambda p, g, s: id(p)
+            monkeypatch.setattr(kernel, "_stack_key", key)
+            _grads(net, step)
+            opt.step()
+    _assert_same(model, packed, one_by_one, single)
+    assert len({packed.state[p]["m"].untyped_storage().data_ptr() for p in flat}) == 1
