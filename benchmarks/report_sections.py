@@ -588,6 +588,7 @@ def _packed_label(side: str) -> str:
 
 
 @section("eager_step_split")
+@section("eager_step_flat_state")
 @section("eager_step_ns4")
 @section("eager_step")
 def render_eager_step(r: dict) -> str:
@@ -600,16 +601,38 @@ def render_eager_step(r: dict) -> str:
          f"{max(m['max_rel_diff_vs_masked'][s] for s in sides):.2g}"]
         for name, m in r["rows"].items()
     ]  # fmt: skip
-    names = {"mask_read": "mask read on the host", "packed": "mask read, small tensors packed"}
+    names = {"mask_read": "mask read on the host", "packed": "mask read, small tensors packed",
+             "default": "compile=True, before its kernels"}  # fmt: skip
     header = ["model", "params", "AdamW step ms", "masking every step / AdamW",
               *(f"{names.get(s) or _packed_label(s)} / AdamW" for s in sides),
-              "default vs masking", "largest parameter difference"]  # fmt: skip
+              "packed vs masking", "largest parameter difference"]  # fmt: skip
     return (
         markdown_table(header, rows)
-        + "\n\nEager reference step (`compile=False`), one thread, median of "
+        + "\n\nEager reference step (`compile=False`, and the default optimizer before "
+        "its kernels are built where a column says so), one thread, median of "
         "the timed rounds, each side on its own copy of the model, taking turns with AdamW "
         f"(`foreach=True`). Small tensors: at most {r['pack_numel']:,} elements. {_measured(r)} Load average {r['load_average_end']} at the end. "
         f"Command: `{r['command']}`."
+    )
+
+
+@section("step_ab")
+def render_step_ab(r: dict) -> str:
+    """This checkout's eager step against another revision's, taking turns in one process."""
+    rows = [
+        [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.3f}", _x(m["x_adamw"]["base"]),
+         _x(m["x_adamw"]["this"]), _x(m["this_over_base"]), f"{m['max_rel_diff']:.2g}"]
+        for name, m in r["rows"].items()
+    ]  # fmt: skip
+    header = ["workload", "params", "AdamW step ms", f"{r['base']} / AdamW",
+              f"{r['this']} / AdamW", "step time, new ÷ old", "largest parameter difference"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + "\n\nEager reference step (`compile=False`), one thread, one fixed gradient; the two "
+        "revisions' rules and AdamW (`foreach=True`) take turns in one process, each on its "
+        f"own copy of the model, {r['rounds']} rounds of {r['steps']} steps, each side's "
+        f"fastest round kept. {_measured(r)} Load average {r['load_average_end']} at the "
+        f"end. Command: `{r['command']}`."
     )
 
 

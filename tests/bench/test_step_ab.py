@@ -1,0 +1,32 @@
+"""The side-by-side step benchmark: another revision imported apart, and its docs table."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import step_ab  # noqa: E402
+from benchmarks.report_sections import render_step_ab  # noqa: E402
+
+
+def test_a_revision_is_imported_apart_and_timed_beside_this_one(tmp_path):
+    import learned_opt.optimizer
+
+    base, commit = step_ab.import_revision("HEAD", tmp_path)
+    assert base.__name__ == f"{step_ab.BASE_NAME}.optimizer"
+    assert base.LearnedOptimizer is not learned_opt.optimizer.LearnedOptimizer
+    assert Path(base.__file__).is_relative_to(tmp_path) and commit
+    row = step_ab.measure("val_friedman_mlp", base, steps=1, rounds=2)
+    assert set(row["ms"]) == {"adamw", "base", "this"} and min(row["ms"].values()) > 0
+    assert row["parameters"] == 4929
+    assert row["max_rel_diff"] < 1e-6  # HEAD's step and the checkout's agree
+    r = {"rows": {"val_friedman_mlp": row}, "base": commit, "this": "new", "rounds": 2,
+         "steps": 1, "date": "2026-12-06", "machine": "m", "torch": "t",
+         "load_average_end": 0.1, "command": "c"}  # fmt: skip
+    table = render_step_ab(r)
+    assert table.startswith("| workload |") and "| val_friedman_mlp | 4,929 |" in table
+    assert f"{commit} / AdamW" in table and "new / AdamW" in table
