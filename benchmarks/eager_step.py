@@ -26,9 +26,10 @@ thread:
 The models: a 3-layer MLP (26k parameters), a 2-layer transformer encoder (0.4M, its
 matrices orthogonalised) and a wide MLP (1.9M, 1024-wide matrices, which take the Adam
 form). Every side starts from the same model and gradients, and the JSON records the
-largest relative difference of the parameters from ``masked`` after the timed steps: zero
-for ``mask_read`` (the same step), and the rounding of the per-tensor sums for the packed
-sides.
+largest relative difference of the parameters from ``masked`` after the timed steps:
+rounding for every other side (since 2026-12-06 an eager call that reads the mask also
+reads the step count on the host and computes the bias corrections there; before, zero
+for ``mask_read``), and the rounding of the per-tensor sums for the packed sides.
 """
 
 from __future__ import annotations

@@ -132,13 +132,13 @@ def step_tensors(
         for i, count in zip(small, counts):
             key = (params[i].dtype, grads[i].dtype, count, bool(states[i].get("sparse_rows")))
             groups.setdefault(key, []).append(i)
-        for index in groups.values():
+        for (*_, count, _), index in groups.items():
             if len(index) < 2:
                 continue
             index.sort(key=lambda i: params[i].numel())  # same sizes adjacent: fewer sums
             flags = _step_packed(
                 theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                [states[i] for i in index], lr, packs,
+                [states[i] for i in index], lr, count, packs,
             )  # fmt: skip
             for i, ok in zip(index, flags.unbind()):
                 oks[i] = ok
@@ -157,15 +157,24 @@ def step_tensors(
 
 
 def _step_packed(
-    theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, packs: dict | None = None
+    theta,
+    cfg: NetConfig,
+    parts: Parts,
+    params,
+    grads,
+    states,
+    lr,
+    count: float,
+    packs: dict | None = None,
 ) -> Tensor:
     """:func:`step_tensors` of tensors of one dtype, step count and ``sparse_rows`` mark (so
     one number of momenta, :func:`~learned_opt.step.moment_rows`), as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
     step as one call each: the same sums, bitwise, where the tensors average at least
     :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding),
-    on the flat state of a :class:`_Pack` (kept in ``packs`` between steps). Returns their
-    stepped flags."""
+    on the flat state of a :class:`_Pack` (kept in ``packs`` between steps). ``count``:
+    their step count (read on the host), which the step takes as a number, so that its
+    bias corrections are computed on the host. Returns their stepped flags."""
     sparse = bool(states[0].get("sparse_rows"))  # one mark for the pack
     rows = moment_rows(parts, sparse)
     keeping = () if sparse else gram_layout(cfg, tuple(tuple(p.shape) for p in params))
@@ -185,8 +194,8 @@ def _step_packed(
     log_lr = pack.log_lr.unsqueeze(0) if cfg.adapts_lr else None
     q = pack.q.unsqueeze(0) if keeping else None
     out = flat_step(
-        theta, cfg, layout, p, g, pack.m.unsqueeze(0), pack.v.unsqueeze(0), pack.step[0] + 1,
-        lr, log_lr=log_lr, q=q, return_finite=True, parts=parts, read_mask=True,
+        theta, cfg, layout, p, g, pack.m.unsqueeze(0), pack.v.unsqueeze(0), count + 1, lr,
+        log_lr=log_lr, q=q, return_finite=True, parts=parts, read_mask=True,
     )  # fmt: skip
     for t, new in zip(params, out[0][0].split(layout.numels)):
         t.copy_(new.view(t.shape))
@@ -308,8 +317,9 @@ def _step_stacked(
     nodes instead of 2594), and the kernel's step took 3.9x AdamW's instead of 5.5x, the
     reference's 8.4x instead of 10.2x; on the 10M transformer (12 layers) the kernel's
     step 11.6x instead of 13.0x, the reference's 12.4x instead of 15.2x, and its kernels
-    built in 190 s instead of 300 s. ``read_mask``: see :func:`~learned_opt.step.flat_step`.
-    Returns their stepped flags."""
+    built in 190 s instead of 300 s. ``read_mask``: see :func:`~learned_opt.step.flat_step`;
+    then a step count shared by every row is also read on the host and taken as a number
+    (the bias corrections computed on the host). Returns their stepped flags."""
     shape, sparse = params[0].shape, bool(states[0].get("sparse_rows"))
     dtype = compute_dtype(params[0])
     rows = moment_rows(parts, sparse)
@@ -318,6 +328,9 @@ def _step_stacked(
     m = _as_rows([s["m"][:rows].reshape(rows, -1) for s in states])
     v = _as_rows([s["v"].reshape(-1) for s in states])
     step = _as_rows([s["step"] for s in states]).reshape(-1, 1) + 1
+    if read_mask:  # eagerly on CPU: one count for every row is taken as a number
+        counts = step.reshape(-1).tolist()
+        step = counts[0] if len(set(counts)) == 1 else step
     log_lr = _as_rows([s["log_lr"] for s in states]).reshape(-1, 1) if cfg.adapts_lr else None
     q = _as_rows([s["q"].reshape(-1) for s in states]) if "q" in states[0] else None
     out = flat_step(

@@ -173,13 +173,16 @@ def reduce_sums(
     g_in: Tensor,
     m: Tensor,
     v_new: Tensor,
+    masked: bool = True,
 ) -> TensorSums:
     """The reduce stage after masking: per-tensor sums of the masked gradient ``g_in``, the
     momentum before this step that the adaptation reads (:func:`adapt_momentum`) and the
     new second moment. ``ok`` and ``g_sum_squares`` (of the raw gradient) come from
-    :func:`~learned_opt.features.stepped`'s test, made before the gradient is masked."""
-    zero = torch.zeros((), dtype=g_in.dtype, device=g_in.device)
-    g_sum_squares = torch.where(ok, g_sum_squares, zero)
+    :func:`~learned_opt.features.stepped`'s test, made before the gradient is masked;
+    ``masked=False``: every tensor is known to be stepped (``ok`` all true)."""
+    if masked:
+        zero = torch.zeros((), dtype=g_in.dtype, device=g_in.device)
+        g_sum_squares = torch.where(ok, g_sum_squares, zero)
     sizes = constant(tuple(max(n, 1) for n in layout.numels), g_in.dtype, g_in.device)
     g_dot_m = m_sum_squares = None
     if cfg.adapts_lr:
@@ -249,7 +252,7 @@ def flat_step(
         raise ValueError(f"this step reads {rows} momenta, m holds {m.shape[-2]}")
     m = m[..., :rows, :]  # the rows no evaluated part reads stay as they are
     m_new, v_new = update_moments(g_in, m, v)
-    sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new)
+    sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new, masked)
     matrices = layout.matrices(cfg)
     stats = shape_stats(layout.shapes, cfg, p, matrices)  # for the adaptation and the context
     new_log_lr = log_lr
@@ -385,15 +388,16 @@ def tensor_context(
     (:func:`~learned_opt.features.width_log_factor`).
     """
     stats = stats.expand(*v_mean.shape, 4)
-    time = time_features(step, cfg, v_mean)
+    time = time_features(step, cfg, v_mean) if parts.tensor_net or parts.element_net else None
     bias = None
+    width_factor = stats[..., 2].to(v_mean.dtype)
     if parts.tensor_net:
         log_scale, bias = tensor_head(theta, cfg, tensor_stats(ms, v_mean, stats[..., :2]), time)
+        log_scale = log_scale + width_factor
     else:
-        log_scale = torch.zeros_like(v_mean)
+        log_scale = width_factor
         if parts.element_net:
             bias = element_bias(theta, time).expand(*v_mean.shape, cfg.width)
-    log_scale = log_scale + stats[..., 2].to(log_scale.dtype)
     if cfg.adapts_lr:
         log_scale = log_scale + log_lr
     scales = feature_scales(ms) if parts.element_net else None

@@ -34,7 +34,8 @@ def test_sides_take_the_same_step_and_the_table_shows_them(monkeypatch):
     assert set(row["ms"]) == {"masked", "mask_read", "packed", "default", "packed_4", "adamw"}
     assert all(v > 0 for v in row["ms"].values())
     diff = row["max_rel_diff_vs_masked"]
-    assert diff["masked"] == diff["mask_read"] == 0.0
+    assert diff["masked"] == 0.0
+    assert diff["mask_read"] < 1e-6  # its bias corrections are computed on the host
     assert diff["packed"] < 1e-5 and diff["packed_4"] < 1e-5  # the rounding of the sums
     assert diff["default"] == diff["packed"]  # the same packs
     assert row["parameters"] == sum(p.numel() for p in _tiny().parameters())
