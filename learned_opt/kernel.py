@@ -216,8 +216,8 @@ class _Pack:
     eager steps: one buffer per state entry (``m`` ``[rows, P]``, ``v`` ``[P]``,
     ``log_lr`` and ``step`` ``[T]``, and ``q`` over the matrices that keep a Gram
     polynomial), whose views replace the tensors' own state entries (``install``), so that
-    a step copies only the parameters and gradients in and the parameters out. Measured
-    with ``benchmarks/eager_step.py``. The views are contiguous only where each tensor has
+    a step copies only the parameters and gradients in and the parameters out (measured
+    with ``benchmarks/step_ab.py``). The views are contiguous only where each tensor has
     one momentum (the shipped rule's), so a pack of tensors with more gathers its state
     into the buffers and scatters it back every step. A state entry replaced from outside
     (a loaded state dict, a rule that reads other momenta) is seen at the next step,
