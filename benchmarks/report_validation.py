@@ -103,6 +103,7 @@ SCHEDULE_PHRASES = {
 @section("validation_wide_shrink025")
 @section("validation_wide_shrink025_spectral")
 @section("validation_dead05")
+@section("validation_handset_now")
 @section("validation_nadam10")
 @section("validation_nadam05")
 @section("validation_ortho_floor1")
