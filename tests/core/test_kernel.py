@@ -679,3 +679,27 @@ def test_a_thread_count_the_program_sets_while_a_build_runs_stands():
     finally:
         kernel._yield_threads(False)
         torch.set_num_threads(threads)
+
+
+def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
+    """Before their kernels exist, a model's buckets (here 40 tensors: three of at most
+    ``BUCKET``) step in one call of the reference, which packs across them, and each
+    bucket's share of that call's seconds (by its elements) adds up to the optimizer's."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    monkeypatch.setattr(kernel, "_is_built", lambda args: False)
+    calls = []
+    step = kernel.step_tensors
+    monkeypatch.setattr(kernel, "step_tensors", lambda *a: calls.append(len(a[3])) or step(*a))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    opt = LearnedOptimizer(model.parameters())
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    entries = list(opt._kernels._entries.values())
+    assert len(entries) == 3 and calls == [40, 40, 40]
+    assert all(e.eager_steps == 3 and e.fn is None and not e.queued for e in entries)
+    shares = sum(e.eager_seconds for e in entries)
+    assert shares == pytest.approx(opt._kernels.eager_seconds) and shares > 0
