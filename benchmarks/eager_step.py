@@ -1,8 +1,8 @@
 """The eager reference step (what steps until the kernel is compiled): reading the finite
 mask on the host, and packing small tensors into one call, against AdamW.
 
-Run: ``OMP_NUM_THREADS=1 python -m benchmarks.eager_step`` (``--repeats``). Writes
-``benchmarks/results/eager_step.json``.
+Run: ``OMP_NUM_THREADS=1 python -m benchmarks.eager_step`` (``--repeats``; ``--tasks``
+times registered tasks' models instead). Writes ``benchmarks/results/eager_step.json``.
 
 Most runs on a small CPU end before their kernel is compiled, so the reference's step sets
 their pace. The step leaves a tensor whose gradient or parameter holds NaN or Inf
@@ -97,6 +97,14 @@ def _side(name: str):
     return undo
 
 
+def _task_model(name: str):
+    """A factory of the model of registered task ``name`` at seed 0."""
+    from learned_opt.tasks import get_task
+
+    task = get_task(name)
+    return lambda: task.workload(seed=0)[0]
+
+
 def _model(factory) -> nn.Module:
     torch.manual_seed(0)
     model = factory()
@@ -151,6 +159,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument(
+        "--tasks", nargs="+", default=[],
+        help="registered tasks whose models to time instead (the model of seed 0)",
+    )  # fmt: skip
+    ap.add_argument(
         "--pack-numel",
         type=int,
         nargs="*",
@@ -162,8 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     sides = (*SIDES, *(f"packed_{n}" for n in args.pack_numel))
     rows = {}
-    for name in args.models:
-        factory, steps = MODELS[name]
+    models = {name: MODELS[name] for name in args.models}
+    if args.tasks:
+        models = {name: (_task_model(name), 10) for name in args.tasks}
+    for name, (factory, steps) in models.items():
         rows[name] = measure(factory, steps, args.repeats, sides)
         r = rows[name]
         print(f"{name}: " + ", ".join(f"{s} {r['ms'][s]} ms ({r['x_adamw'][s]}x AdamW)"

@@ -589,6 +589,8 @@ def _packed_label(side: str) -> str:
 
 @section("eager_step_split")
 @section("eager_step_flat_state")
+@section("eager_step_pack_bound")
+@section("eager_step_pack_bound_validation")
 @section("eager_step_ns4")
 @section("eager_step")
 def render_eager_step(r: dict) -> str:

