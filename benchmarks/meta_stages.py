@@ -30,6 +30,7 @@ STAGES = (
     "validation_adapt2x_tensor_stage11_gossip",
     "validation_adapt2x_tail_stage1",
     "validation_adapt2x_tail_from8_stage1",
+    "validation_adapt2x_tail_from8_lowlr_stage1",
 )
 #: What the issue asks of a meta-trained checkpoint before it may ship: its validation
 #: median at least this many times the hand-set rule's.

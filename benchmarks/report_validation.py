@@ -79,6 +79,7 @@ SCHEDULE_PHRASES = {
 @section("validation_adapt2x_tensor_stage11_gossip_decentralized")
 @section("validation_adapt2x_tail_stage1")
 @section("validation_adapt2x_tail_from8_stage1")
+@section("validation_adapt2x_tail_from8_lowlr_stage1")
 @section("validation_ns3")
 @section("validation_cosine")
 @section("validation_wsd")
