@@ -90,7 +90,9 @@ COMPILE_ENV = "LEARNED_OPT_COMPILE"
 #: (``eager_step_pack_bound_validation.json``, medians, beside a meta-training run)
 #: attention's step 11% shorter, the LSTM language model's 3% and the 256-wide MLP's 4%,
 #: the larger LSTM's 4% longer, the others unchanged; the fastest of 15 rounds taken in
-#: turns, once: the LSTM models' 10% shorter, the 256-wide MLP's 5%;
+#: turns, once: the LSTM models' 10% shorter, the 256-wide MLP's 5%; ``step_ab.py``
+#: (``step_ab_pack_bound.json``): the LSTM models' and the recommender's 9-11% shorter,
+#: attention's 3% longer, the rest unchanged;
 #: ``eager_step_pack_bound.json``: the 0.4M transformer's 7% shorter, the MLPs unchanged.
 PACK_NUMEL = 65536
 
