@@ -48,7 +48,7 @@ from learned_opt import LearnedOptimizer, kernel
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, write_json  # noqa: E402
+from benchmarks.common import command_line, machine, write_json  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -183,12 +183,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}: " + ", ".join(f"{s} {r['ms'][s]} ms ({r['x_adamw'][s]}x AdamW)"
                                       for s in sides) + f", AdamW {r['ms']['adamw']} ms",
               flush=True)  # fmt: skip
-    given = sys.argv[1:] if argv is None else argv
     payload = {
         "benchmark": "eager_step",
         **machine(),
         "load_average_end": round(os.getloadavg()[0], 1),
-        "command": " ".join(["OMP_NUM_THREADS=1 python -m benchmarks.eager_step", *given]),
+        "command": command_line("OMP_NUM_THREADS=1 python -m benchmarks.eager_step", argv),
         "sides": list(sides),
         "pack_numel": kernel.PACK_NUMEL,
         "rows": rows,

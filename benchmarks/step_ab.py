@@ -37,7 +37,7 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import machine, write_json  # noqa: E402
+from benchmarks.common import command_line, machine, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Small models of the validation family and the held-out suite (the runs that end before
@@ -135,12 +135,11 @@ def main(argv: list[str] | None = None) -> dict:
                 f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
                 flush=True,
             )
-    given = sys.argv[1:] if argv is None else argv
     payload = {
         "benchmark": "step_ab",
         **machine(),
         "load_average_end": round(os.getloadavg()[0], 1),
-        "command": " ".join(["OMP_NUM_THREADS=1 python -m benchmarks.step_ab", *given]),
+        "command": command_line("OMP_NUM_THREADS=1 python -m benchmarks.step_ab", argv),
         "base": commit,
         "this": this_commit(),
         "steps": args.steps,

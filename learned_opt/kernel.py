@@ -424,26 +424,26 @@ class Kernels:
         outside = contextlib.nullcontext()
         if torch.is_autocast_enabled(device):
             outside = torch.autocast(device, enabled=False)
+
+        def args_of(index: list[int]) -> tuple:  # the arguments of these tensors' step
+            return (
+                theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
+                [states[i] for i in index], lr_t,
+            )  # fmt: skip
+
         order, oks, eager = [], [], []
         with outside:
             for index, entry in self._plan(cfg, parts, params, grads, states):
-                args = (
-                    theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                    [states[i] for i in index], lr_t,
-                )  # fmt: skip
                 if entry.fn is not None:
-                    oks.append(entry.fn(*_kernel_args(args)))
+                    oks.append(entry.fn(*_kernel_args(args_of(index))))
                     order += index
                 else:
-                    self._queue_if_due(entry, args)
+                    self._queue_if_due(entry, functools.partial(args_of, index))
                     eager.append((index, entry))
             if eager:  # the buckets without a kernel: one reference call for all of them
                 index = [i for bucket, _ in eager for i in bucket]
                 start = time.perf_counter()
-                oks.append(step_tensors(
-                    theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                    [states[i] for i in index], lr_t, self._packs,
-                ))  # fmt: skip
+                oks.append(step_tensors(*args_of(index), self._packs))
                 self._count_eager(time.perf_counter() - start, eager, params)
                 order += index
         flags = (oks[0] if len(oks) == 1 else torch.cat(oks)).tolist()  # one read back
@@ -477,15 +477,16 @@ class Kernels:
             self._plans[key] = plan
         return plan
 
-    def _queue_if_due(self, entry: _Entry, args: tuple) -> None:
-        """Count an eager step of a bucket of ``args``, and queue its compile once due."""
+    def _queue_if_due(self, entry: _Entry, args_of: Callable[[], tuple]) -> None:
+        """Count an eager step of a bucket, and queue its compile once due; ``args_of``
+        gives the bucket's step arguments, built only on the steps that need them."""
         entry.eager_steps += 1
         if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
-            entry.built = _is_built(_kernel_args(args))
+            entry.built = _is_built(_kernel_args(args_of()))
         if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
                 and (entry.built or self.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
             entry.queued = True
-            _worker().submit(entry, _kernel_args(args))
+            _worker().submit(entry, _kernel_args(args_of()))
 
     def _count_eager(self, seconds: float, eager: list, params) -> None:
         """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
