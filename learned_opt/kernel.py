@@ -53,7 +53,7 @@ from torch import Tensor
 from .config import NetConfig
 from .features import compute_dtype
 from .network import Theta
-from .orthogonal import gram_layout
+from .orthogonal import gram_layout, is_matrix
 from .segments import FlatLayout, one_segment
 from .step import Parts, flat_step, moment_rows
 
@@ -141,7 +141,10 @@ def step_tensors(
         for (*_, count, _), index in groups.items():
             if len(index) < 2:
                 continue
-            index.sort(key=lambda i: params[i].numel())  # same sizes adjacent: fewer sums
+            # same sizes adjacent (fewer sums), matrices last (the Adam form spans the rest)
+            index.sort(
+                key=lambda i: (_orthogonalised(params[i], states[i], cfg), params[i].numel())
+            )
             flags = _step_packed(
                 theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
                 [states[i] for i in index], lr, count, packs,
@@ -298,6 +301,11 @@ class _Pack:
             qs = [states[k]["q"] for k in self.keeping]
             for q, new in zip(qs, self.q.split([q.numel() for q in qs])):
                 q.copy_(new.view(q.shape))
+
+
+def _orthogonalised(p: Tensor, state: dict, cfg: NetConfig) -> bool:
+    """Whether ``p`` takes the orthogonalised step (a row-sparse matrix does not)."""
+    return is_matrix(tuple(p.shape), cfg) and not state.get("sparse_rows")
 
 
 def _stack_key(p: Tensor, g: Tensor, s: dict) -> tuple:

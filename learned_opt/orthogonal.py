@@ -238,6 +238,7 @@ def shape_direction(
     q: Tensor | None = None,
     refresh: bool | Tensor = True,
     g: Tensor | None = None,
+    direction_at: int = 0,
 ) -> tuple[Tensor, Tensor | None]:
     """The step direction of every segment under ``cfg.output`` and ``cfg.normalize``, and
     the matrices' new Gram polynomials.
@@ -245,7 +246,9 @@ def shape_direction(
     ``shapes`` are the segments' shapes (those of a :class:`~learned_opt.segments.FlatLayout`);
     ``direction`` (``[..., P]``) is the Adam form ``clamp(adam_dir + d)`` (None when every
     segment is a matrix, which never reads it), ``m1`` the 0.9 momentum and ``d`` the MLP's
-    direction output (None: zero), all ``[..., P]``.
+    direction output (None: zero), all ``[..., P]``; ``direction`` may cover only the
+    elements from ``direction_at`` on, up to the end of the last segment that is not a
+    matrix (:func:`~learned_opt.step.adam_span`).
     ``matrices`` (one bool per segment, :func:`is_matrix` of each shape or a layout's
     :meth:`~learned_opt.segments.FlatLayout.matrices`) says which segments are orthogonalised. Matrices are replaced by
     their orthogonalised direction (scaled relative to the Adam form's ``step_mult``); the
@@ -287,9 +290,9 @@ def shape_direction(
         elif matrix:
             groups.setdefault((min(shape), max(shape)), []).append(k)
         elif cfg.normalize:
-            pieces[k] = unit_rms(direction[..., lo:hi])
+            pieces[k] = unit_rms(direction[..., lo - direction_at : hi - direction_at])
         else:
-            pieces[k] = direction[..., lo:hi]
+            pieces[k] = direction[..., lo - direction_at : hi - direction_at]
     for ks in groups.values():
         m = _stacked(m1, ks, starts, numels)  # [k, ..., n]: the group's matrices, flat
         if g is not None and takes_nesterov(shapes[ks[0]], cfg):  # alike across the group

@@ -95,6 +95,11 @@ class FlatLayout:
         block_slot = block_seg * most + torch.arange(sum(blocks), device=device) - first[block_seg]
         return element, block_slot, sum(blocks), most
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019
+    def lengths(self) -> Tensor:
+        """Elements per segment, ``[T]`` (CPU)."""
+        return torch.tensor(self.numels)
+
     def _starts(self, device=None) -> Tensor:
         return torch.tensor([0, *itertools.accumulate(self.numels)][:-1], device=device)
 
@@ -128,7 +133,12 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
     Every method is deterministic (bitwise repeatable); all but ``"split"`` take a few
     kernels whatever the number of segments. Segments of one size (one tensor, or
     same-shape tensors) are summed by a reshape on every device. ``method``:
-    ``"index_add"`` (the default on CPU for one row of small segments, where it adds in
+    ``"reduce"`` (``torch.segment_reduce`` over one row: the default on CPU for one row
+    of small segments where autograd does not record the step and no compiler traces it,
+    as in the optimizer's eager step: 2-3x faster than ``index_add`` there, 9 us against
+    19 us for a small MLP's 6 segments of 4.9k elements, 26 us against 73 us for 40 of
+    528; it has no second derivative and no inductor lowering), ``"index_add"`` (the
+    default on CPU for one row of small segments otherwise, where it adds in
     order; on CUDA it adds with atomics, in a varying order), ``"split"`` (a sum per
     segment, one call for each run of adjacent segments of one size
     (:attr:`FlatLayout.runs`), the same sums as each tensor's own: the default on CPU for more than
@@ -144,7 +154,12 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
         method = "padded"  # segments of one size: already laid out so
     if method is None and x.device.type == "cpu":
         small = math.prod(lead) <= 1 and layout.size < SPLIT_MIN_MEAN * num
-        method = "index_add" if num == 0 or small else "split"
+        method = "split" if not small else "index_add" if num == 0 or _traced() else "reduce"
+    if method == "reduce":
+        if x.shape[-1] != layout.size:  # the lengths go unchecked below
+            raise ValueError(f"{x.shape[-1]} elements, the layout's segments hold {layout.size}")
+        sums = torch.segment_reduce(x.reshape(-1), "sum", lengths=layout.lengths(), unsafe=True)
+        return sums.view(*lead, num)
     elif method is None:
         padded_size = num * max(layout.numels, default=0)
         method = "padded" if padded_size <= MAX_PADDING * max(layout.size, 1) else "blocked"
@@ -171,6 +186,12 @@ def segment_sum(x: Tensor, layout: FlatLayout, method: str | None = None) -> Ten
         out = sums.new_zeros(*lead, num * most).index_copy(-1, block_slot, sums)
         return out.view(*lead, num, most).sum(-1)
     raise ValueError(f"unknown segment_sum method {method!r}")
+
+
+def _traced() -> bool:
+    """Whether autograd records the step or a compiler traces it: ``"reduce"`` has neither
+    a second derivative nor an inductor lowering."""
+    return torch.is_grad_enabled() or torch.compiler.is_compiling()
 
 
 def segment_expand(t: Tensor, layout: FlatLayout) -> Tensor:

@@ -21,6 +21,8 @@ rule) evaluates neither network, and gives the same values.
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import NamedTuple
 
 import torch
@@ -405,6 +407,15 @@ def tensor_context(
     return scales, bias, (-lr * cfg.step_mult) * torch.exp(log_scale)
 
 
+def adam_span(shapes, matrices) -> tuple[int, int]:
+    """The elements ``[lo, hi)`` from the first segment that is not a matrix to the end of
+    the last one (``(0, 0)`` when every segment is): where the Adam form is computed."""
+    numels = [math.prod(s) for s in shapes]
+    starts = [0, *itertools.accumulate(numels)]
+    others = [k for k, matrix in enumerate(matrices) if not matrix]
+    return (starts[others[0]], starts[others[-1] + 1]) if others else (0, 0)
+
+
 def apply_update(
     cfg: NetConfig,
     p: Tensor,
@@ -437,12 +448,17 @@ def apply_update(
     """
     if matrices is None:
         matrices = tuple(is_matrix(tuple(s), cfg) for s in shapes)
-    direction = None  # a matrix's direction reads only m1 and d: no Adam form when all are
-    if not matrices or not all(matrices):
-        direction = adam_direction(m1, v, step, cfg.eps)
+    # a matrix's direction reads only m1 and d: the Adam form spans the other segments
+    # only (none when all are matrices; a pack orders its matrices last)
+    lo, hi = adam_span(shapes, matrices)
+    direction = None
+    if hi > lo:
+        direction = adam_direction(m1[..., lo:hi], v[..., lo:hi], step, cfg.eps)
         if d is not None:
-            direction = direction + d
+            direction = direction + d[..., lo:hi]
         direction = torch.clamp(direction, -cfg.max_direction, cfg.max_direction)
-    direction, new_q = shape_direction(cfg, shapes, direction, m1, d, matrices, q, refresh, g)
+    direction, new_q = shape_direction(
+        cfg, shapes, direction, m1, d, matrices, q, refresh, g, direction_at=lo
+    )  # fmt: skip
     magnitude = scale if log_mag is None else torch.exp(log_mag) * scale
     return torch.addcmul(p, direction, magnitude), new_q

@@ -297,3 +297,30 @@ def test_a_pack_keeps_its_state_flat_and_reads_entries_replaced_from_outside(mon
             opt.step()
     _assert_same(model, packed, one_by_one, single)
     assert len({packed.state[p]["m"].untyped_storage().data_ptr() for p in flat}) == 1
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_segment_sums_agree_across_methods_and_autograd_gets_a_differentiable_one(grad):
+    """One row of small segments (a pack's) is summed with ``segment_reduce`` where the
+    step is neither recorded nor traced, else with ``index_add``: both give every method's
+    sums (an empty segment 0, a NaN only its own), and the recorded one is differentiable."""
+    from learned_opt.segments import FlatLayout, segment_sum
+
+    layout = FlatLayout(tuple("abcde"), ((3, 4), (0,), (5,), (7, 2), (1,)))
+    torch.manual_seed(0)
+    x = torch.randn(1, layout.size, dtype=torch.float64)
+    x[0, 13] = float("nan")  # in the third segment
+    expected = torch.stack([s.sum() for s in x[0].split(layout.numels)]).unsqueeze(0)
+    for method in ("reduce", "index_add", "split", "padded", "blocked"):
+        torch.testing.assert_close(segment_sum(x, layout, method), expected, equal_nan=True)
+    x.requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        sums = segment_sum(x, layout)
+    torch.testing.assert_close(sums, expected, equal_nan=True)
+    assert sums[0, 1] == 0 and sums[0, 2].isnan() and sums[0, [0, 3, 4]].isfinite().all()
+    if grad:
+        weights = torch.tensor([1.0, 2.0, 0.0, 3.0, 4.0], dtype=x.dtype)  # the NaN's: none
+        sums[0].nan_to_num().mul(weights).sum().backward()
+        assert torch.equal(x.grad[0], weights.repeat_interleave(layout.lengths()))
+    with pytest.raises(ValueError, match="elements"):
+        segment_sum(x.detach()[:, 1:], layout, "reduce")
