@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import queue
 import subprocess
@@ -197,17 +198,18 @@ def _step_packed(
             packs[key] = pack
     if not pack.current(states):
         pack.gather(states, install=packs is not None)
-    layout, dtype = pack.layout, compute_dtype(params[0])
-    p = torch.cat([t.reshape(-1) for t in params]).to(dtype).unsqueeze(0)
-    g = torch.cat([t.reshape(-1) for t in grads]).to(dtype).unsqueeze(0)
+    layout = pack.layout
+    torch._foreach_copy_(pack.p_views, params)  # one call for all the tensors
+    torch._foreach_copy_(pack.g_views, grads)
     log_lr = pack.log_lr.unsqueeze(0) if cfg.adapts_lr else None
     q = pack.q.unsqueeze(0) if keeping else None
     out = flat_step(
-        theta, cfg, layout, p, g, pack.m.unsqueeze(0), pack.v.unsqueeze(0), count + 1, lr,
-        log_lr=log_lr, q=q, return_finite=True, parts=parts, read_mask=True,
+        theta, cfg, layout, pack.p.unsqueeze(0), pack.g.unsqueeze(0), pack.m.unsqueeze(0),
+        pack.v.unsqueeze(0), count + 1, lr, log_lr=log_lr, q=q, return_finite=True,
+        parts=parts, read_mask=True,
     )  # fmt: skip
-    for t, new in zip(params, out[0][0].split(layout.numels)):
-        t.copy_(new.view(t.shape))
+    pack.p.copy_(out[0][0])
+    torch._foreach_copy_(params, pack.p_views)
     ok = out[-1][0]
     pack.store(out[1][0], out[2][0], out[3][0] if log_lr is not None else None,
                out[-2][0] if keeping else None, ok)  # fmt: skip
@@ -226,7 +228,10 @@ class _Pack:
     ``log_lr`` and ``step`` ``[T]``, and ``q`` over the matrices that keep a Gram
     polynomial), whose views replace the tensors' own state entries (``install``), so that
     a step copies only the parameters and gradients in and the parameters out (measured
-    with ``benchmarks/step_ab.py``). The views are contiguous only where each tensor has
+    with ``benchmarks/step_ab.py``), into and out of buffers ``p`` and ``g`` through
+    views shaped as the tensors (``p_views``, ``g_views``), one ``torch._foreach_copy_``
+    each (about 13 torch ops fewer for 6 tensors than concatenating and splitting: 14 us
+    against 54 us for a small MLP's, at one thread). The views are contiguous only where each tensor has
     one momentum (the shipped rule's), so a pack of tensors with more gathers its state
     into the buffers and scatters it back every step. A state entry replaced from outside
     (a loaded state dict, a rule that reads other momenta) is seen at the next step,
@@ -239,6 +244,11 @@ class _Pack:
         )  # fmt: skip
         self.rows, self.keeping = rows, keeping
         self.views: list[tuple] | None = None  # each tensor's installed entries
+        # the parameters and gradients, copied in (and the parameters out) by one call each
+        self.p = params[0].new_empty(self.layout.size, dtype=compute_dtype(params[0]))
+        self.g = torch.empty_like(self.p)
+        self.p_views = _shaped(self.p, params)
+        self.g_views = _shaped(self.g, params)
 
     @property
     def installed(self) -> bool:
@@ -301,6 +311,13 @@ class _Pack:
             qs = [states[k]["q"] for k in self.keeping]
             for q, new in zip(qs, self.q.split([q.numel() for q in qs])):
                 q.copy_(new.view(q.shape))
+
+
+def _shaped(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """Views of ``flat`` shaped as the tensors ``like``, one after the other (slices, not
+    ``split``'s views, which autograd forbids writing into)."""
+    starts = itertools.accumulate((t.numel() for t in like), initial=0)
+    return [flat[i : i + t.numel()].view(t.shape) for i, t in zip(starts, like)]
 
 
 def _orthogonalised(p: Tensor, state: dict, cfg: NetConfig) -> bool:
