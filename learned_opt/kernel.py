@@ -139,6 +139,9 @@ def step_tensors(
         for i, count in zip(small, counts):
             key = (params[i].dtype, grads[i].dtype, count, bool(states[i].get("sparse_rows")))
             groups.setdefault(key, []).append(i)
+        for *kind, mark in list(groups):  # a lone tensor joins the tables: see _step_packed
+            if not mark and len(groups[(*kind, mark)]) == 1 and (*kind, True) in groups:
+                groups[(*kind, True)] += groups.pop((*kind, mark))
         for (*_, count, _), index in groups.items():
             if len(index) < 2:
                 continue
@@ -177,17 +180,28 @@ def _step_packed(
     count: float,
     packs: dict | None = None,
 ) -> Tensor:
-    """:func:`step_tensors` of tensors of one dtype, step count and ``sparse_rows`` mark (so
-    one number of momenta, :func:`~learned_opt.step.moment_rows`), as the segments of one
+    """:func:`step_tensors` of tensors of one dtype and step count, as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
     step as one call each: the same sums, bitwise, where the tensors average at least
     :data:`~learned_opt.segments.SPLIT_MIN_MEAN` elements, else up to their rounding),
     on the flat state of a :class:`_Pack` (kept in ``packs`` between steps). ``count``:
     their step count (read on the host), which the step takes as a number, so that its
-    bias corrections are computed on the host. Returns their stepped flags."""
-    sparse = bool(states[0].get("sparse_rows"))  # one mark for the pack
-    rows = moment_rows(parts, sparse)
-    keeping = () if sparse else gram_layout(cfg, tuple(tuple(p.shape) for p in params))
+    bias corrections are computed on the host.
+
+    Row-sparse tables (``sparse_rows``) keep a second momentum
+    (:func:`~learned_opt.step.moment_rows`), so :func:`step_tensors` packs them apart from
+    the other tensors, whose state then stays flat between steps (:class:`_Pack`), except
+    that another tensor alone, which would cost a call of its own (about 150 torch ops),
+    joins the tables' pack and carries their second momentum, a row its step never reads
+    (a recommender's global bias: the validation family's recommender stepped 15% faster,
+    ``benchmarks/step_ab.py``). A lone table does not join the others: every tensor of
+    their pack would then carry that row and gather its state every step (the LSTM
+    language models' steps took 2-3% longer so). Returns their stepped flags."""
+    marks = tuple(bool(s.get("sparse_rows")) for s in states)
+    rows = moment_rows(parts, any(marks))
+    shapes = tuple(tuple(p.shape) for p in params)
+    matrices = tuple(is_matrix(shape, cfg) and not mark for shape, mark in zip(shapes, marks))
+    keeping = gram_layout(cfg, shapes, matrices)
     key = (tuple(map(id, states)), rows, keeping)
     pack = packs.get(key) if packs is not None else None
     if pack is None:
@@ -267,7 +281,7 @@ class _Pack:
         """Copy the state of ``states`` into new buffers, and with ``install`` (and one
         momentum each) make each entry of ``states`` a view of them."""
         rows, numels = self.rows, self.layout.numels
-        self.m = torch.cat([s["m"][:rows].reshape(rows, -1) for s in states], dim=1)
+        self.m = torch.cat([_momenta(s["m"], rows) for s in states], dim=1)
         self.v = torch.cat([s["v"].reshape(-1) for s in states])
         self.log_lr = torch.stack([s["log_lr"] for s in states])
         self.step = torch.stack([s["step"] for s in states])
@@ -302,7 +316,8 @@ class _Pack:
         entries are not its views)."""
         rows, numels = self.rows, self.layout.numels
         for s, m, v in zip(states, self.m.split(numels, dim=1), self.v.split(numels)):
-            s["m"][:rows].copy_(m.view(rows, *s["m"].shape[1:]))
+            own = min(rows, s["m"].shape[0])  # a tensor's own momenta: the rest never read
+            s["m"][:own].copy_(m[:own].view(own, *s["m"].shape[1:]))
             s["v"].copy_(v.view(s["v"].shape))
         for s, lr, n in zip(states, self.log_lr.unbind(), self.step.unbind()):
             s["log_lr"].copy_(lr)
@@ -311,6 +326,14 @@ class _Pack:
             qs = [states[k]["q"] for k in self.keeping]
             for q, new in zip(qs, self.q.split([q.numel() for q in qs])):
                 q.copy_(new.view(q.shape))
+
+
+def _momenta(m: Tensor, rows: int) -> Tensor:
+    """A tensor's first ``rows`` momenta flat (``[rows, n]``), zeros for those it lacks."""
+    own = m[:rows].reshape(min(rows, m.shape[0]), -1)
+    if own.shape[0] == rows:
+        return own
+    return torch.cat([own, own.new_zeros(rows - own.shape[0], own.shape[1])])
 
 
 def _shaped(flat: Tensor, like: list[Tensor]) -> list[Tensor]:

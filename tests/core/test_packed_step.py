@@ -324,3 +324,50 @@ def test_segment_sums_agree_across_methods_and_autograd_gets_a_differentiable_on
         assert torch.equal(x.grad[0], weights.repeat_interleave(layout.lengths()))
     with pytest.raises(ValueError, match="elements"):
         segment_sum(x.detach()[:, 1:], layout, "reduce")
+
+
+@pytest.mark.parametrize(
+    "tables, dense, calls",
+    [(1, "bias", 1), (3, "bias", 1), (1, "layers", 2), (2, "layers", 2)],
+    ids=["lone-table-and-bias", "lone-bias", "lone-table", "apart"],
+)  # fmt: skip
+def test_a_lone_table_or_tensor_steps_in_the_pack_of_the_others(monkeypatch, tables, dense, calls):
+    """A dense tensor alone among row-sparse tables (a recommender's global bias) steps in
+    one call with them, the same step as one call each; tables and two dense tensors or
+    more pack apart (so that the dense tensors' state stays flat), a lone table too."""
+    counted = []
+    flat_step = kernel.flat_step
+    monkeypatch.setattr(
+        kernel, "flat_step", lambda *a, **k: counted.append(1) or flat_step(*a, **k)
+    )  # fmt: skip
+
+    def model():
+        torch.manual_seed(0)
+        net = nn.Module()
+        net.embs = nn.ModuleList(nn.Embedding(40, 8) for _ in range(tables))
+        if dense == "bias":
+            net.bias = nn.Parameter(torch.zeros(1))
+        else:
+            net.layers = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16))
+        return net
+
+    def run(pack: bool):
+        net = model()
+        monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
+        monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
+        opt = LearnedOptimizer(net.parameters(), compile=False)
+        for step in range(4):
+            gen = torch.Generator().manual_seed(step)
+            for p in net.parameters():
+                p.grad = 1e-2 * torch.randn(p.shape, generator=gen)
+            for emb in net.embs:
+                emb.weight.grad[step % 3 :: 2] = 0  # rows absent from the batch
+            counted.clear()
+            opt.step()
+        assert all(opt.state[emb.weight]["sparse_rows"] for emb in net.embs)
+        return net, opt, len(counted), len(list(net.parameters()))
+
+    packed_net, packed, packed_calls, _ = run(True)
+    single_net, single, single_calls, tensors = run(False)
+    assert (packed_calls, single_calls) == (calls, tensors)
+    _assert_same(packed_net, packed, single_net, single)
