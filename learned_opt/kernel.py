@@ -137,12 +137,8 @@ def step_tensors(
         counts = torch.stack([states[i]["step"] for i in small]).tolist() if small else []
         groups: dict[tuple, list[int]] = {}
         for i, count in zip(small, counts):
-            key = (params[i].dtype, grads[i].dtype, count, bool(states[i].get("sparse_rows")))
-            groups.setdefault(key, []).append(i)
-        for *kind, mark in list(groups):  # a lone tensor joins the tables: see _step_packed
-            if not mark and len(groups[(*kind, mark)]) == 1 and (*kind, True) in groups:
-                groups[(*kind, True)] += groups.pop((*kind, mark))
-        for (*_, count, _), index in groups.items():
+            groups.setdefault((params[i].dtype, grads[i].dtype, count), []).append(i)
+        for (*_, count), index in groups.items():
             if len(index) < 2:
                 continue
             # same sizes adjacent (fewer sums), matrices last (the Adam form spans the rest)
@@ -189,14 +185,10 @@ def _step_packed(
     bias corrections are computed on the host.
 
     Row-sparse tables (``sparse_rows``) keep a second momentum
-    (:func:`~learned_opt.step.moment_rows`), so :func:`step_tensors` packs them apart from
-    the other tensors, whose state then stays flat between steps (:class:`_Pack`), except
-    that another tensor alone, which would cost a call of its own (about 150 torch ops),
-    joins the tables' pack and carries their second momentum, a row its step never reads
-    (a recommender's global bias: the validation family's recommender stepped 15% faster,
-    ``benchmarks/step_ab.py``). A lone table does not join the others: every tensor of
-    their pack would then carry that row and gather its state every step (the LSTM
-    language models' steps took 2-3% longer so). Returns their stepped flags."""
+    (:func:`~learned_opt.step.moment_rows`) and step in the pack of the other tensors,
+    whose buffer then carries that row for every tensor, a row the others' step never
+    reads: one call instead of two (about 150 torch ops fewer), for one more pass over the
+    pack's elements. Returns their stepped flags."""
     marks = tuple(bool(s.get("sparse_rows")) for s in states)
     rows = moment_rows(parts, any(marks))
     shapes = tuple(tuple(p.shape) for p in params)
@@ -210,8 +202,7 @@ def _step_packed(
             if len(packs) >= MAX_PACKS:  # packs that change step after step
                 packs.clear()
             packs[key] = pack
-    if not pack.current(states):
-        pack.gather(states, install=packs is not None)
+    pack.load(states, install=packs is not None)
     layout = pack.layout
     torch._foreach_copy_(pack.p_views, params)  # one call for all the tensors
     torch._foreach_copy_(pack.g_views, grads)
@@ -227,8 +218,7 @@ def _step_packed(
     ok = out[-1][0]
     pack.store(out[1][0], out[2][0], out[3][0] if log_lr is not None else None,
                out[-2][0] if keeping else None, ok)  # fmt: skip
-    if not pack.installed:
-        pack.scatter(states)
+    pack.unload(states)
     return ok
 
 
@@ -245,11 +235,13 @@ class _Pack:
     with ``benchmarks/step_ab.py``), into and out of buffers ``p`` and ``g`` through
     views shaped as the tensors (``p_views``, ``g_views``), one ``torch._foreach_copy_``
     each (about 13 torch ops fewer for 6 tensors than concatenating and splitting: 14 us
-    against 54 us for a small MLP's, at one thread). The views are contiguous only where each tensor has
-    one momentum (the shipped rule's), so a pack of tensors with more gathers its state
-    into the buffers and scatters it back every step. A state entry replaced from outside
-    (a loaded state dict, a rule that reads other momenta) is seen at the next step,
-    which gathers the state again."""
+    against 54 us for a small MLP's, at one thread). A tensor's momenta are a contiguous
+    view only where it has one (``m`` ``[1, ...]``, the shipped rule's for every tensor but
+    a row-sparse table), so the momenta of a tensor with more (a table, or any tensor
+    under a rule with networks) are copied into ``m`` before each step and back after it
+    (:meth:`load`, :meth:`unload`). A state entry replaced from outside (a loaded state
+    dict, a rule that reads other momenta) is seen at the next step, which gathers the
+    state again."""
 
     def __init__(self, params, states, rows: int, keeping: tuple[int, ...]):
         self.layout = FlatLayout(
@@ -258,6 +250,8 @@ class _Pack:
         )  # fmt: skip
         self.rows, self.keeping = rows, keeping
         self.views: list[tuple] | None = None  # each tensor's installed entries
+        self.copied: list[int] = []  # the tensors whose momenta are copied every step
+        self.starts = list(itertools.accumulate(self.layout.numels, initial=0))
         # the parameters and gradients, copied in (and the parameters out) by one call each
         self.p = params[0].new_empty(self.layout.size, dtype=compute_dtype(params[0]))
         self.g = torch.empty_like(self.p)
@@ -269,17 +263,43 @@ class _Pack:
         return self.views is not None
 
     def current(self, states) -> bool:
-        """Whether every state entry of ``states`` is still this pack's view."""
+        """Whether every installed state entry of ``states`` is still this pack's view."""
         if self.views is None:
             return False
         return all(
-            s["m"] is m and s["v"] is v and s["log_lr"] is lr and s["step"] is n and s.get("q") is q
+            (m is None or s["m"] is m) and s["v"] is v and s["log_lr"] is lr
+            and s["step"] is n and s.get("q") is q
             for s, (m, v, lr, n, q) in zip(states, self.views)
-        )
+        )  # fmt: skip
+
+    def load(self, states, install: bool) -> None:
+        """Before a step: the state of ``states`` in the buffers, gathered anew (and with
+        ``install`` made views of them) unless it still is, the momenta that are not views
+        copied in."""
+        if not self.current(states):
+            self.gather(states, install)
+        else:
+            for k in self.copied:
+                own = min(self.rows, states[k]["m"].shape[0])
+                self._momenta(k)[:own].copy_(states[k]["m"][:own].reshape(own, -1))
+
+    def unload(self, states) -> None:
+        """After a step: the buffers back in the state entries that are not their views."""
+        if not self.installed:
+            self.scatter(states)
+            return
+        for k in self.copied:
+            m = states[k]["m"]
+            own = min(self.rows, m.shape[0])
+            m[:own].copy_(self._momenta(k)[:own].view(own, *m.shape[1:]))
+
+    def _momenta(self, k: int) -> Tensor:
+        """Tensor ``k``'s momenta in ``m``: ``[rows, n]`` (a slice, which may be written)."""
+        return self.m[:, self.starts[k] : self.starts[k + 1]]
 
     def gather(self, states, install: bool) -> None:
-        """Copy the state of ``states`` into new buffers, and with ``install`` (and one
-        momentum each) make each entry of ``states`` a view of them."""
+        """Copy the state of ``states`` into new buffers, and with ``install`` make each
+        entry of ``states`` a view of them (the momenta of a tensor that has one)."""
         rows, numels = self.rows, self.layout.numels
         self.m = torch.cat([_momenta(s["m"], rows) for s in states], dim=1)
         self.v = torch.cat([s["v"].reshape(-1) for s in states])
@@ -288,16 +308,20 @@ class _Pack:
         qs = [states[k]["q"] for k in self.keeping]
         self.q = torch.cat([q.reshape(-1) for q in qs]) if qs else None
         self.views = None
-        if not install or rows != 1 or any(s["m"].shape[0] != 1 for s in states):
+        if not install:
             return
-        ms, vs = self.m.split(numels, dim=1), self.v.split(numels)
-        for s, m, v, lr, n in zip(states, ms, vs, self.log_lr.unbind(), self.step.unbind()):
-            s["m"], s["v"] = m.view(s["m"].shape), v.view(s["v"].shape)
-            s["log_lr"], s["step"] = lr, n
+        self.copied = [k for k, s in enumerate(states) if s["m"].shape[0] != 1]
+        for k, (s, v) in enumerate(zip(states, self.v.split(numels))):
+            if k not in self.copied:  # its one momentum: the buffer's first row, contiguous
+                s["m"] = self._momenta(k)[:1].view(s["m"].shape)
+            s["v"], s["log_lr"], s["step"] = v.view(s["v"].shape), self.log_lr[k], self.step[k]
         if qs:
             for k, q in zip(self.keeping, self.q.split([q.numel() for q in qs])):
                 states[k]["q"] = q.view(states[k]["q"].shape)
-        self.views = [(s["m"], s["v"], s["log_lr"], s["step"], s.get("q")) for s in states]
+        self.views = [
+            (None if k in self.copied else s["m"], s["v"], s["log_lr"], s["step"], s.get("q"))
+            for k, s in enumerate(states)
+        ]  # fmt: skip
 
     def store(self, m: Tensor, v: Tensor, log_lr: Tensor | None, q: Tensor | None, ok) -> None:
         """Write a step's new state (``m`` ``[rows, P]``, ``v`` ``[P]``, ``log_lr`` ``[T]``

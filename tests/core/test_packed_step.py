@@ -326,16 +326,13 @@ def test_segment_sums_agree_across_methods_and_autograd_gets_a_differentiable_on
         segment_sum(x.detach()[:, 1:], layout, "reduce")
 
 
-@pytest.mark.parametrize(
-    "tables, dense, calls",
-    [(1, "bias", 1), (3, "bias", 1), (1, "layers", 2), (2, "layers", 2)],
-    ids=["lone-table-and-bias", "lone-bias", "lone-table", "apart"],
-)  # fmt: skip
-def test_a_lone_table_or_tensor_steps_in_the_pack_of_the_others(monkeypatch, tables, dense, calls):
-    """A dense tensor alone among row-sparse tables (a recommender's global bias) steps in
-    one call with them, the same step as one call each; tables and two dense tensors or
-    more pack apart (so that the dense tensors' state stays flat), a lone table too."""
-    counted = []
+@pytest.mark.parametrize("tables, dense", [(1, "bias"), (3, "bias"), (1, "layers"), (2, "layers")])
+def test_row_sparse_tables_and_other_tensors_step_in_one_call(monkeypatch, tables, dense):
+    """Row-sparse tables (an embedding whose batches leave rows out) and the other small
+    tensors step in one call, the same step as one call each. The other tensors keep
+    their state flat between steps (views of one buffer); a table's momenta stay its
+    own, two rows, copied in and out around the step, and read where a test replaces them."""
+    numel, counted = kernel.PACK_NUMEL, []
     flat_step = kernel.flat_step
     monkeypatch.setattr(
         kernel, "flat_step", lambda *a, **k: counted.append(1) or flat_step(*a, **k)
@@ -353,7 +350,7 @@ def test_a_lone_table_or_tensor_steps_in_the_pack_of_the_others(monkeypatch, tab
 
     def run(pack: bool):
         net = model()
-        monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
+        monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
         monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
         opt = LearnedOptimizer(net.parameters(), compile=False)
         for step in range(4):
@@ -369,5 +366,20 @@ def test_a_lone_table_or_tensor_steps_in_the_pack_of_the_others(monkeypatch, tab
 
     packed_net, packed, packed_calls, _ = run(True)
     single_net, single, single_calls, tensors = run(False)
-    assert (packed_calls, single_calls) == (calls, tensors)
+    assert (packed_calls, single_calls) == (1, tensors)
+    _assert_same(packed_net, packed, single_net, single)
+    state = packed.state
+    table_m = {state[e.weight]["m"].untyped_storage().data_ptr() for e in packed_net.embs}
+    assert all(state[e.weight]["m"].shape[0] == 2 for e in packed_net.embs)
+    others = [p for n, p in packed_net.named_parameters() if not n.startswith("embs")]
+    flat = {state[p][k].untyped_storage().data_ptr() for p in others for k in ("m", "v")}
+    assert len(flat) == 2 and not flat & table_m  # the others' m and v: two buffers
+    for pack, opt, net in ((True, packed, packed_net), (False, single, single_net)):
+        monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
+        monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
+        opt.state[net.embs[0].weight]["m"] = 0.5 * opt.state[net.embs[0].weight]["m"]
+        gen = torch.Generator().manual_seed(9)
+        for p in net.parameters():
+            p.grad = 1e-2 * torch.randn(p.shape, generator=gen)
+        opt.step()
     _assert_same(packed_net, packed, single_net, single)
