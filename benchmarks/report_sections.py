@@ -620,6 +620,7 @@ def render_eager_step(r: dict) -> str:
 
 @section("step_ab")
 @section("step_ab_pack_bound")
+@section("step_ab_packs")
 def render_step_ab(r: dict) -> str:
     """This checkout's eager step against another revision's, taking turns in one process."""
     rows = [

@@ -51,3 +51,32 @@ def test_the_shipped_table_is_generated_from_the_committed_records():
     shipped = json.loads((common.RESULTS / "meta_training_stages.json").read_text())
     assert shipped["reference"] == ms.REFERENCE
     assert [r["record"] for r in shipped["rows"][1:]] == list(ms.STAGES)
+
+
+def test_the_paired_comparison_reads_every_row_and_seed_both_ran(tmp_path, monkeypatch):
+    """Row by row: a stage whose median is higher only because another row lands in the
+    middle is level in the geometric mean; a divergence (speedup 0) counts as behind."""
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+
+    def record(name, median, by_row, seeds=(0, 1)):
+        path = _record(tmp_path / f"{name}.json", f"{name}.pt", median)
+        data = json.loads((tmp_path / f"{name}.json").read_text())
+        data["seeds"] = list(seeds)
+        data["single"] = [
+            {"task": task, "horizon": 200, "learned": {"speedup_by_seed": list(speeds)}}
+            for task, speeds in by_row.items()
+        ]  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+        return path
+
+    ref = record("ref", 1.0, {"a": (1.0, 2.0), "b": (4.0, 1.0), "c": (1.0, 1.0)})
+    stage = record("s", 1.5, {"a": (2.0, 1.0), "b": (1.0, 4.0), "c": (0.0, 1.0), "d": (9, 9)})
+    wide = record("w", 1.5, {"a": (3.0, 3.0, 3.0)}, seeds=(5, 0, 1))
+    assert ms.main(["--reference", ref, "--stages", stage, wide, "--out", "stages"]) == 0
+    rows = json.loads((tmp_path / "stages.json").read_text())["rows"]
+    assert rows[1]["times_reference"] == 1.5
+    # a and b swap their values: level; c's first seed diverged: behind; d: not in ref
+    assert rows[1]["paired"] == {"pairs": 6, "geomean": 1.0, "ahead": 2, "behind": 3}
+    # seed 5 has no reference; seeds 0 and 1 of row a: 3x and 1.5x
+    assert rows[2]["paired"]["pairs"] == 2 and rows[2]["paired"]["ahead"] == 2
+    assert abs(rows[2]["paired"]["geomean"] - (3.0 * 1.5) ** 0.5) < 1e-4
