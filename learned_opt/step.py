@@ -452,7 +452,7 @@ def apply_update(
     # only (none when all are matrices; a pack orders its matrices last)
     lo, hi = adam_span(shapes, matrices)
     direction = None
-    if hi > lo:
+    if not matrices or not all(matrices):
         direction = adam_direction(m1[..., lo:hi], v[..., lo:hi], step, cfg.eps)
         if d is not None:
             direction = direction + d[..., lo:hi]

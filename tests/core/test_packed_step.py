@@ -383,3 +383,14 @@ def test_row_sparse_tables_and_other_tensors_step_in_one_call(monkeypatch, table
             p.grad = 1e-2 * torch.randn(p.shape, generator=gen)
         opt.step()
     _assert_same(packed_net, packed, single_net, single)
+
+
+def test_the_adam_form_spans_the_tensors_that_are_not_orthogonalised():
+    """``adam_span``: from the first tensor that is not a matrix to the end of the last."""
+    from learned_opt.step import adam_span
+
+    shapes = ((4,), (8, 8), (3,), (2, 2), (16, 16))
+    assert adam_span(shapes, (False, True, False, False, True)) == (0, 4 + 64 + 3 + 4)
+    assert adam_span(shapes, (True, True, False, True, True)) == (68, 71)
+    assert adam_span(shapes, (True,) * 5) == (0, 0)
+    assert adam_span((), ()) == (0, 0)
