@@ -189,11 +189,9 @@ def _step_packed(
     whose buffer then carries that row for every tensor, a row the others' step never
     reads: one call instead of two (about 150 torch ops fewer), for one more pass over the
     pack's elements. Returns their stepped flags."""
-    marks = tuple(bool(s.get("sparse_rows")) for s in states)
-    rows = moment_rows(parts, any(marks))
-    shapes = tuple(tuple(p.shape) for p in params)
-    matrices = tuple(is_matrix(shape, cfg) and not mark for shape, mark in zip(shapes, marks))
-    keeping = gram_layout(cfg, shapes, matrices)
+    rows = moment_rows(parts, any(bool(s.get("sparse_rows")) for s in states))
+    matrices = tuple(_orthogonalised(p, s, cfg) for p, s in zip(params, states))
+    keeping = gram_layout(cfg, tuple(tuple(p.shape) for p in params), matrices)
     key = (tuple(map(id, states)), rows, keeping)
     pack = packs.get(key) if packs is not None else None
     if pack is None:
@@ -258,8 +256,8 @@ class _Pack:
         # the parameters and gradients, copied in (and the parameters out) by one call each
         self.p = params[0].new_empty(self.layout.size, dtype=compute_dtype(params[0]))
         self.g = torch.empty_like(self.p)
-        self.p_views = _shaped(self.p, params)
-        self.g_views = _shaped(self.g, params)
+        self.p_views = _shaped(self.p, params, self.starts)
+        self.g_views = _shaped(self.g, params, self.starts)
 
     @property
     def installed(self) -> bool:
@@ -283,8 +281,8 @@ class _Pack:
             self.gather(states, install)
         else:
             for k in self.copied:
-                own = min(self.rows, states[k]["m"].shape[0])
-                self._momenta(k)[:own].copy_(states[k]["m"][:own].reshape(own, -1))
+                buffer, own = self._own_momenta(k, states[k]["m"])
+                buffer.copy_(own)
 
     def unload(self, states) -> None:
         """After a step: the buffers back in the state entries that are not their views."""
@@ -292,19 +290,24 @@ class _Pack:
             self.scatter(states)
             return
         for k in self.copied:
-            m = states[k]["m"]
-            own = min(self.rows, m.shape[0])
-            m[:own].copy_(self._momenta(k)[:own].view(own, *m.shape[1:]))
+            buffer, own = self._own_momenta(k, states[k]["m"])
+            own.copy_(buffer)
 
     def _momenta(self, k: int) -> Tensor:
         """Tensor ``k``'s momenta in ``m``: ``[rows, n]`` (a slice, which may be written)."""
         return self.m[:, self.starts[k] : self.starts[k + 1]]
 
+    def _own_momenta(self, k: int, m: Tensor) -> tuple[Tensor, Tensor]:
+        """The momenta of tensor ``k`` that its state entry ``m`` holds (the rows past them
+        are never read): in the buffer, shaped as ``m``'s, and in ``m``."""
+        own = min(self.rows, m.shape[0])
+        return self._momenta(k)[:own].view(own, *m.shape[1:]), m[:own]
+
     def gather(self, states, install: bool) -> None:
         """Copy the state of ``states`` into new buffers, and with ``install`` make each
         entry of ``states`` a view of them (the momenta of a tensor that has one)."""
         rows, numels = self.rows, self.layout.numels
-        self.m = torch.cat([_momenta(s["m"], rows) for s in states], dim=1)
+        self.m = torch.cat([_padded_momenta(s["m"], rows) for s in states], dim=1)
         self.v = torch.cat([s["v"].reshape(-1) for s in states])
         self.log_lr = torch.stack([s["log_lr"] for s in states])
         self.step = torch.stack([s["step"] for s in states])
@@ -341,10 +344,9 @@ class _Pack:
     def scatter(self, states) -> None:
         """Copy the buffers back into the state entries of ``states`` (a pack whose
         entries are not its views)."""
-        rows, numels = self.rows, self.layout.numels
-        for s, m, v in zip(states, self.m.split(numels, dim=1), self.v.split(numels)):
-            own = min(rows, s["m"].shape[0])  # a tensor's own momenta: the rest never read
-            s["m"][:own].copy_(m[:own].view(own, *s["m"].shape[1:]))
+        for k, (s, v) in enumerate(zip(states, self.v.split(self.layout.numels))):
+            buffer, own = self._own_momenta(k, s["m"])
+            own.copy_(buffer)
             s["v"].copy_(v.view(s["v"].shape))
         for s, lr, n in zip(states, self.log_lr.unbind(), self.step.unbind()):
             s["log_lr"].copy_(lr)
@@ -355,7 +357,7 @@ class _Pack:
                 q.copy_(new.view(q.shape))
 
 
-def _momenta(m: Tensor, rows: int) -> Tensor:
+def _padded_momenta(m: Tensor, rows: int) -> Tensor:
     """A tensor's first ``rows`` momenta flat (``[rows, n]``), zeros for those it lacks."""
     own = m[:rows].reshape(min(rows, m.shape[0]), -1)
     if own.shape[0] == rows:
@@ -363,10 +365,9 @@ def _momenta(m: Tensor, rows: int) -> Tensor:
     return torch.cat([own, own.new_zeros(rows - own.shape[0], own.shape[1])])
 
 
-def _shaped(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
-    """Views of ``flat`` shaped as the tensors ``like``, one after the other (slices, not
-    ``split``'s views, which autograd forbids writing into)."""
-    starts = itertools.accumulate((t.numel() for t in like), initial=0)
+def _shaped(flat: Tensor, like: list[Tensor], starts: list[int]) -> list[Tensor]:
+    """Views of ``flat`` shaped as the tensors ``like``, which start at ``starts`` (slices,
+    not ``split``'s views, which autograd forbids writing into)."""
     return [flat[i : i + t.numel()].view(t.shape) for i, t in zip(starts, like)]
 
 

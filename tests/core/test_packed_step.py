@@ -22,7 +22,7 @@ from learned_opt.step import Parts, active_parts
 class _Mixed(nn.Module):
     """Biases, a bf16 vector, small matrices (orthogonalised), a conv kernel, an embedding
     whose batches leave a third of its rows out (not row-sparse), two that leave half out
-    (row-sparse: packed apart, with their second momentum), and one matrix too large to
+    (row-sparse: packed with the others, keeping their second momentum), and one matrix too large to
     pack."""
 
     def __init__(self):
