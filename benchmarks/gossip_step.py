@@ -1,7 +1,9 @@
 """Full decentralized step time: forward, backward, local step, exchange and mix.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``).
-Writes ``benchmarks/results/gossip_step.json``.
+Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``;
+``--only TEXT`` times only the rows whose names contain it, beside the all-reduce row, and
+``--out NAME`` writes ``benchmarks/results/NAME.json``). Writes
+``benchmarks/results/gossip_step.json``.
 
 4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
 (``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
@@ -71,6 +73,7 @@ WORLD = 4
 BATCH = 64
 POOL = 64  # random batches per rank, cycled (4,096 samples with random labels)
 FUSED_DECENT_DP = "Decent-DP fused Adam one-peer ring"
+BASE = "allreduce + Adam"  # the row every other is set against
 
 
 def mlp(seed: int) -> torch.nn.Module:
@@ -136,7 +139,7 @@ def _configs(rank: int) -> dict:
     out = {}
     model = mlp(rank)
     comm = ProcessGroupCommunicator(get_topology("ring", WORLD))
-    out["allreduce + Adam"] = (model, _AllReduceAdam(model.parameters(), comm))
+    out[BASE] = (model, _AllReduceAdam(model.parameters(), comm))
     for topo in ("ring", "one_peer_ring"):
         graph = get_topology(topo, WORLD)
         for overlap in (False, True):
@@ -207,8 +210,14 @@ def _configs(rank: int) -> dict:
     return out
 
 
-def _bench(rank: int, world: int, rounds: int, steps: int) -> dict:
-    configs = _configs(rank)
+def selected(name: str, only: tuple[str, ...]) -> bool:
+    """Whether ``--only`` (``only``: its texts, none for every row) times the row ``name``:
+    the all-reduce row always, every other row whose name contains one of the texts."""
+    return not only or name == BASE or any(text in name for text in only)
+
+
+def _bench(rank: int, world: int, rounds: int, steps: int, only: tuple[str, ...] = ()) -> dict:
+    configs = {name: cfg for name, cfg in _configs(rank).items() if selected(name, only)}
     gen = torch.Generator().manual_seed(rank)
     # a pool of random batches, cycled: trained on one fixed batch, a model that fits it
     # (the learned rule does, within the rounds) gets gradients of about 1e-38, and its
@@ -250,12 +259,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8,
                         help="steps per configuration per round (a multiple of 4)")  # fmt: skip
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="time only the rows whose names contain TEXT (repeatable), "
+                        f"and '{BASE}'")  # fmt: skip
+    parser.add_argument("--out", default="gossip_step",
+                        help="results/<OUT>.json, or a path ending in .json")  # fmt: skip
     args = parser.parse_args()
     if args.steps < 4 or args.steps % 4:
         parser.error(f"--steps must be a positive multiple of 4, got {args.steps}")
     load = os.getloadavg()[0]
-    res = launch_local(_bench, WORLD, args.rounds, args.steps, timeout=1800, pg_timeout=120)[0]
-    base = res["allreduce + Adam"]
+    res = launch_local(
+        _bench, WORLD, args.rounds, args.steps, tuple(args.only), timeout=1800, pg_timeout=120
+    )[0]
+    base = res[BASE]
     results = {
         **gossip_run_info(
             " ".join(["OMP_NUM_THREADS=1 python benchmarks/gossip_step.py", *sys.argv[1:]]),
@@ -282,9 +298,10 @@ def main() -> None:
         results["vs_decent_dp_fused"] = {k: v / fused_peer for k, v in res.items()}
     for name, ms in res.items():
         print(f"{name:<32}{ms:>9.1f} ms {ms / base:>6.2f}x")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    out = Path(args.out) if args.out.endswith(".json") else RESULTS.with_name(f"{args.out}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -155,6 +155,23 @@ def test_shared_state_travels_in_bfloat16_and_parameters_exactly():
     assert not wire.pack(ys, None, buf)
 
 
+def test_the_finite_flag_reads_every_wire_dtype_without_false_alarms():
+    """The sender's finite check sums each section: a NaN in bfloat16 state marks the
+    buffer, and finite float16 values whose sum passes float16's range (65504) do not."""
+    half = torch.full((100,), 60000.0, dtype=torch.float16)  # sum 6e6: inf in float16
+    state = [torch.randn(3, 5)]
+    layout = Layout.of([half, *state], state=1)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8)
+    assert layout.pack([half, *state], 0.5, buf)
+    assert float(layout.header(buf)[1]) == 1.0
+    state[0][1, 2] = float("nan")
+    assert not layout.pack([half, *state], 0.5, buf)
+    assert float(layout.header(buf)[1]) == 0.0
+    big = [torch.full((4,), 3e38)]  # bfloat16 state whose sum overflows float32 too
+    layout = Layout.of(big, state=1)
+    assert not layout.pack(big, None, torch.empty(layout.nbytes, dtype=torch.uint8))
+
+
 def test_the_simulator_mixes_the_state_as_received_and_stays_differentiable():
     sim = SimulatedCommunicator(get_topology("ring", 4))
     y = torch.randn(4, 6, generator=torch.Generator().manual_seed(2), requires_grad=True)
