@@ -68,8 +68,25 @@ def import_revision(ref: str, folder: Path):
         sys.path.remove(str(folder))
 
 
-def measure(task_name: str, base_optimizer, steps: int, rounds: int) -> dict:
-    """Fastest-round ms per step of AdamW, the base revision's rule and this one's."""
+#: ``--split``'s groups: AdamW's usual weight decay on the matrices, none on the rest.
+SPLIT_DECAY = 0.1
+
+
+def param_groups(params: list, split: bool) -> list:
+    """``params`` as one group, or (``split``) as the usual two: the tensors of two or
+    more dimensions with weight decay :data:`SPLIT_DECAY`, the others (biases, norms)
+    without."""
+    if not split:
+        return params
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": SPLIT_DECAY},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def measure(task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False) -> dict:
+    """Fastest-round ms per step of AdamW, the base revision's rule and this one's, every
+    side on :func:`param_groups` of the model's parameters."""
     from learned_opt import LearnedOptimizer
     from learned_opt.tasks import get_task
 
@@ -84,7 +101,7 @@ def measure(task_name: str, base_optimizer, steps: int, rounds: int) -> dict:
         torch.manual_seed(0)
         model, loss_fn, batches = task.workload(seed=0)
         loss_fn(next(iter(batches))).backward()
-        opt = make(list(model.parameters()))
+        opt = make(param_groups(list(model.parameters()), split))
         for _ in range(3):  # state created, packs built
             opt.step()
         sides[side] = (model, opt)
@@ -123,13 +140,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--out", default="step_ab", help="result name under benchmarks/results/")
+    ap.add_argument(
+        "--split", action="store_true",
+        help=f"two param groups on every side: weight decay {SPLIT_DECAY} on the matrices, "
+        "none on the rest (AdamW's usual split)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         base_optimizer, commit = import_revision(args.base, Path(folder))
         for name in args.tasks:
-            rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds)
+            rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds, args.split)
             print(
                 f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
                 f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         "this": this_commit(),
         "steps": args.steps,
         "rounds": args.rounds,
+        "param_groups": "split" if args.split else "one",
         "rows": rows,
     }
     write_json(args.out, payload)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -47,6 +48,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -107,6 +109,7 @@ def step_tensors(
     states: list[dict[str, Tensor]],
     lr: Tensor,
     packs: dict | None = None,
+    decay: Tensor | None = None,
 ) -> Tensor:
     """Step every tensor of ``params`` in place (parameter and state); returns, per tensor,
     whether it was stepped (False where its gradient or the parameter held NaN or Inf).
@@ -117,7 +120,10 @@ def step_tensors(
     never orthogonalised) and ``q`` (the Gram polynomial that a matrix keeps between
     Newton-Schulz iterations: every matrix that keeps one under ``cfg`` must hold it; see
     :func:`~learned_opt.orthogonal.gram_layout`). ``lr`` is the group's step multiplier, a 0-d tensor: an input
-    of the kernel, so that a scheduler may change it.
+    of the kernel, so that a scheduler may change it; eagerly, one per tensor (``[N]``)
+    may step the tensors of several param groups in one call, with ``decay``, one weight
+    decay per tensor, in place of ``cfg.weight_decay`` (see
+    :func:`~learned_opt.step.flat_step`).
 
     Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host
     reads each tensor's finite flag, to mask only where needed, and the tensors of at most
@@ -147,7 +153,8 @@ def step_tensors(
             )
             flags = _step_packed(
                 theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                [states[i] for i in index], lr, count, packs,
+                [states[i] for i in index], _per(lr, index), count, packs,
+                _per(decay, index),
             )  # fmt: skip
             for i, ok in zip(index, flags.unbind()):
                 oks[i] = ok
@@ -158,7 +165,8 @@ def step_tensors(
     for index in stacks.values():
         flags = _step_stacked(
             theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-            [states[i] for i in index], lr, read_mask=eager_cpu,
+            [states[i] for i in index], _per(lr, index, rows=True), read_mask=eager_cpu,
+            decay=_per(decay, index, rows=True),
         )  # fmt: skip
         for i, ok in zip(index, flags.unbind()):
             oks[i] = ok
@@ -175,6 +183,7 @@ def _step_packed(
     lr,
     count: float,
     packs: dict | None = None,
+    decay: Tensor | None = None,
 ) -> Tensor:
     """:func:`step_tensors` of tensors of one dtype and step count, as the segments of one
     flat vector: one :func:`~learned_opt.step.flat_step` call for all of them (the same
@@ -211,7 +220,7 @@ def _step_packed(
     out = flat_step(
         theta, cfg, layout, pack.p.unsqueeze(0), pack.g.unsqueeze(0), pack.m.unsqueeze(0),
         pack.v.unsqueeze(0), count + 1, lr, log_lr=log_lr, q=q, return_finite=True,
-        parts=parts, read_mask=True,
+        parts=parts, read_mask=True, decay=decay,
     )  # fmt: skip
     pack.p.copy_(out[0][0])
     for t, view in zip(params, pack.p_views):
@@ -371,6 +380,16 @@ def _shaped(flat: Tensor, like: list[Tensor], starts: list[int]) -> list[Tensor]
     return [flat[i : i + t.numel()].view(t.shape) for i, t in zip(starts, like)]
 
 
+def _per(values: Tensor | None, index: list[int], rows: bool = False) -> Tensor | None:
+    """The entries of the tensors ``index`` of per-tensor ``values`` (``[N]``; a 0-d tensor
+    or None serves every tensor as it is): ``[T]`` for a pack's segments, ``[T, 1]`` for
+    the rows of a stack (``rows``)."""
+    if values is None or values.dim() == 0:
+        return values
+    picked = values[index]
+    return picked.unsqueeze(1) if rows else picked
+
+
 def _orthogonalised(p: Tensor, state: dict, cfg: NetConfig) -> bool:
     """Whether ``p`` takes the orthogonalised step (a row-sparse matrix does not)."""
     return is_matrix(tuple(p.shape), cfg) and not state.get("sparse_rows")
@@ -387,7 +406,15 @@ def _as_rows(tensors: list[Tensor]) -> Tensor:
 
 
 def _step_stacked(
-    theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, read_mask: bool = False
+    theta,
+    cfg: NetConfig,
+    parts: Parts,
+    params,
+    grads,
+    states,
+    lr,
+    read_mask: bool = False,
+    decay: Tensor | None = None,
 ) -> Tensor:
     """:func:`step_tensors` of tensors of one :func:`_stack_key` (shape, dtypes and
     ``sparse_rows`` mark) as the rows of one :func:`~learned_opt.step.flat_step` call on a
@@ -417,7 +444,7 @@ def _step_stacked(
     q = _as_rows([s["q"].reshape(-1) for s in states]) if "q" in states[0] else None
     out = flat_step(
         theta, cfg, one_segment(shape, sparse), p, g, m, v, step, lr, log_lr=log_lr, q=q,
-        return_finite=True, parts=parts, read_mask=read_mask,
+        return_finite=True, parts=parts, read_mask=read_mask, decay=decay,
     )  # fmt: skip
     ok = out[-1][:, 0]
     for j, (t, s) in enumerate(zip(params, states)):
@@ -461,6 +488,30 @@ def compiling_enabled() -> bool:
     return value not in ("0", "false")
 
 
+class Group(NamedTuple):
+    """One param group's tensors on one device and dtype, as :meth:`Kernels.step_groups`
+    takes them: its config (with its weight decay) and its step multiplier ``lr``."""
+
+    cfg: NetConfig
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    states: Sequence[dict]
+    lr: float
+
+    def args(self, theta, parts: Parts, lr: Tensor, index: list[int]) -> tuple:
+        """The :func:`step_tensors` arguments of the tensors ``index``."""
+        params, grads, states = (
+            [t[i] for i in index] for t in (self.params, self.grads, self.states)
+        )
+        return theta, self.cfg, parts, params, grads, states, lr
+
+
+@functools.lru_cache(maxsize=16)
+def _without_decay(cfg: NetConfig) -> NetConfig:
+    """``cfg`` with ``weight_decay`` 0 (cached: replacing validates the config)."""
+    return dataclasses.replace(cfg, weight_decay=0.0)
+
+
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
@@ -479,7 +530,7 @@ class Kernels:
         #: reference has cost this optimizer, which decides when its kinds compile
         self.eager_seconds = 0.0
         self._plans: dict[tuple, list] = {}  # see _plan
-        self._lr: tuple | None = None  # (value, dtype, device, its 0-d tensor)
+        self._lr: dict[tuple, Tensor] = {}  # (value, dtype, device): its 0-d tensor
         self._packs: dict[tuple, _Pack] = {}  # the eager packs' flat state (see _Pack)
 
     def step(self, theta, cfg: NetConfig, parts: Parts, params, grads, states, lr) -> list[bool]:
@@ -488,51 +539,86 @@ class Kernels:
         taken :data:`COMPILE_AFTER_SECONDS`); returns, per tensor, whether it
         was stepped. ``states`` are the tensors' optimizer states, whose entries an eager
         step may replace with views of a pack's flat state (see :class:`_Pack`)."""
-        lr_t = self._lr_tensor(float(lr), states[0]["v"].dtype, params[0].device)
-        device = params[0].device.type
-        if device == "cpu":
+        return self.step_groups(theta, parts, [Group(cfg, params, grads, states, lr)])[0]
+
+    def step_groups(self, theta, parts: Parts, groups: Sequence[Group]) -> list[list[bool]]:
+        """:meth:`step` of several param groups on one device and dtype, whose configs
+        differ at most in ``weight_decay``; returns each group's flags. A bucket with a
+        kernel runs it (a kernel is built for one group's config and takes its ``lr``);
+        the buckets of every group without one step in one reference call, each tensor
+        with its group's ``lr`` and weight decay: a model split into the usual decay and
+        no-decay groups steps in one call instead of two (``benchmarks/step_ab.py``)."""
+        device = groups[0].params[0].device
+        dtype = groups[0].states[0]["v"].dtype
+        if device.type == "cpu":
             _yield_threads(_worker().busy())
-        if not (self.compile and compiling_enabled() and device in KERNEL_DEVICES):
-            packs = self._packs
-            return step_tensors(theta, cfg, parts, params, grads, states, lr_t, packs).tolist()
+        kernels = self.compile and compiling_enabled() and device.type in KERNEL_DEVICES
         # the kernel and the reference step outside autocast, which would otherwise cast
         # the matrix products of a step() called inside it
         outside = contextlib.nullcontext()
-        if torch.is_autocast_enabled(device):
-            outside = torch.autocast(device, enabled=False)
-
-        def args_of(index: list[int]) -> tuple:  # the arguments of these tensors' step
-            return (
-                theta, cfg, parts, [params[i] for i in index], [grads[i] for i in index],
-                [states[i] for i in index], lr_t,
-            )  # fmt: skip
-
-        order, oks, eager = [], [], []
+        if torch.is_autocast_enabled(device.type):
+            outside = torch.autocast(device.type, enabled=False)
+        flags: list[list] = [[False] * len(g.params) for g in groups]
+        eager: list[tuple[int, list[int], _Entry | None]] = []  # (group, tensors, bucket)
         with outside:
-            for index, entry in self._plan(cfg, parts, params, grads, states):
-                if entry.fn is not None:
-                    oks.append(entry.fn(*_kernel_args(args_of(index))))
-                    order += index
-                else:
-                    self._queue_if_due(entry, functools.partial(args_of, index))
-                    eager.append((index, entry))
+            for k, g in enumerate(groups):
+                if not kernels:
+                    eager.append((k, list(range(len(g.params))), None))
+                    continue
+                lr_t = self._lr_tensor(float(g.lr), dtype, device)
+                for index, entry in self._plan(g.cfg, parts, g.params, g.grads, g.states):
+                    args = functools.partial(g.args, theta, parts, lr_t, index)
+                    if entry.fn is None:
+                        self._queue_if_due(entry, args)
+                        eager.append((k, index, entry))
+                        continue
+                    for i, ok in zip(index, entry.fn(*_kernel_args(args())).tolist()):
+                        flags[k][i] = ok
             if eager:  # the buckets without a kernel: one reference call for all of them
-                index = [i for bucket, _ in eager for i in bucket]
                 start = time.perf_counter()
-                oks.append(step_tensors(*args_of(index), self._packs))
-                self._count_eager(time.perf_counter() - start, eager, params)
-                order += index
-        flags = (oks[0] if len(oks) == 1 else torch.cat(oks)).tolist()  # one read back
-        stepped = [False] * len(params)
-        for i, ok in zip(order, flags):
-            stepped[i] = ok
-        return stepped
+                oks = iter(self._reference(theta, parts, groups, eager, dtype, device).tolist())
+                if kernels:
+                    self._count_eager(time.perf_counter() - start, groups, eager)
+                for k, index, _ in eager:
+                    for i in index:
+                        flags[k][i] = next(oks)
+        return flags
+
+    def _reference(self, theta, parts, groups, eager, dtype, device) -> Tensor:
+        """:func:`step_tensors` of the ``eager`` buckets of ``groups`` in one call, in
+        their order: under the groups' config (``weight_decay`` 0 in it where the groups
+        differ in it, each tensor's then handed over as ``decay``), with the groups' ``lr``
+        where they share one, else one per tensor."""
+        picked = [(groups[k], i) for k, index, _ in eager for i in index]
+        params, grads, states = (
+            [getattr(g, name)[i] for g, i in picked] for name in ("params", "grads", "states")
+        )
+        used = [groups[k] for k in dict.fromkeys(k for k, _, _ in eager)]
+        cfg, decay = used[0].cfg, None
+        lr = self._lr_tensor(float(used[0].lr), dtype, device)
+        if len({float(g.lr) for g in used}) > 1:
+            lr = torch.tensor([float(g.lr) for g, _ in picked], dtype=dtype, device=device)
+        if len({g.cfg for g in used}) > 1:
+            cfg = _without_decay(cfg)
+            if any(_without_decay(g.cfg) != cfg for g in used):
+                raise ValueError(
+                    "param groups stepped together must differ at most in weight_decay"
+                )
+            decay = torch.tensor(
+                [g.cfg.weight_decay for g, _ in picked], dtype=dtype, device=device
+            )
+        return step_tensors(theta, cfg, parts, params, grads, states, lr, self._packs, decay)
 
     def _lr_tensor(self, value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """``lr`` as the kernels' 0-d input, made again only when it changes."""
-        if self._lr is None or self._lr[:3] != (value, dtype, device):
-            self._lr = (value, dtype, device, torch.tensor(value, dtype=dtype, device=device))
-        return self._lr[3]
+        """``lr`` as the kernels' 0-d input, made again only when it changes (one per
+        param group's value)."""
+        key = (value, dtype, device)
+        lr = self._lr.get(key)
+        if lr is None:
+            if len(self._lr) >= MAX_PLANS:  # values that change step after step
+                self._lr.clear()
+            lr = self._lr[key] = torch.tensor(value, dtype=dtype, device=device)
+        return lr
 
     def _plan(self, cfg, parts, params, grads, states) -> list[tuple[list[int], _Entry]]:
         """The buckets of these tensors (:func:`_buckets`) and each bucket's entry, kept
@@ -564,13 +650,13 @@ class Kernels:
             entry.queued = True
             _worker().submit(entry, _kernel_args(args_of()))
 
-    def _count_eager(self, seconds: float, eager: list, params) -> None:
+    def _count_eager(self, seconds: float, groups, eager: list) -> None:
         """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
-        elements, to each of its ``(index, entry)`` buckets'."""
+        elements, to each of its ``(group, index, entry)`` buckets'."""
         self.eager_seconds += seconds
-        sizes = [sum(params[i].numel() for i in index) for index, _ in eager]
+        sizes = [sum(groups[k].params[i].numel() for i in index) for k, index, _ in eager]
         total = max(sum(sizes), 1)
-        for (_, entry), size in zip(eager, sizes):
+        for (*_, entry), size in zip(eager, sizes):
             entry.eager_seconds += seconds * size / total
 
     def ready(self) -> bool:

@@ -24,7 +24,7 @@ from .checkpoint import (
 )
 from .config import NetConfig
 from .features import compute_dtype, init_state
-from .kernel import Kernels
+from .kernel import Group, Kernels
 from .network import LearnedOptimizerNet, Theta
 from .orthogonal import reuses_gram
 from .step import Parts, active_parts, fit_state_rows, moment_rows
@@ -374,6 +374,9 @@ class LearnedOptimizer(Optimizer):
         cfg, parts = self.net.config, self.parts
         if self.config_transform is not None:
             cfg = self.config_transform(cfg)
+        # one kernel call per device and compute dtype for all the groups (see
+        # Kernels.step_groups): (group index, Group) each
+        by_kind: dict[tuple, list[tuple[int, Group]]] = {}
         for index, group in enumerate(self.param_groups):
             lr = checked_lr(group["lr"], f"param_groups[{index}]['lr']")
             decay = checked_weight_decay(
@@ -384,16 +387,20 @@ class LearnedOptimizer(Optimizer):
                 continue
             rule = cfg if decay is None else with_weight_decay(cfg, decay)
             group["step"] += 1
-            by_kind: dict[tuple, list] = {}  # one kernel per device and compute dtype
+            kinds: dict[tuple, list] = {}
             for item in items:
-                by_kind.setdefault((item[0].device, item[2]["v"].dtype), []).append(item)
-            for (device, dtype), kind in by_kind.items():
-                theta = self.theta(device, dtype)
-                params, grads, states = zip(*kind)
-                oks = self._kernels.step(theta, rule, parts, params, grads, states, lr)
-                for p, state, ok in zip(params, states, oks):
+                kinds.setdefault((item[0].device, item[2]["v"].dtype), []).append(item)
+            for kind, kind_items in kinds.items():
+                params, grads, states = zip(*kind_items)
+                by_kind.setdefault(kind, []).append((index, Group(rule, params, grads, states, lr)))
+        for (device, dtype), groups in by_kind.items():
+            flags = self._kernels.step_groups(
+                self.theta(device, dtype), parts, [g for _, g in groups]
+            )
+            for (index, g), oks in zip(groups, flags):
+                for p, state, ok in zip(g.params, g.states, oks):
                     if not ok:
-                        self._skipped(index, group, p, state)
+                        self._skipped(index, self.param_groups[index], p, state)
         return closure_loss
 
     def _skipped(self, index: int, group: dict, p: Tensor, state: dict) -> None:

@@ -212,6 +212,7 @@ def flat_step(
     return_finite: bool = False,
     parts: Parts = ALL_PARTS,
     read_mask: bool = False,
+    decay: Tensor | None = None,
 ) -> tuple[Tensor, ...]:
     """Learned step of every segment of ``p`` (``[B, P]``; ``m`` is ``[B, k, P]``, ``k`` at
     least :func:`moment_rows`); returns
@@ -230,8 +231,11 @@ def flat_step(
     iterates at every step. ``parts``: the networks to evaluate
     (:func:`active_parts`; all of them by default).
 
+    ``lr`` is the step multiplier: a number or 0-d tensor, or one per segment (``[T]``,
+    or ``[B, 1]`` for rows of one segment: param groups stepped in one call).
     ``cfg.weight_decay`` above 0 multiplies every segment by
-    ``1 - weight_decay * step_mult * lr`` before its update (decoupled weight decay).
+    ``1 - weight_decay * step_mult * lr`` before its update (decoupled weight decay);
+    ``decay``, one weight decay per segment shaped as ``lr``, replaces it where given.
 
     A segment whose gradient or parameter holds NaN or Inf is left unchanged (parameter
     and state; see :func:`~learned_opt.features.stepped`), and its values never reach the
@@ -276,8 +280,12 @@ def flat_step(
         snr = momentum_snr(m_new[..., 0, :], sums.v_mean, step, layout)
         mask = constant(matrices, torch.bool, p.device)
         scale = torch.where(mask, scale * snr**cfg.ortho_snr, scale)
-    if cfg.weight_decay:  # decoupled, AdamW's at lr * step_mult (see NetConfig.weight_decay)
-        p_in = p_in * (1.0 - cfg.weight_decay * cfg.step_mult * lr)
+    if decay is not None or cfg.weight_decay:  # decoupled, AdamW's at lr * step_mult
+        rate = cfg.weight_decay if decay is None else decay  # see NetConfig.weight_decay
+        factor = 1.0 - rate * cfg.step_mult * lr
+        if isinstance(factor, Tensor) and factor.dim():  # per segment
+            factor = segment_expand(factor, layout)
+        p_in = p_in * factor
     d = log_mag = None
     if parts.element_net:
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))

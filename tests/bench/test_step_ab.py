@@ -9,6 +9,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
+import torch  # noqa: E402
+
 from benchmarks import step_ab  # noqa: E402
 from benchmarks.report_sections import render_step_ab  # noqa: E402
 
@@ -30,3 +32,11 @@ def test_a_revision_is_imported_apart_and_timed_beside_this_one(tmp_path):
     table = render_step_ab(r)
     assert table.startswith("| workload |") and "| val_friedman_mlp | 4,929 |" in table
     assert f"{commit} / AdamW" in table and "new / AdamW" in table
+
+
+def test_split_gives_the_usual_decay_and_no_decay_groups():
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((3, 4), (4,), (2, 3, 3), (5,))]
+    assert step_ab.param_groups(params, split=False) is params
+    decayed, plain = step_ab.param_groups(params, split=True)
+    assert decayed == {"params": [params[0], params[2]], "weight_decay": step_ab.SPLIT_DECAY}
+    assert plain == {"params": [params[1], params[3]], "weight_decay": 0.0}

@@ -168,3 +168,53 @@ def test_a_tensor_whose_gradient_is_nan_is_neither_stepped_nor_decayed():
     assert torch.equal(params[1].detach(), before[1])
     assert not torch.equal(params[0].detach(), before[0])
     assert opt.nonfinite_skips == 1
+
+
+def test_param_groups_step_in_one_reference_call_as_they_would_apart(monkeypatch):
+    """The usual split (decay on the matrices, none on the vector), here also with another
+    ``lr`` per group, steps in one call of the reference, with each tensor's own ``lr``
+    and decay: the same parameters and state as two optimizers, one per group, over steps
+    that run and reuse Newton-Schulz."""
+    calls = []
+    step_tensors = kernel.step_tensors
+    monkeypatch.setattr(
+        kernel, "step_tensors", lambda *a, **k: calls.append(len(a[3])) or step_tensors(*a, **k)
+    )
+    params, apart = _params(), _params()
+    together = LearnedOptimizer(
+        [{"params": params[1:], "weight_decay": 0.1, "lr": 0.5}, {"params": params[:1]}],
+        compile=False,
+    )
+    alone = [
+        LearnedOptimizer(apart[1:], weight_decay=0.1, lr=0.5, compile=False),
+        LearnedOptimizer(apart[:1], compile=False),
+    ]
+    for k in range(4):
+        _grads(params, k)
+        _grads(apart, k)
+        together.step()
+        for opt in alone:
+            opt.step()
+    assert calls == [3, 2, 1] * 4  # one call for both groups, then one each apart
+    for p, q in zip(params, apart):
+        torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)
+        s, t = together.state[p], next(o.state[q] for o in alone if q in o.state)
+        for key in ("m", "v", "log_lr", "step"):
+            torch.testing.assert_close(s[key], t[key], atol=1e-7, rtol=1e-6)
+
+
+def test_groups_whose_rules_differ_beyond_decay_are_not_stepped_together():
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = LearnedOptimizer(params, compile=False)
+    opt.step()
+    theta = opt.theta(torch.device("cpu"), torch.float32)
+    other = replace(opt.config, lr_adapt_rate=0.5)
+    groups = [
+        kernel.Group(opt.config, params[:1], [params[0].grad], [opt.state[params[0]]], 1.0),
+        kernel.Group(other, params[1:], [p.grad for p in params[1:]],
+                     [opt.state[p] for p in params[1:]], 1.0),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="differ at most in weight_decay"):
+        opt._kernels.step_groups(theta, opt.parts, groups)
