@@ -621,6 +621,8 @@ def render_eager_step(r: dict) -> str:
 @section("step_ab")
 @section("step_ab_pack_bound")
 @section("step_ab_packs")
+@section("step_ab_groups")
+@section("step_ab_groups_one")
 def render_step_ab(r: dict) -> str:
     """This checkout's eager step against another revision's, taking turns in one process."""
     rows = [
@@ -630,13 +632,17 @@ def render_step_ab(r: dict) -> str:
     ]  # fmt: skip
     header = ["workload", "params", "AdamW step ms", f"{r['base']} / AdamW",
               f"{r['this']} / AdamW", "step time, new ÷ old", "largest parameter difference"]  # fmt: skip
+    split = ""
+    if r.get("param_groups") == "split":
+        split = (" Every side on two param groups, AdamW's usual split: weight decay 0.1 on "
+                 "the tensors of two or more dimensions, none on the others.")  # fmt: skip
     return (
         markdown_table(header, rows)
         + "\n\nEager reference step (`compile=False`), one thread, one fixed gradient; the two "
         "revisions' rules and AdamW (`foreach=True`) take turns in one process, each on its "
         f"own copy of the model, {r['rounds']} rounds of {r['steps']} steps, each side's "
-        f"fastest round kept. {_measured(r)} Load average {r['load_average_end']} at the "
-        f"end. Command: `{r['command']}`."
+        f"fastest round kept.{split} {_measured(r)} Load average {r['load_average_end']} "
+        f"at the end. Command: `{r['command']}`."
     )
 
 
