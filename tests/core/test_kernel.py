@@ -703,3 +703,47 @@ def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
     assert all(e.eager_steps == 3 and e.fn is None and not e.queued for e in entries)
     shares = sum(e.eager_seconds for e in entries)
     assert shares == pytest.approx(opt._kernels.eager_seconds) and shares > 0
+
+
+def test_the_groups_without_a_kernel_step_in_one_call_beside_a_group_that_has_one(monkeypatch):
+    """Param groups on one device and dtype: a bucket whose kernel is ready runs it with
+    its own group's config and ``lr``; the buckets of every group without one step in one
+    reference call, each tensor with its group's ``lr`` and decay."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    monkeypatch.setattr(kernel, "_is_built", lambda args: False)
+    calls = []
+    step = kernel.step_tensors
+    monkeypatch.setattr(
+        kernel, "step_tensors", lambda *a: calls.append((len(a[3]), a[8] is not None)) or step(*a)
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    matrices = [model[0].weight, model[1].weight]
+    vectors = [model[0].bias, model[1].bias]
+    opt = LearnedOptimizer(
+        [{"params": matrices, "weight_decay": 0.1, "lr": 0.5}, {"params": vectors}]
+    )
+
+    def grads():
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape)
+
+    grads()
+    opt.step()
+    assert calls == [(4, True)]  # both groups, each tensor's decay handed over
+    kernels = []
+    for key, entry in opt._kernels._entries.items():
+        if key[0].weight_decay == 0.1:  # the decayed group's bucket: a kernel of its own
+
+            def fake(theta, cfg, parts, params, grads, states, lr):
+                kernels.append((cfg.weight_decay, float(lr), len(params)))
+                return torch.ones(len(params), dtype=torch.bool)
+
+            entry.fn = fake
+    before = [p.detach().clone() for p in matrices]
+    grads()
+    opt.step()
+    assert kernels == [(0.1, 0.5, 2)]
+    assert calls[1:] == [(2, False)]  # the other group alone, under its own rule
+    assert all(torch.equal(p, q) for p, q in zip(matrices, before))  # the fake moved nothing
