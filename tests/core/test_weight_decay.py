@@ -180,14 +180,23 @@ def test_param_groups_step_in_one_reference_call_as_they_would_apart(monkeypatch
     monkeypatch.setattr(
         kernel, "step_tensors", lambda *a, **k: calls.append(len(a[3])) or step_tensors(*a, **k)
     )
-    params, apart = _params(), _params()
+
+    def params_of():  # and two matrices too large to pack (stepped as rows of one call)
+        gen = torch.Generator().manual_seed(3)
+        large = [torch.nn.Parameter(torch.randn(300, 240, generator=gen)) for _ in range(2)]
+        return _params() + large
+
+    params, apart = params_of(), params_of()
     together = LearnedOptimizer(
-        [{"params": params[1:], "weight_decay": 0.1, "lr": 0.5}, {"params": params[:1]}],
+        [
+            {"params": params[1:4], "weight_decay": 0.1, "lr": 0.5},
+            {"params": params[:1] + params[4:]},
+        ],
         compile=False,
     )
     alone = [
-        LearnedOptimizer(apart[1:], weight_decay=0.1, lr=0.5, compile=False),
-        LearnedOptimizer(apart[:1], compile=False),
+        LearnedOptimizer(apart[1:4], weight_decay=0.1, lr=0.5, compile=False),
+        LearnedOptimizer(apart[:1] + apart[4:], compile=False),
     ]
     for k in range(4):
         _grads(params, k)
@@ -195,7 +204,7 @@ def test_param_groups_step_in_one_reference_call_as_they_would_apart(monkeypatch
         together.step()
         for opt in alone:
             opt.step()
-    assert calls == [3, 2, 1] * 4  # one call for both groups, then one each apart
+    assert calls == [5, 3, 2] * 4  # one call for both groups, then one each apart
     for p, q in zip(params, apart):
         torch.testing.assert_close(p, q, atol=1e-7, rtol=1e-6)
         s, t = together.state[p], next(o.state[q] for o in alone if q in o.state)
