@@ -4,6 +4,7 @@ counted (``nonfinite_skips``)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -168,3 +169,25 @@ def test_reading_the_mask_on_the_host_gives_the_same_step(bad_segment):
     for a, b in zip(masked, read):
         assert _same(a, b)
     assert masked[-1].tolist() == [[True, bad_segment is None, True]]
+
+
+def test_a_bad_parameter_in_a_later_group_is_named_by_its_own_group():
+    """Groups step in one call; a skipped tensor is still counted and named by its own
+    group and position, and the other group steps."""
+    params = make_params()
+    opt = LearnedOptimizer(
+        [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:]}],
+        net=perturbed_net(),
+    )
+    with torch.no_grad():
+        params[2].view(-1)[0] = float("nan")
+    before = [p.detach().clone() for p in params]
+    fixed_grads(params, 0)
+    shape = tuple(params[2].shape)
+    with pytest.warns(
+        RuntimeWarning, match=re.escape(f"parameter 1 of param group 1 (shape {shape})")
+    ):
+        opt.step()
+    assert [opt.state[p]["nonfinite_skips"] for p in params] == [0, 0, 1] + [0] * (len(params) - 3)
+    assert _same(params[2], before[2])
+    assert not torch.equal(params[0], before[0]) and not torch.equal(params[1], before[1])
