@@ -406,15 +406,7 @@ def _as_rows(tensors: list[Tensor]) -> Tensor:
 
 
 def _step_stacked(
-    theta,
-    cfg: NetConfig,
-    parts: Parts,
-    params,
-    grads,
-    states,
-    lr,
-    read_mask: bool = False,
-    decay: Tensor | None = None,
+    theta, cfg: NetConfig, parts: Parts, params, grads, states, lr, read_mask=False, decay=None
 ) -> Tensor:
     """:func:`step_tensors` of tensors of one :func:`_stack_key` (shape, dtypes and
     ``sparse_rows`` mark) as the rows of one :func:`~learned_opt.step.flat_step` call on a
