@@ -192,6 +192,13 @@ class NetConfig:
         return _strict_from_dict(cls, d)
 
 
+@functools.lru_cache(maxsize=32)
+def with_weight_decay(cfg: NetConfig, weight_decay: float) -> NetConfig:
+    """``cfg`` with its ``weight_decay`` set (cached: ``dataclasses.replace`` validates the
+    whole config again, about 20 us, which every step of a decayed group would pay)."""
+    return replace(cfg, weight_decay=weight_decay)
+
+
 def _strict_from_dict(cls, d: dict):
     """``cls(**d)`` for a frozen config dataclass; unknown keys raise ``ValueError``."""
     known = {f.name for f in fields(cls)}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import itertools
@@ -53,7 +52,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .config import NetConfig
+from .config import NetConfig, with_weight_decay
 from .features import compute_dtype
 from .network import Theta
 from .orthogonal import gram_layout, is_matrix
@@ -498,12 +497,6 @@ class Group(NamedTuple):
         return theta, self.cfg, parts, params, grads, states, lr
 
 
-@functools.lru_cache(maxsize=16)
-def _without_decay(cfg: NetConfig) -> NetConfig:
-    """``cfg`` with ``weight_decay`` 0 (cached: replacing validates the config)."""
-    return dataclasses.replace(cfg, weight_decay=0.0)
-
-
 class Kernels:
     """The compiled kernels of one optimizer (see the module).
 
@@ -591,8 +584,8 @@ class Kernels:
         if len({float(g.lr) for g in used}) > 1:
             lr = torch.tensor([float(g.lr) for g, _ in picked], dtype=dtype, device=device)
         if len({g.cfg for g in used}) > 1:
-            cfg = _without_decay(cfg)
-            if any(_without_decay(g.cfg) != cfg for g in used):
+            cfg = with_weight_decay(cfg, 0.0)
+            if any(with_weight_decay(g.cfg, 0.0) != cfg for g in used):
                 raise ValueError(
                     "param groups stepped together must differ at most in weight_decay"
                 )

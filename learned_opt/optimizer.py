@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import replace
 from itertools import chain
 
 import torch
@@ -22,7 +20,7 @@ from .checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
-from .config import NetConfig
+from .config import NetConfig, with_weight_decay
 from .features import compute_dtype, init_state
 from .kernel import Group, Kernels
 from .network import LearnedOptimizerNet, Theta
@@ -59,13 +57,6 @@ def checked_weight_decay(weight_decay, where: str = "weight_decay") -> float | N
     if weight_decay is None:
         return None
     return _finite_nonnegative(weight_decay, where, weight_decay, "a number >= 0 or None")
-
-
-@functools.lru_cache(maxsize=32)
-def with_weight_decay(cfg: NetConfig, weight_decay: float) -> NetConfig:
-    """``cfg`` with its ``weight_decay`` set (cached: ``dataclasses.replace`` validates the
-    whole config again, about 20 us, which every step of a decayed group would pay)."""
-    return replace(cfg, weight_decay=weight_decay)
 
 
 #: The error of a positional argument after ``params``.
