@@ -41,6 +41,7 @@ VARIANTS = {
     "no_isa_probes": {"TORCHINDUCTOR_VEC_ISA_OK": "1"},
     "wrapper_O0": {"AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0"},
     "one_package": {},
+    "warmed": {},
 }
 #: The compiler's subprocesses by what they compile (the first kind whose mark is in the
 #: command line): the ISA probes load their library in a Python child.
@@ -60,7 +61,7 @@ def kind_of(command) -> str:
     return "link_and_other"
 
 
-def anatomy(merge: bool) -> list[dict]:
+def anatomy(variant: str) -> dict:
     """In this process: the packages of the 0.5M transformer's kinds of bucket, built in
     turn, each build's seconds split by phase."""
     import torch
@@ -79,10 +80,15 @@ def anatomy(merge: bool) -> list[dict]:
             opt.zero_grad()
             model.loss(batch).backward()
             opt.step()
-    if merge:
+    if variant == "one_package":
         first = queued[0]
         joined = [sum((list(args[i]) for args in queued), []) for i in (3, 4, 5)]
         queued = [(*first[:3], *joined, first[6])]
+    warm = None
+    if variant == "warmed":  # what the child's warm-up moves before the queue
+        start = time.perf_counter()
+        kernel.warm_up()
+        warm = round(time.perf_counter() - start, 2)
     timed: dict[str, float] = {}
     run, export = subprocess.run, torch.export.export
 
@@ -113,7 +119,7 @@ def anatomy(merge: bool) -> list[dict]:
             parts["inductor_python"] = round(seconds - sum(timed.values()), 2)
             builds.append({"tensors": len(args[3]), "seconds": round(seconds, 2), **parts})
             print(json.dumps(builds[-1]), file=sys.stderr, flush=True)
-    return builds
+    return {"builds": builds, "warm_up_seconds": warm}
 
 
 def run_variant(name: str, threads: int) -> dict:
@@ -124,10 +130,14 @@ def run_variant(name: str, threads: int) -> dict:
             [sys.executable, "-m", "benchmarks.build_anatomy", "--child", name], env=env,
             cwd=ROOT, capture_output=True, text=True, check=True,
         )  # fmt: skip
-    builds = json.loads(out.stdout.strip().splitlines()[-1])
+    done = json.loads(out.stdout.strip().splitlines()[-1])
+    builds = done["builds"]
     phases = sorted({k for b in builds for k in b} - {"tensors", "seconds"})
     total = {k: round(sum(b.get(k, 0.0) for b in builds), 2) for k in ("seconds", *phases)}
-    return {"builds": builds, "total": total}
+    result = {"builds": builds, "total": total}
+    if done["warm_up_seconds"] is not None:
+        result["warm_up_seconds"] = done["warm_up_seconds"]
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(anatomy(merge=args.child == "one_package")))
+        print(json.dumps(anatomy(args.child)))
         return
     start, load = time.perf_counter(), os.getloadavg()[0]
     variants = {}
