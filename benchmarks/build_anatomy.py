@@ -83,7 +83,8 @@ def anatomy(variant: str) -> dict:
     if variant == "one_package":
         first = queued[0]
         joined = [sum((list(args[i]) for args in queued), []) for i in (3, 4, 5)]
-        queued = [(*first[:3], *joined, first[6])]
+        lr, decay = (torch.cat([args[i] for args in queued]) for i in (6, 7))
+        queued = [(*first[:3], *joined, lr, decay)]
     warm = None
     if variant == "warmed":  # what the child's warm-up moves before the queue
         start = time.perf_counter()

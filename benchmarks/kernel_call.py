@@ -55,8 +55,8 @@ class NestedStep(torch.nn.Module):
         super().__init__()
         self.cfg, self.parts = cfg, parts
 
-    def forward(self, theta, params, grads, states, lr):
-        return step_tensors(theta, self.cfg, self.parts, params, grads, states, lr)
+    def forward(self, theta, params, grads, states, lr, decay):
+        return step_tensors(theta, self.cfg, self.parts, params, grads, states, lr, decay=decay)
 
 
 def bucket_args(task: str) -> tuple[tuple, torch.optim.Optimizer]:
@@ -70,9 +70,10 @@ def bucket_args(task: str) -> tuple[tuple, torch.optim.Optimizer]:
     opt.step()
     states = [kernel_state(opt.state[p]) for p in params]
     theta = opt.theta(params[0].device, states[0]["v"].dtype)
-    lr = torch.tensor(1.0, dtype=states[0]["v"].dtype)
+    lr = torch.ones(len(params), dtype=states[0]["v"].dtype)  # one per tensor, as a kernel's
+    decay = torch.zeros_like(lr)
     grads = [p.grad.detach() for p in params]
-    args = (theta, opt.config, opt.parts, [p.detach() for p in params], grads, states, lr)
+    args = (theta, opt.config, opt.parts, [p.detach() for p in params], grads, states, lr, decay)
     other, loss_other, batches_other = get_task(task).workload(0)
     adamw = torch.optim.AdamW(list(other.parameters())[:BUCKET], lr=1e-3, foreach=True)
     loss_other(next(batches_other)).backward()
@@ -83,13 +84,13 @@ def routes(args: tuple, folder: Path) -> dict:
     """The three calls of one kernel (see the module doc), each a function of no arguments."""
     from torch._inductor import aoti_compile_and_package, aoti_load_package
 
-    theta, cfg, parts, params, grads, states, lr = args
+    theta, cfg, parts, params, grads, states, lr, decay = args
     flat_path = folder / "flat.pt2"
     build_package(args, flat_path)
     flat_kernel, flat_runner = load_package(flat_path), aoti_load_package(str(flat_path))
     nested_path = folder / "nested.pt2"
     sorted_theta = {name: theta[name] for name in sorted(theta)}
-    nested_args = (sorted_theta, params, grads, states, lr)
+    nested_args = (sorted_theta, params, grads, states, lr, decay)
     with torch.no_grad():
         program = torch.export.export(NestedStep(cfg, parts), nested_args)
         aoti_compile_and_package(program, package_path=str(nested_path))
@@ -98,7 +99,7 @@ def routes(args: tuple, folder: Path) -> dict:
     return {
         "flat_loader": lambda: flat_kernel(*args),
         "flat_package_call": lambda: flat_runner(
-            flat_inputs(theta_list, params, grads, states, lr)
+            flat_inputs(theta_list, params, grads, states, lr, decay)
         ),
         "nested_package_call": lambda: nested_runner(*nested_args),
     }

@@ -623,22 +623,30 @@ def render_eager_step(r: dict) -> str:
 @section("step_ab_packs")
 @section("step_ab_groups")
 @section("step_ab_groups_one")
+@section("step_ab_kernel_groups")
 def render_step_ab(r: dict) -> str:
-    """This checkout's eager step against another revision's, taking turns in one process."""
+    """This checkout's step against another revision's, taking turns in one process: the
+    eager reference, or (``path`` ``kernel``) the compiled kernels with the kinds each
+    revision built."""
+    kernel = r.get("path") == "kernel"
     rows = [
         [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.3f}", _x(m["x_adamw"]["base"]),
-         _x(m["x_adamw"]["this"]), _x(m["this_over_base"]), f"{m['max_rel_diff']:.2g}"]
+         _x(m["x_adamw"]["this"]), _x(m["this_over_base"]), f"{m['max_rel_diff']:.2g}",
+         *([f"{m['kernel_kinds']['base']} / {m['kernel_kinds']['this']}"] if kernel else [])]
         for name, m in r["rows"].items()
     ]  # fmt: skip
     header = ["workload", "params", "AdamW step ms", f"{r['base']} / AdamW",
-              f"{r['this']} / AdamW", "step time, new ÷ old", "largest parameter difference"]  # fmt: skip
+              f"{r['this']} / AdamW", "step time, new ÷ old", "largest parameter difference",
+              *(["kernels built, old / new"] if kernel else [])]  # fmt: skip
     split = ""
     if r.get("param_groups") == "split":
         split = (" Every side on two param groups, AdamW's usual split: weight decay 0.1 on "
                  "the tensors of two or more dimensions, none on the others.")  # fmt: skip
+    what = "Eager reference step (`compile=False`)"
+    if kernel:
+        what = "The compiled kernels' step (each revision's built first, in a child process)"
     return (
-        markdown_table(header, rows)
-        + "\n\nEager reference step (`compile=False`), one thread, one fixed gradient; the two "
+        markdown_table(header, rows) + f"\n\n{what}, one thread, one fixed gradient; the two "
         "revisions' rules and AdamW (`foreach=True`) take turns in one process, each on its "
         f"own copy of the model, {r['rounds']} rounds of {r['steps']} steps, each side's "
         f"fastest round kept.{split} {_measured(r)} Load average {r['load_average_end']} "

@@ -12,7 +12,9 @@ steps every run until its kernels are ready, and every run too short to build th
 AdamW (``foreach=True``) each step their own copy of the model, taking turns for
 ``--rounds`` rounds of ``--steps`` steps at one thread; each side's fastest round is kept
 (interference only adds time). The JSON also records how far apart the two revisions'
-parameters are after the timed steps (0: the same step, bitwise).
+parameters are after the timed steps (0: the same step, bitwise). ``--kernel`` times the
+compiled kernels instead: each rule's are built first (in a child process, at
+:func:`~learned_opt.kernel.compile_after_seconds` 0), and the kinds each built are recorded.
 
     OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base HEAD~1
     OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base abb5949 --tasks val_resmlp_ln
@@ -51,7 +53,8 @@ BASE_NAME = "learned_opt_base"
 
 def import_revision(ref: str, folder: Path):
     """``learned_opt`` at git revision ``ref``, extracted into ``folder`` and imported as
-    :data:`BASE_NAME`; returns its ``optimizer`` module and the commit it resolved to."""
+    :data:`BASE_NAME`; returns its ``optimizer`` module and the commit it resolved to. Its
+    kernels' build processes import it under that name too (``folder`` is on their path)."""
     commit = subprocess.run(
         ["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
@@ -63,9 +66,16 @@ def import_revision(ref: str, folder: Path):
     (folder / "learned_opt").rename(folder / BASE_NAME)
     sys.path.insert(0, str(folder))
     try:
-        return importlib.import_module(f"{BASE_NAME}.optimizer"), commit
+        optimizer = importlib.import_module(f"{BASE_NAME}.optimizer")
     finally:
         sys.path.remove(str(folder))
+    kernel = importlib.import_module(f"{BASE_NAME}.kernel")
+    if BASE_NAME not in getattr(kernel, "_CHILD", BASE_NAME):
+        kernel._CHILD = (
+            f"import sys; sys.path.insert(0, {str(folder)!r}); "
+            + kernel._CHILD.replace("learned_opt.kernel", f"{BASE_NAME}.kernel")
+        )
+    return optimizer, commit
 
 
 #: ``--split``'s groups: AdamW's usual weight decay on the matrices, none on the rest.
@@ -84,27 +94,38 @@ def param_groups(params: list, split: bool) -> list:
     ]
 
 
-def measure(task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False) -> dict:
+def measure(
+    task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False,
+    kernel: bool = False,
+) -> dict:  # fmt: skip
     """Fastest-round ms per step of AdamW, the base revision's rule and this one's, every
-    side on :func:`param_groups` of the model's parameters."""
+    side on :func:`param_groups` of the model's parameters; with ``kernel``, each rule's
+    compiled kernels, built before the timing (and how many kinds each built)."""
     from learned_opt import LearnedOptimizer
+    from learned_opt.kernel import compile_after_seconds
     from learned_opt.tasks import get_task
 
     task = get_task(task_name)
+    base_kernel = importlib.import_module(f"{BASE_NAME}.kernel")
     makers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-        "base": lambda ps: base_optimizer.LearnedOptimizer(ps, compile=False),
-        "this": lambda ps: LearnedOptimizer(ps, compile=False),
+        "base": lambda ps: base_optimizer.LearnedOptimizer(ps, compile=kernel),
+        "this": lambda ps: LearnedOptimizer(ps, compile=kernel),
     }
-    sides = {}
-    for side, make in makers.items():
-        torch.manual_seed(0)
-        model, loss_fn, batches = task.workload(seed=0)
-        loss_fn(next(iter(batches))).backward()
-        opt = make(param_groups(list(model.parameters()), split))
-        for _ in range(3):  # state created, packs built
-            opt.step()
-        sides[side] = (model, opt)
+    sides, kinds = {}, {}
+    with compile_after_seconds(0), base_kernel.compile_after_seconds(0):
+        for side, make in makers.items():
+            torch.manual_seed(0)
+            model, loss_fn, batches = task.workload(seed=0)
+            loss_fn(next(iter(batches))).backward()
+            opt = make(param_groups(list(model.parameters()), split))
+            for _ in range(4):  # state created, packs built (with kernel: compiles queued)
+                opt.step()
+            if kernel and side != "adamw":
+                if not opt.wait_compiled(timeout=1800):
+                    raise RuntimeError(f"{task_name}: the {side} side's kernels did not build")
+                kinds[side] = len(opt._kernels._entries)
+            sides[side] = (model, opt)
     best = {side: float("inf") for side in sides}
     for _ in range(rounds):
         for side, (_, opt) in sides.items():
@@ -119,6 +140,7 @@ def measure(task_name: str, base_optimizer, steps: int, rounds: int, split: bool
     diff = max(float((p - q).abs().max() / (q.abs().max() + 1e-12)) for p, q in pairs)
     return {
         "parameters": sum(p.numel() for p in sides["adamw"][0].parameters()),
+        **({"kernel_kinds": kinds} if kernel else {}),
         "ms": {side: round(ms, 4) for side, ms in best.items()},
         "x_adamw": {side: round(best[side] / best["adamw"], 3) for side in ("base", "this")},
         "this_over_base": round(best["this"] / best["base"], 3),
@@ -145,13 +167,22 @@ def main(argv: list[str] | None = None) -> dict:
         help=f"two param groups on every side: weight decay {SPLIT_DECAY} on the matrices, "
         "none on the rest (AdamW's usual split)",
     )  # fmt: skip
+    ap.add_argument(
+        "--kernel", action="store_true",
+        help="time the compiled kernels (built first, in a child process each) instead of "
+        "the eager reference",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.kernel:
+        os.environ["LEARNED_OPT_COMPILE"] = "1"
     torch.set_num_threads(1)
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
         base_optimizer, commit = import_revision(args.base, Path(folder))
         for name in args.tasks:
-            rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds, args.split)
+            rows[name] = r = measure(
+                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel
+            )
             print(
                 f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
                 f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
@@ -167,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         "steps": args.steps,
         "rounds": args.rounds,
         "param_groups": "split" if args.split else "one",
+        "path": "kernel" if args.kernel else "eager reference",
         "rows": rows,
     }
     write_json(args.out, payload)

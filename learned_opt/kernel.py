@@ -124,11 +124,11 @@ def step_tensors(
     stepped tensor advances), and may hold ``sparse_rows`` (a bool: a row-sparse matrix,
     never orthogonalised) and ``q`` (the Gram polynomial that a matrix keeps between
     Newton-Schulz iterations: every matrix that keeps one under ``cfg`` must hold it; see
-    :func:`~learned_opt.orthogonal.gram_layout`). ``lr`` is the group's step multiplier, a 0-d tensor: an input
-    of the kernel, so that a scheduler may change it; eagerly, one per tensor (``[N]``)
-    may step the tensors of several param groups in one call, with ``decay``, one weight
-    decay per tensor, in place of ``cfg.weight_decay`` (see
-    :func:`~learned_opt.step.flat_step`).
+    :func:`~learned_opt.orthogonal.gram_layout`). ``lr`` is the step multiplier, a 0-d
+    tensor or one per tensor (``[N]``), and ``decay`` None (``cfg.weight_decay`` serves)
+    or one weight decay per tensor in its place (see :func:`~learned_opt.step.flat_step`):
+    a kernel takes both per tensor, as inputs, so that a scheduler may change ``lr`` and
+    the tensors of several param groups share a kernel.
 
     Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host
     reads each tensor's finite flag, to mask only where needed, and the tensors of at most
@@ -495,12 +495,22 @@ class Group(NamedTuple):
     states: Sequence[dict]
     lr: float
 
-    def args(self, theta, parts: Parts, lr: Tensor, index: list[int]) -> tuple:
-        """The :func:`step_tensors` arguments of the tensors ``index``."""
-        params, grads, states = (
-            [t[i] for i in index] for t in (self.params, self.grads, self.states)
-        )
-        return theta, self.cfg, parts, params, grads, states, lr
+
+def _shared_config(groups: Sequence[Group]) -> NetConfig:
+    """The config of ``groups`` without weight decay, which a bucket's kernel takes per
+    tensor; a ``ValueError`` where they differ in more."""
+    cfg = with_weight_decay(groups[0].cfg, 0.0)
+    if any(with_weight_decay(g.cfg, 0.0) != cfg for g in groups[1:]):
+        raise ValueError("param groups stepped together must differ at most in weight_decay")
+    return cfg
+
+
+class _Plan(NamedTuple):
+    """The buckets of a set of tensors (tensor indices, and the entry of each bucket's
+    kind), and each bucket's ``lr`` and ``decay`` inputs by the groups' values."""
+
+    buckets: list[tuple[list[int], _Entry]]
+    inputs: dict
 
 
 class Kernels:
@@ -535,71 +545,101 @@ class Kernels:
 
     def step_groups(self, theta, parts: Parts, groups: Sequence[Group]) -> list[list[bool]]:
         """:meth:`step` of several param groups on one device and dtype, whose configs
-        differ at most in ``weight_decay``; returns each group's flags. A bucket with a
-        kernel runs it (a kernel is built for one group's config and takes its ``lr``);
-        the buckets of every group without one step in one reference call, each tensor
-        with its group's ``lr`` and weight decay: a model split into the usual decay and
-        no-decay groups steps in one call instead of two (``benchmarks/step_ab.py``)."""
+        differ at most in ``weight_decay``; returns each group's flags. The tensors of
+        all groups are bucketed together, and each tensor steps with its group's ``lr``
+        and weight decay: a kernel takes both per tensor (a model split into the usual
+        decay and no-decay groups builds and calls the kernels of one group), and the
+        buckets without one step in one reference call (``benchmarks/step_ab.py``)."""
         device = groups[0].params[0].device
         dtype = groups[0].states[0]["v"].dtype
         if device.type == "cpu":
             _yield_threads(_worker().busy())
         kernels = self.compile and compiling_enabled() and device.type in KERNEL_DEVICES
+        cfg = _shared_config(groups)
         # the kernel and the reference step outside autocast, which would otherwise cast
         # the matrix products of a step() called inside it
         outside = contextlib.nullcontext()
         if torch.is_autocast_enabled(device.type):
             outside = torch.autocast(device.type, enabled=False)
-        flags: list[list] = [[False] * len(g.params) for g in groups]
-        eager: list[tuple[int, list[int], _Entry | None]] = []  # (group, tensors, bucket)
+        if len(groups) == 1:
+            params, grads, states = groups[0].params, groups[0].grads, groups[0].states
+        else:
+            params, grads, states = (
+                [t for g in groups for t in getattr(g, name)]
+                for name in ("params", "grads", "states")
+            )
+        flags: list = [False] * len(params)
+        eager: list[tuple[list[int], _Entry | None]] = []  # (tensors, bucket)
         with outside:
-            for k, g in enumerate(groups):
-                if not kernels:
-                    eager.append((k, list(range(len(g.params))), None))
-                    continue
-                lr_t = self._lr_tensor(float(g.lr), dtype, device)
-                for index, entry in self._plan(g.cfg, parts, g.params, g.grads, g.states):
-                    args = functools.partial(g.args, theta, parts, lr_t, index)
+            if not kernels:
+                eager.append((list(range(len(params))), None))
+            else:
+                plan = self._plan(cfg, parts, params, grads, states)
+                inputs = self._inputs(plan, groups, dtype, device)
+                for (index, entry), (lr, decay) in zip(plan.buckets, inputs):
+                    args = functools.partial(
+                        _bucket_args, theta, cfg, parts, params, grads, states, index, lr, decay
+                    )
                     if entry.fn is None:
                         self._queue_if_due(entry, args)
-                        eager.append((k, index, entry))
+                        eager.append((index, entry))
                         continue
                     for i, ok in zip(index, entry.fn(*_kernel_args(args())).tolist()):
-                        flags[k][i] = ok
+                        flags[i] = ok
             if eager:  # the buckets without a kernel: one reference call for all of them
                 start = time.perf_counter()
-                oks = iter(self._reference(theta, parts, groups, eager, dtype, device).tolist())
+                picked = [i for index, _ in eager for i in index]
+                oks = self._reference(theta, parts, groups, picked, params, grads, states)
                 if kernels:
-                    self._count_eager(time.perf_counter() - start, groups, eager)
-                for k, index, _ in eager:
-                    for i in index:
-                        flags[k][i] = next(oks)
-        return flags
+                    self._count_eager(time.perf_counter() - start, params, eager)
+                for i, ok in zip(picked, oks.tolist()):
+                    flags[i] = ok
+        out, at = [], 0
+        for g in groups:
+            out.append(flags[at : at + len(g.params)])
+            at += len(g.params)
+        return out
 
-    def _reference(self, theta, parts, groups, eager, dtype, device) -> Tensor:
-        """:func:`step_tensors` of the ``eager`` buckets of ``groups`` in one call, in
-        their order: under the groups' config (``weight_decay`` 0 in it where the groups
-        differ in it, each tensor's then handed over as ``decay``), with the groups' ``lr``
-        where they share one, else one per tensor."""
-        picked = [(groups[k], i) for k, index, _ in eager for i in index]
-        params, grads, states = (
-            [getattr(g, name)[i] for g, i in picked] for name in ("params", "grads", "states")
-        )
-        used = [groups[k] for k in dict.fromkeys(k for k, _, _ in eager)]
+    def _reference(self, theta, parts, groups, picked, params, grads, states) -> Tensor:
+        """:func:`step_tensors` of the tensors ``picked`` (indices into ``groups``' tensors
+        in turn) in one call: under the groups' config (``weight_decay`` 0 in it where the
+        groups differ in it, each tensor's then handed over as ``decay``), with the
+        groups' ``lr`` where they share one, else one per tensor."""
+        dtype, device = states[0]["v"].dtype, params[0].device
+        owner = [k for k, g in enumerate(groups) for _ in g.params]
+        used = [groups[k] for k in dict.fromkeys(owner[i] for i in picked)]
         cfg, decay = used[0].cfg, None
         lr = self._lr_tensor(float(used[0].lr), dtype, device)
         if len({float(g.lr) for g in used}) > 1:
-            lr = torch.tensor([float(g.lr) for g, _ in picked], dtype=dtype, device=device)
-        if len({g.cfg for g in used}) > 1:
-            cfg = with_weight_decay(cfg, 0.0)
-            if any(with_weight_decay(g.cfg, 0.0) != cfg for g in used):
-                raise ValueError(
-                    "param groups stepped together must differ at most in weight_decay"
-                )
-            decay = torch.tensor(
-                [g.cfg.weight_decay for g, _ in picked], dtype=dtype, device=device
+            lr = torch.tensor(
+                [float(groups[owner[i]].lr) for i in picked], dtype=dtype, device=device
             )
+        if len({g.cfg for g in used}) > 1:
+            cfg = _shared_config(used)
+            decay = torch.tensor(
+                [groups[owner[i]].cfg.weight_decay for i in picked], dtype=dtype, device=device
+            )
+        params, grads, states = ([t[i] for i in picked] for t in (params, grads, states))
         return step_tensors(theta, cfg, parts, params, grads, states, lr, self._packs, decay)
+
+    def _inputs(self, plan: _Plan, groups, dtype, device) -> list[tuple[Tensor, Tensor]]:
+        """Each bucket's ``lr`` and ``decay`` kernel inputs (one per tensor, ``[T]``: a
+        bucket may hold tensors of several groups), made again only when a group's ``lr``
+        or weight decay changes."""
+        key = (tuple(float(g.lr) for g in groups), tuple(g.cfg.weight_decay for g in groups))
+        inputs = plan.inputs.get(key)
+        if inputs is None:
+            lrs = [float(g.lr) for g in groups for _ in g.params]
+            decays = [g.cfg.weight_decay for g in groups for _ in g.params]
+            inputs = [
+                (torch.tensor([lrs[i] for i in index], dtype=dtype, device=device),
+                 torch.tensor([decays[i] for i in index], dtype=dtype, device=device))
+                for index, _ in plan.buckets
+            ]  # fmt: skip
+            if len(plan.inputs) >= MAX_PLANS:  # values that change step after step
+                plan.inputs.clear()
+            plan.inputs[key] = inputs
+        return inputs
 
     def _lr_tensor(self, value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
         """``lr`` as the kernels' 0-d input, made again only when it changes (one per
@@ -612,7 +652,7 @@ class Kernels:
             lr = self._lr[key] = torch.tensor(value, dtype=dtype, device=device)
         return lr
 
-    def _plan(self, cfg, parts, params, grads, states) -> list[tuple[list[int], _Entry]]:
+    def _plan(self, cfg, parts, params, grads, states) -> _Plan:
         """The buckets of these tensors (:func:`_buckets`) and each bucket's entry, kept
         by the :func:`_signature` of all of them, which holds everything that decides them
         (a step only builds this key; a model whose tensors change layout gets a plan of
@@ -620,12 +660,12 @@ class Kernels:
         key = _signature(cfg, parts, params, grads, states)
         plan = self._plans.get(key)
         if plan is None:
-            plan = []
+            plan = _Plan([], {})
             for index in _buckets(params, grads, states):
                 sig = _signature(
                     cfg, parts, *([t[i] for i in index] for t in (params, grads, states))
                 )
-                plan.append((index, self._entries.setdefault(sig, _Entry())))
+                plan.buckets.append((index, self._entries.setdefault(sig, _Entry())))
             if len(self._plans) >= MAX_PLANS:  # layouts that change step after step
                 self._plans.clear()
             self._plans[key] = plan
@@ -642,17 +682,17 @@ class Kernels:
             entry.queued = True
             _worker().submit(entry, _kernel_args(args_of()))
 
-    def _count_eager(self, seconds: float, groups, eager: list) -> None:
+    def _count_eager(self, seconds: float, params, eager: list) -> None:
         """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
-        elements, to each of its ``(group, index, entry)`` buckets'."""
+        elements, to each of its ``(index, entry)`` buckets'."""
         self.eager_seconds += seconds
         if not self._warmed and WARM_AFTER_SECONDS <= self.eager_seconds < COMPILE_AFTER_SECONDS:
             self._warmed = True
-            if not all(entry.built for *_, entry in eager):
+            if not all(entry.built for _, entry in eager):
                 _worker().warm()
-        sizes = [sum(groups[k].params[i].numel() for i in index) for k, index, _ in eager]
+        sizes = [sum(params[i].numel() for i in index) for index, _ in eager]
         total = max(sum(sizes), 1)
-        for (*_, entry), size in zip(eager, sizes):
+        for (_, entry), size in zip(eager, sizes):
             entry.eager_seconds += seconds * size / total
 
     def ready(self) -> bool:
@@ -780,12 +820,12 @@ class _Worker:
     def submit(self, entry: _Entry, args: tuple) -> None:
         # the job holds copies (the live tensors keep changing) and only a weak reference
         # to the entry, so a dropped optimizer's compile is skipped
-        theta, cfg, parts, params, grads, states, lr = args
+        theta, cfg, parts, params, grads, states, lr, decay = args
         copies = (
             theta, cfg, parts,
             [p.detach().clone() for p in params], [g.detach().clone() for g in grads],
             [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
-            lr.clone(),
+            lr.clone(), decay.clone(),
         )  # fmt: skip
         with self.lock:
             if self.closed:  # the interpreter is exiting: the reference keeps stepping
@@ -850,11 +890,11 @@ class _Worker:
         package was not built (those before it were)."""
         jobs = []
         for args, path in builds:
-            theta, cfg, parts, params, grads, states, lr = args
+            theta, cfg, parts, params, grads, states, lr, decay = args
             jobs.append({
                 "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts),
                 "params": params, "grads": grads, "states": states, "lr": lr,
-                "out": str(path),
+                "decay": decay, "out": str(path),
             })  # fmt: skip
         job = {"builds": jobs, "threads": kernel_threads()}
         paths, seen = [path for _, path in builds], 0
@@ -1009,13 +1049,20 @@ def state_keys(state: dict) -> tuple[str, ...]:
     return STATE_KEYS + (("q",) if "q" in state else ())
 
 
+def _bucket_args(theta, cfg, parts, params, grads, states, index, lr, decay) -> tuple:
+    """The kernel arguments of the tensors ``index``: :func:`step_tensors`'s, with
+    ``lr`` and ``decay`` one per tensor."""
+    params, grads, states = ([t[i] for i in index] for t in (params, grads, states))
+    return theta, cfg, parts, params, grads, states, lr, decay
+
+
 def _kernel_args(args: tuple) -> tuple:
-    """A bucket's arguments as its kernel takes them: plain tensors sharing the
-    parameters' and gradients' memory (as the copies the kernel was built on), and of each
-    state the :func:`kernel_state`."""
-    theta, cfg, parts, params, grads, states, lr = args
+    """A bucket's arguments (:func:`_bucket_args`) as its kernel takes them: plain
+    tensors sharing the parameters' and gradients' memory (as the copies the kernel was
+    built on), and of each state the :func:`kernel_state`."""
+    theta, cfg, parts, params, grads, states, lr, decay = args
     params, grads = [p.detach() for p in params], [g.detach() for g in grads]
-    return theta, cfg, parts, params, grads, [kernel_state(s) for s in states], lr
+    return theta, cfg, parts, params, grads, [kernel_state(s) for s in states], lr, decay
 
 
 def kernel_state(state: dict) -> dict:
@@ -1030,17 +1077,19 @@ def theta_inputs(theta) -> list[Tensor]:
     return [theta[name].detach() for name in sorted(theta)]
 
 
-def flat_inputs(theta: list[Tensor], params, grads, states, lr) -> list[Tensor]:
+def flat_inputs(theta: list[Tensor], params, grads, states, lr, decay) -> list[Tensor]:
     """The inputs of a kernel as one list, in the order the package takes them: theta's
     tensors (:func:`theta_inputs`), the parameters, the gradients, each tensor's
-    :data:`STATE_KEYS`, then ``lr``. A flat list is what the package's loader runs on, so
-    that a call builds no nested structure and parses no call spec."""
+    :data:`STATE_KEYS`, then ``lr`` and ``decay`` (one per tensor each). A flat list is
+    what the package's loader runs on, so that a call builds no nested structure and
+    parses no call spec."""
     out = list(theta)
     out += params
     out += grads
     for s in states:
         out += [s[k] for k in state_keys(s)]
     out.append(lr)
+    out.append(decay)
     return out
 
 
@@ -1060,10 +1109,11 @@ class _Step(torch.nn.Module):
         k, n = len(self.names), len(self.sparse)
         theta = dict(zip(self.names, tensors[:k]))
         params, grads = tensors[k : k + n], tensors[k + n : k + 2 * n]
-        rest, states = iter(tensors[k + 2 * n : -1]), []
+        rest, states = iter(tensors[k + 2 * n : -2]), []
         for sparse, keys in zip(self.sparse, self.keys):
             states.append({key: next(rest) for key in keys} | {"sparse_rows": sparse})
-        return step_tensors(theta, self.cfg, self.parts, params, grads, states, tensors[-1])
+        lr, decay = tensors[-2:]
+        return step_tensors(theta, self.cfg, self.parts, params, grads, states, lr, decay=decay)
 
 
 def build_package(args: tuple, path: Path) -> None:
@@ -1071,11 +1121,11 @@ def build_package(args: tuple, path: Path) -> None:
     shapes, dtypes and strides) and compile it ahead of time into an AOTInductor package
     at ``path`` (written under another name, then renamed, so that no reader sees half
     of it). The package steps the tensors in place and returns their stepped flags."""
-    theta, cfg, parts, params, grads, states, lr = args
+    theta, cfg, parts, params, grads, states, lr, decay = args
     with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
         sparse = [bool(s.get("sparse_rows")) for s in states]
         module = _Step(cfg, parts, sorted(theta), sparse, [state_keys(s) for s in states])
-        inputs = flat_inputs(theta_inputs(theta), params, grads, states, lr)
+        inputs = flat_inputs(theta_inputs(theta), params, grads, states, lr, decay)
         program = torch.export.export(module, (inputs,))
         partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
         try:
@@ -1132,10 +1182,10 @@ def load_package(path: Path) -> Callable:
     run = getattr(getattr(runner, "loader", None), "boxed_run", None)
     last = [None, []]  # theta's dict, and its tensors in order (an optimizer's is cached)
 
-    def kernel(theta, cfg, parts, params, grads, states, lr):
+    def kernel(theta, cfg, parts, params, grads, states, lr, decay):
         if theta is not last[0]:
             last[:] = theta, theta_inputs(theta)
-        flat = flat_inputs(last[1], params, grads, states, lr)
+        flat = flat_inputs(last[1], params, grads, states, lr, decay)
         return runner(flat) if run is None else run(flat)[0]
 
     return kernel
@@ -1147,7 +1197,7 @@ def package_path(args: tuple) -> Path:
     of theta, the bucket's :func:`_signature` with its config, parts, tensors and thread
     count, and the state tensors' dtypes, shapes and strides), so a change of any of
     them builds another."""
-    theta, cfg, parts, params, grads, states, lr = args
+    theta, cfg, parts, params, grads, states, lr, decay = args
     _, _, tensors, threads = _signature(cfg, parts, params, grads, states)
     state = [
         sorted((k, (t.dtype, tuple(t.shape), t.stride()) if isinstance(t, Tensor) else t)
@@ -1157,7 +1207,7 @@ def package_path(args: tuple) -> Path:
     key = (
         torch.__version__, _source_digest(), sorted(cfg.to_dict().items()), tuple(parts),
         [(k, t.dtype, tuple(t.shape)) for k, t in sorted(theta.items())], tensors, state,
-        (lr.dtype, str(lr.device)), threads,
+        (lr.dtype, decay.dtype, str(lr.device)), threads,
     )  # fmt: skip
     return kernel_dir() / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:40]}.pt2"
 
@@ -1246,7 +1296,7 @@ def compile_job(path: str) -> None:
     for build in job["builds"]:
         args = (
             build["theta"], NetConfig.from_dict(build["cfg"]), Parts(*build["parts"]),
-            build["params"], build["grads"], build["states"], build["lr"],
+            build["params"], build["grads"], build["states"], build["lr"], build["decay"],
         )  # fmt: skip
         build_package(args, Path(build["out"]))
 

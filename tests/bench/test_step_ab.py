@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -40,3 +41,13 @@ def test_split_gives_the_usual_decay_and_no_decay_groups():
     decayed, plain = step_ab.param_groups(params, split=True)
     assert decayed == {"params": [params[0], params[2]], "weight_decay": step_ab.SPLIT_DECAY}
     assert plain == {"params": [params[1], params[3]], "weight_decay": 0.0}
+
+
+def test_the_imported_revision_builds_its_kernels_with_its_own_code(tmp_path):
+    """``--kernel``: the other revision's build process imports that revision (its own
+    job format), not this checkout's."""
+    step_ab.import_revision("HEAD", tmp_path)
+    code = importlib.import_module(f"{step_ab.BASE_NAME}.kernel")._CHILD
+    assert f"{step_ab.BASE_NAME}.kernel import" in code and "learned_opt.kernel" not in code
+    folder = code.split("sys.path.insert(0, ")[1].split(")")[0].strip("'")
+    assert (Path(folder) / step_ab.BASE_NAME / "kernel.py").is_file()

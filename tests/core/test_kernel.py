@@ -186,7 +186,7 @@ def _job_args():
 
     p = torch.zeros(3)
     state = {"m": torch.zeros(3, 3), "v": torch.zeros(3), "step": torch.zeros(())}
-    return {}, NetConfig(), Parts(), [p], [p.clone()], [state], torch.ones(())
+    return {}, NetConfig(), Parts(), [p], [p.clone()], [state], torch.ones(1), torch.zeros(1)
 
 
 @pytest.mark.parametrize(
@@ -354,13 +354,15 @@ def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
 
 def test_the_package_name_changes_with_what_the_kernel_depends_on(monkeypatch, tmp_path):
     monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
-    theta, cfg, parts, params, grads, states, lr = _job_args()
+    theta, cfg, parts, params, grads, states, lr, decay = _job_args()
     base = kernel.package_path(_job_args())
     assert kernel.package_path(_job_args()) == base and base.parent == tmp_path
     wider = (theta, cfg, parts, [torch.zeros(4)], [torch.zeros(4)],
-             [{**states[0], "v": torch.zeros(4)}], lr)  # fmt: skip
-    strided = (theta, cfg, parts, params, [torch.zeros(6)[::2]], states, lr)
-    doubled = (theta, cfg, parts, [p.double() for p in params], grads, states, lr)
+             [{**states[0], "v": torch.zeros(4)}], lr, decay)  # fmt: skip
+    strided = (theta, cfg, parts, params, [torch.zeros(6)[::2]], states, lr, decay)
+    doubled = (theta, cfg, parts, [p.double() for p in params], grads, states, lr, decay)
+    # the values of lr and decay are inputs: another value, the same package
+    assert kernel.package_path((*_job_args()[:6], lr + 1, decay + 0.1)) == base
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
@@ -685,7 +687,7 @@ def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
     worker = kernel._Worker()
     worker.close()
     entry = kernel._Entry()
-    worker.submit(entry, (None, None, None, [], [], [], torch.zeros(())))
+    worker.submit(entry, (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0)))
     assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
 
 
@@ -739,7 +741,7 @@ def test_a_bucket_plan_is_kept_until_a_tensor_changes_layout():
     other = kernels._plan(opt.config, opt.parts, params, strided, states)
 
     def entry_of(plan, i):
-        return next(entry for index, entry in plan if i in index)
+        return next(entry for index, entry in plan.buckets if i in index)
 
     assert entry_of(other, matrix) is not entry_of(first, matrix)
     assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
@@ -829,10 +831,10 @@ def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
     assert shares == pytest.approx(opt._kernels.eager_seconds) and shares > 0
 
 
-def test_the_groups_without_a_kernel_step_in_one_call_beside_a_group_that_has_one(monkeypatch):
-    """Param groups on one device and dtype: a bucket whose kernel is ready runs it with
-    its own group's config and ``lr``; the buckets of every group without one step in one
-    reference call, each tensor with its group's ``lr`` and decay."""
+def test_a_kernel_takes_each_tensor_s_lr_and_decay_from_its_group(monkeypatch):
+    """Param groups on one device and dtype share buckets: a bucket whose kernel is ready
+    runs it with each tensor's ``lr`` and decay from its group (one kernel for the usual
+    decay and no-decay split); the buckets without one step in one reference call."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
     monkeypatch.setattr(kernel, "_is_built", lambda args: False)
@@ -842,9 +844,9 @@ def test_the_groups_without_a_kernel_step_in_one_call_beside_a_group_that_has_on
         kernel, "step_tensors", lambda *a: calls.append((len(a[3]), a[8] is not None)) or step(*a)
     )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-    matrices = [model[0].weight, model[1].weight]
-    vectors = [model[0].bias, model[1].bias]
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    matrices = [layer.weight for layer in model]
+    vectors = [layer.bias for layer in model]
     opt = LearnedOptimizer(
         [{"params": matrices, "weight_decay": 0.1, "lr": 0.5}, {"params": vectors}]
     )
@@ -855,19 +857,27 @@ def test_the_groups_without_a_kernel_step_in_one_call_beside_a_group_that_has_on
 
     grads()
     opt.step()
-    assert calls == [(4, True)]  # both groups, each tensor's decay handed over
-    kernels = []
-    for key, entry in opt._kernels._entries.items():
-        if key[0].weight_decay == 0.1:  # the decayed group's bucket: a kernel of its own
+    assert calls == [(40, True)]  # both groups, each tensor's decay handed over
+    buckets = opt._kernels._plans[next(iter(opt._kernels._plans))].buckets
+    assert [len(index) for index, _ in buckets] == [16, 16, 8]  # 20 vectors, then matrices
+    mixed = buckets[1][1]  # 4 vectors and 12 matrices
+    seen = []
 
-            def fake(theta, cfg, parts, params, grads, states, lr):
-                kernels.append((cfg.weight_decay, float(lr), len(params)))
-                return torch.ones(len(params), dtype=torch.bool)
+    def fake(theta, cfg, parts, params, grads, states, lr, decay):
+        seen.append(
+            (
+                cfg.weight_decay,
+                [(p.dim(), float(a), round(float(b), 6)) for p, a, b in zip(params, lr, decay)],
+            )
+        )
+        return torch.ones(len(params), dtype=torch.bool)
 
-            entry.fn = fake
-    before = [p.detach().clone() for p in matrices]
+    mixed.fn = fake
+    before = [p.detach().clone() for p in model.parameters()]
     grads()
     opt.step()
-    assert kernels == [(0.1, 0.5, 2)]
-    assert calls[1:] == [(2, False)]  # the other group alone, under its own rule
-    assert all(torch.equal(p, q) for p, q in zip(matrices, before))  # the fake moved nothing
+    assert seen == [(0.0, [(1, 1.0, 0.0)] * 4 + [(2, 0.5, 0.1)] * 12)]
+    assert calls[1:] == [(24, True)]  # the other two buckets, in one call
+    moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), before)]
+    kernel_stepped = {id(p) for p in vectors[16:] + matrices[:12]}
+    assert moved == [id(p) not in kernel_stepped for p in model.parameters()]

@@ -85,30 +85,30 @@ def test_decay_follows_the_lr_multiplier():
 
 
 def test_the_kernel_s_traced_step_decays_as_the_reference(tmp_path, monkeypatch):
-    """The compiled kernel is the exported step with the group's decay fixed in it: run
-    eagerly (no compile here), it steps as the reference, and the decayed group's package
-    is not the undecayed one's."""
+    """The compiled kernel is the exported step with each tensor's decay an input: run
+    eagerly (no compile here), it steps as the reference, and the decayed group's tensors
+    use the package of the undecayed ones."""
     params = _params()
     opt = LearnedOptimizer(params, weight_decay=0.1, compile=False)
     _grads(params, 0)
     opt.step()  # state to step from
     _grads(params, 1)
-    rule = replace(opt.config, weight_decay=0.1)
+    rule = replace(opt.config, weight_decay=0.0)
     theta = opt.theta(torch.device("cpu"), torch.float32)
     states = [kernel.kernel_state(opt.state[p]) for p in params]
     copies = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in states]
     ps, gs = [p.detach().clone() for p in params], [p.grad.clone() for p in params]
-    lr = torch.tensor(1.0)
+    lr, decay = torch.ones(3), torch.full((3,), 0.1)
     module = _Step(rule, opt.parts, sorted(theta), [False] * 3, [state_keys(s) for s in copies])
-    program = torch.export.export(module, (flat_inputs(theta_inputs(theta), ps, gs, copies, lr),))
-    program.module()(flat_inputs(theta_inputs(theta), ps, gs, copies, lr))
+    inputs = flat_inputs(theta_inputs(theta), ps, gs, copies, lr, decay)
+    program = torch.export.export(module, (inputs,))
+    program.module()(flat_inputs(theta_inputs(theta), ps, gs, copies, lr, decay))
     opt.step()
     for p, traced in zip(params, ps):
         torch.testing.assert_close(traced, p.detach(), atol=1e-6, rtol=1e-5)
     monkeypatch.setenv(kernel.KERNEL_DIR_ENV, str(tmp_path))
-    args = (theta, rule, opt.parts, ps, gs, copies, lr)
-    plain = (theta, opt.config, *args[2:])
-    assert package_path(args) != package_path(plain)
+    args = (theta, rule, opt.parts, ps, gs, copies, lr, decay)
+    assert package_path(args) == package_path((*args[:7], torch.zeros(3)))
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "0.1", True])
