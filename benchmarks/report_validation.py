@@ -108,6 +108,7 @@ SCHEDULE_PHRASES = {
 @section("validation_handset_seeds6")
 @section("validation_adapt2x_tensor_stage8_seeds6")
 @section("validation_adapt2x_tail_batch16_stage1_seeds6")
+@section("validation_adapt2x_regression_long_stage1_seeds6")
 @section("validation_nadam10")
 @section("validation_nadam05")
 @section("validation_ortho_floor1")
