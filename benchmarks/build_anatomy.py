@@ -41,7 +41,6 @@ VARIANTS = {
     "no_isa_probes": {"TORCHINDUCTOR_VEC_ISA_OK": "1"},
     "wrapper_O0": {"AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0"},
     "one_package": {},
-    "warmed": {},
 }
 #: The compiler's subprocesses by what they compile (the first kind whose mark is in the
 #: command line): the ISA probes load their library in a Python child.
@@ -61,7 +60,7 @@ def kind_of(command) -> str:
     return "link_and_other"
 
 
-def anatomy(variant: str) -> dict:
+def anatomy(merge: bool) -> list[dict]:
     """In this process: the packages of the 0.5M transformer's kinds of bucket, built in
     turn, each build's seconds split by phase."""
     import torch
@@ -80,16 +79,11 @@ def anatomy(variant: str) -> dict:
             opt.zero_grad()
             model.loss(batch).backward()
             opt.step()
-    if variant == "one_package":
+    if merge:
         first = queued[0]
         joined = [sum((list(args[i]) for args in queued), []) for i in (3, 4, 5)]
         lr, decay = (torch.cat([args[i] for args in queued]) for i in (6, 7))
         queued = [(*first[:3], *joined, lr, decay)]
-    warm = None
-    if variant == "warmed":  # what the child's warm-up moves before the queue
-        start = time.perf_counter()
-        kernel.warm_up()
-        warm = round(time.perf_counter() - start, 2)
     timed: dict[str, float] = {}
     run, export = subprocess.run, torch.export.export
 
@@ -120,7 +114,7 @@ def anatomy(variant: str) -> dict:
             parts["inductor_python"] = round(seconds - sum(timed.values()), 2)
             builds.append({"tensors": len(args[3]), "seconds": round(seconds, 2), **parts})
             print(json.dumps(builds[-1]), file=sys.stderr, flush=True)
-    return {"builds": builds, "warm_up_seconds": warm}
+    return builds
 
 
 def run_variant(name: str, threads: int) -> dict:
@@ -131,14 +125,10 @@ def run_variant(name: str, threads: int) -> dict:
             [sys.executable, "-m", "benchmarks.build_anatomy", "--child", name], env=env,
             cwd=ROOT, capture_output=True, text=True, check=True,
         )  # fmt: skip
-    done = json.loads(out.stdout.strip().splitlines()[-1])
-    builds = done["builds"]
+    builds = json.loads(out.stdout.strip().splitlines()[-1])
     phases = sorted({k for b in builds for k in b} - {"tensors", "seconds"})
     total = {k: round(sum(b.get(k, 0.0) for b in builds), 2) for k in ("seconds", *phases)}
-    result = {"builds": builds, "total": total}
-    if done["warm_up_seconds"] is not None:
-        result["warm_up_seconds"] = done["warm_up_seconds"]
-    return result
+    return {"builds": builds, "total": total}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(anatomy(args.child)))
+        print(json.dumps(anatomy(merge=args.child == "one_package")))
         return
     start, load = time.perf_counter(), os.getloadavg()[0]
     variants = {}

@@ -38,7 +38,6 @@ import hashlib
 import itertools
 import os
 import queue
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,11 +75,6 @@ COMPILE_AFTER = 3
 #: AdamW at 10 s, 0.64x at 2 s, 0.17x compiling in this process after 3 steps; docs:
 #: *Results*).
 COMPILE_AFTER_SECONDS = 10.0
-#: The eager seconds after which an optimizer that will likely compile has a child
-#: process warm up for the build (:meth:`_Worker.warm`), unless every kind it has stepped
-#: has a package on disk already: the child's start-up then overlaps the eager steps
-#: before :data:`COMPILE_AFTER_SECONDS` instead of following them.
-WARM_AFTER_SECONDS = 3.0
 #: Environment variable that turns compiling off (``0``): every step runs the reference.
 COMPILE_ENV = "LEARNED_OPT_COMPILE"
 
@@ -530,7 +524,6 @@ class Kernels:
         #: host seconds of all the eager bucket steps (not synchronised on CUDA): what the
         #: reference has cost this optimizer, which decides when its kinds compile
         self.eager_seconds = 0.0
-        self._warmed = False  # whether it has had a child warm up (WARM_AFTER_SECONDS)
         self._plans: dict[tuple, list] = {}  # see _plan
         self._lr: dict[tuple, Tensor] = {}  # (value, dtype, device): its 0-d tensor
         self._packs: dict[tuple, _Pack] = {}  # the eager packs' flat state (see _Pack)
@@ -686,10 +679,6 @@ class Kernels:
         """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
         elements, to each of its ``(index, entry)`` buckets'."""
         self.eager_seconds += seconds
-        if not self._warmed and WARM_AFTER_SECONDS <= self.eager_seconds < COMPILE_AFTER_SECONDS:
-            self._warmed = True
-            if not all(entry.built for _, entry in eager):
-                _worker().warm()
         sizes = [sum(params[i].numel() for i in index) for index, _ in eager]
         total = max(sum(sizes), 1)
         for (_, entry), size in zip(eager, sizes):
@@ -813,8 +802,7 @@ class _Worker:
         self.jobs: queue.Queue = queue.Queue()
         self.lock = threading.Lock()
         self.thread: threading.Thread | None = None
-        self.child: _Child | None = None  # the child that builds (_build_in_child)
-        self.spare: _Child | None = None  # a child warmed before a build (warm)
+        self.child: subprocess.Popen | None = None  # see _build_in_child
         self.closed = False
 
     def submit(self, entry: _Entry, args: tuple) -> None:
@@ -839,10 +827,8 @@ class _Worker:
                 self.thread.start()
 
     def busy(self) -> bool:
-        """Whether a build is queued or in progress (the thread is alive), or a child
-        warms up (:meth:`warm`)."""
-        spare = self.spare
-        return self.thread is not None or (spare is not None and spare.warming())
+        """Whether a build is queued or in progress (the thread is alive)."""
+        return self.thread is not None
 
     def join_if_idle(self, timeout: float | None = None) -> None:
         """Wait for the thread to exit if no job is left (it is about to)."""
@@ -861,9 +847,8 @@ class _Worker:
                 if entry is not None:
                     entry.done.set()
             thread = self.thread
-            for child in (self.child, self.spare):
-                if child is not None:
-                    child.proc.kill()
+            if self.child is not None:
+                self.child.kill()
         if thread is not None:
             thread.join()
 
@@ -896,59 +881,51 @@ class _Worker:
                 "params": params, "grads": grads, "states": states, "lr": lr,
                 "decay": decay, "out": str(path),
             })  # fmt: skip
-        job = {"builds": jobs, "threads": kernel_threads()}
+        job = {"builds": jobs, "threads": kernel_threads(), "nice": CHILD_NICE,
+               "parent": os.getpid()}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         paths, seen = [path for _, path in builds], 0
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("the interpreter is exiting")
-            child, self.spare = self.spare, None
-            if child is None or not child.send(job):  # no warm child, or it has died
-                if child is not None:
-                    child.close()
-                child = _Child(warm=False)
-                child.send(job)
-            self.child = child
-        deadline = time.monotonic() + CHILD_COMPILE_TIMEOUT * len(builds)
-        try:
-            code = None
-            while code is None and time.monotonic() < deadline:
-                code = self._wait_child(BUILT_POLL_SECONDS)
-                while seen < len(paths) and paths[seen].is_file():
-                    built(seen)
-                    seen += 1
-            if code is None:
-                code = f"timeout after {CHILD_COMPILE_TIMEOUT} s a package"
-            why = child.why(code)
-        finally:
-            child.close()  # stops it if it still runs
-            for path in paths:
-                for partial in path.parent.glob(f".partial-{child.proc.pid}-*"):
-                    partial.unlink(missing_ok=True)  # what a stopped child left
-            self.child = None
-        if seen < len(paths):
-            raise RuntimeError(f"the compile process failed: {why}")
-
-    def warm(self) -> None:
-        """Start the child that will build the next packages, so that it pays its start-up
-        (torch's and inductor's imports, :func:`warm_up`) before they are queued, at low
-        priority on the core training yields meanwhile. One process of the host warms a
-        child at a time (the others build cold, as one of them builds and the rest load);
-        nothing happens where a child is already warm or building."""
-        with self.lock:
-            if self.closed or self.spare is not None or self.thread is not None:
-                return
-            lock = _host_lock_nowait(".warm-lock")
-            if lock is None:
-                return
-            try:
-                self.spare = _Child(warm=True, holding=lock)
-            except RuntimeError:
-                lock.close()
+        with tempfile.TemporaryDirectory() as folder:
+            job_path, log_path = os.path.join(folder, "job.pt"), os.path.join(folder, "log")
+            torch.save(job, job_path)
+            with open(log_path, "wb") as log:
+                with self.lock:
+                    if self.closed:
+                        raise RuntimeError("the interpreter is exiting")
+                    try:
+                        self.child = subprocess.Popen(
+                            [sys.executable, "-c", _CHILD, job_path], env=env,
+                            stdout=subprocess.DEVNULL, stderr=log,
+                        )  # fmt: skip
+                    except OSError as e:
+                        raise RuntimeError(f"cannot start a compile process: {e}") from None
+                deadline = time.monotonic() + CHILD_COMPILE_TIMEOUT * len(builds)
+                try:
+                    code = None
+                    while code is None and time.monotonic() < deadline:
+                        code = self._wait_child(BUILT_POLL_SECONDS)
+                        while seen < len(paths) and paths[seen].is_file():
+                            built(seen)
+                            seen += 1
+                    if code is None:
+                        code = f"timeout after {CHILD_COMPILE_TIMEOUT} s a package"
+                finally:
+                    self.child.kill()  # no-op once it has exited
+                    self.child.wait()
+                    for path in paths:
+                        for partial in path.parent.glob(f".partial-{self.child.pid}-*"):
+                            partial.unlink(missing_ok=True)  # what a stopped child left
+                    self.child = None
+            if seen < len(paths):
+                with open(log_path, errors="replace") as log:
+                    lines = [line.strip() for line in log if line.strip()]
+                why = lines[-1] if lines else f"exit status {code}"
+                raise RuntimeError(f"the compile process failed: {why}")
 
     def _wait_child(self, seconds: float):
         """The child's exit status, or None if it still runs after ``seconds``."""
         try:
-            return self.child.proc.wait(timeout=seconds)
+            return self.child.wait(timeout=seconds)
         except subprocess.TimeoutExpired:
             return None
 
@@ -1030,11 +1007,7 @@ GATHER_SECONDS = 0.5
 #: and ahead from then on (steps at 300 s: 5747 against about 6600; at 600 s: 16043
 #: against about 13200; one run each).
 CHILD_NICE = 10
-_CHILD = (
-    "import sys; from learned_opt.kernel import compile_child; compile_child(sys.argv[1] == 'warm')"
-)
-#: Seconds a warm child (:meth:`_Worker.warm`) waits for its job before it ends.
-SPARE_IDLE_SECONDS = 600
+_CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sys.argv[1])"
 #: Environment variable naming the folder of the compiled kernels (see :func:`kernel_dir`).
 KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 
@@ -1135,29 +1108,6 @@ def build_package(args: tuple, path: Path) -> None:
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
-
-
-class _Warm(torch.nn.Module):
-    """A step's kinds of work in a few ops (a matrix product, a reduction, elementwise
-    math): what :func:`warm_up` builds."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.rsqrt((x @ x.T).sum(1, keepdim=True) + 1) * x + 1
-
-
-def warm_up() -> None:
-    """Generate and discard a package of :class:`_Warm`, its C++ left uncompiled: the
-    compiler's start-up (inductor's imports and first calls, and on an empty cache its
-    vector-ISA probes, about 9 s of gcc) is then paid before the first real build, which
-    takes that much less (``benchmarks/build_anatomy.py``, variant ``warmed``)."""
-    from torch._inductor import aoti_compile_and_package
-
-    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
-        program = torch.export.export(_Warm(), (torch.ones(8, 8),))
-        aoti_compile_and_package(
-            program, package_path=os.path.join(folder, "warm.pt2"),
-            inductor_configs={"aot_inductor.package_cpp_only": True},
-        )  # fmt: skip
 
 
 def load_package(path: Path) -> Callable:
@@ -1289,9 +1239,12 @@ def _check_private(path: Path) -> None:
 
 
 def compile_job(path: str) -> None:
-    """Build each saved set of tensors of the job at ``path`` (:func:`build_package`, a
-    file the parent owns; loaded with ``weights_only``) in turn."""
+    """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of each saved
+    set of tensors in turn (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
+    _exit_with_parent(job["parent"])
+    if hasattr(os, "nice"):
+        os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
     for build in job["builds"]:
         args = (
@@ -1299,93 +1252,6 @@ def compile_job(path: str) -> None:
             build["params"], build["grads"], build["states"], build["lr"], build["decay"],
         )  # fmt: skip
         build_package(args, Path(build["out"]))
-
-
-def compile_child(warm: bool) -> None:
-    """The body of a :class:`_Child`: at low priority, ending with its parent, it warms up
-    (:func:`warm_up`, then a line on its output) if ``warm``, then reads the path of its
-    job from its input and builds it (:func:`compile_job`). An input closed without a
-    path, or none within :data:`SPARE_IDLE_SECONDS`, ends it."""
-    _exit_with_parent(os.getppid())
-    if hasattr(os, "nice"):
-        os.nice(CHILD_NICE)
-    if warm:
-        torch.set_num_threads(1)
-        with contextlib.suppress(Exception):  # a real build reports its own failure
-            warm_up()
-        print("warm", flush=True)
-        try:
-            import select
-
-            if not select.select([sys.stdin], [], [], SPARE_IDLE_SECONDS)[0]:
-                return
-        except (ImportError, OSError, ValueError):  # no select on pipes here: just wait
-            pass
-    path = sys.stdin.readline().strip()
-    if path:
-        compile_job(path)
-
-
-class _Child:
-    """A compile process (:func:`compile_child`), its error output kept in a file of a
-    folder of its own, where its job is written too."""
-
-    def __init__(self, warm: bool, holding=None):
-        self.holding = holding  # the host's warm-up lock, released with the child
-        self.folder = tempfile.mkdtemp(prefix="learned-opt-build-")
-        self.log = os.path.join(self.folder, "log")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self.warmed = threading.Event()
-        try:
-            with open(self.log, "wb") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-c", _CHILD, "warm" if warm else ""], env=env,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                )  # fmt: skip
-        except OSError as e:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            raise RuntimeError(f"cannot start a compile process: {e}") from None
-        if warm:
-            threading.Thread(target=self._await_warm, name="learned-opt-warm", daemon=True).start()
-        else:
-            self.warmed.set()
-
-    def _await_warm(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.proc.stdout.readline()  # "warm", or nothing once it has ended
-        self.warmed.set()
-
-    def warming(self) -> bool:
-        """Whether it is still warming up."""
-        return not self.warmed.is_set()
-
-    def send(self, job: dict) -> bool:
-        """Hand the child its job; False if it has ended."""
-        path = os.path.join(self.folder, "job.pt")
-        torch.save(job, path)
-        try:
-            self.proc.stdin.write(path.encode() + b"\n")
-            self.proc.stdin.close()
-        except (BrokenPipeError, OSError, ValueError):
-            return False
-        return True
-
-    def why(self, code) -> str:
-        """The last line of its error output, else ``code`` as its exit status."""
-        with open(self.log, errors="replace") as log:
-            lines = [line.strip() for line in log if line.strip()]
-        return lines[-1] if lines else f"exit status {code}"
-
-    def close(self) -> None:
-        """Stop it (a no-op once it has ended), remove its folder, release its lock."""
-        self.proc.kill()
-        self.proc.wait()
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError, ValueError):
-                pipe.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-        if self.holding is not None:
-            self.holding.close()
 
 
 def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
@@ -1431,23 +1297,3 @@ def _host_lock():
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _host_lock_nowait(name: str):
-    """The open file ``name`` of :func:`kernel_dir`, locked for this process alone
-    (released when it is closed), or None where another process of the host holds it or
-    the folder cannot be used. Where ``fcntl`` is missing, an unlocked file."""
-    try:
-        handle = open(kernel_dir() / name, "a")
-    except OSError:
-        return None
-    try:
-        import fcntl
-    except ImportError:
-        return handle
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        return None
-    return handle

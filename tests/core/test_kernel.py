@@ -211,8 +211,7 @@ def test_a_child_hands_over_each_package_as_it_is_built(monkeypatch, tmp_path):
     """One child builds every queued kind in turn; each package is handed over (loaded)
     as it appears, and a later failure still says why."""
     monkeypatch.setattr(kernel, "_CHILD", (
-        "import sys, time, torch; "
-        "job = torch.load(sys.stdin.readline().strip(), weights_only=True); "
+        "import sys, time, torch; job = torch.load(sys.argv[1], weights_only=True); "
         "open(job['builds'][0]['out'], 'wb').write(b'k'); time.sleep(1); "
         "sys.exit('the second kind failed')"
     ))  # fmt: skip
@@ -506,14 +505,10 @@ class _Submissions:
 
     def __init__(self):
         self.at_step: list[int] = []
-        self.warmed_at: list[int] = []
         self.step = 0
 
     def submit(self, entry, args):
         self.at_step.append(self.step)
-
-    def warm(self):
-        self.warmed_at.append(self.step)
 
     def busy(self) -> bool:
         return False
@@ -562,125 +557,6 @@ def test_the_kinds_of_bucket_compile_together_on_the_optimizer_s_eager_seconds(s
             opt.step()
     assert len(opt._kernels._entries) == 2
     assert worker.at_step == [3, 3]  # two kinds: 1 s a step, so 2 s after step 2
-
-
-def test_a_child_warms_up_once_before_the_compile_is_due(submissions, monkeypatch):
-    """Once the eager steps have taken ``WARM_AFTER_SECONDS`` (and the compile is not yet
-    due), a child is asked to warm up, once; the compile is queued later, as before."""
-    worker = submissions
-    monkeypatch.setattr(kernel, "WARM_AFTER_SECONDS", 1.0)
-    _, _, opt = _golden_optimizer()
-    with kernel.compile_after_seconds(3.0):
-        for step in range(1, 11):
-            worker.step = step
-            opt.step()
-    assert worker.warmed_at == [2]  # 0.5 s a step: 1 s after the second
-    assert worker.at_step == [7] * len(opt._kernels._entries)
-
-
-@pytest.mark.parametrize("case", ["due at once", "built before"])
-def test_no_child_warms_up_where_it_would_not_be_used_first(submissions, monkeypatch, case):
-    """No warm-up where the compile is due as early (a threshold at or below it), or where
-    every kind stepped has its package on disk already (it loads, nothing is built)."""
-    worker = submissions
-    monkeypatch.setattr(kernel, "WARM_AFTER_SECONDS", 1.0)
-    if case == "built before":
-        monkeypatch.setattr(kernel, "_is_built", lambda args: True)
-    _, _, opt = _golden_optimizer()
-    with kernel.compile_after_seconds(1.0 if case == "due at once" else 3.0):
-        for step in range(1, 9):
-            worker.step = step
-            opt.step()
-    assert worker.warmed_at == [] and worker.at_step
-
-
-#: A stand-in for the compile child with its protocol: a line on its output once warm
-#: (``warm`` in its arguments), then its job's path from its input; it writes its process
-#: id into the first package.
-STAND_IN_CHILD = (
-    "import os, sys, torch\n"
-    "if sys.argv[1] == 'warm': print('warm', flush=True)\n"
-    "job = torch.load(sys.stdin.readline().strip(), weights_only=True)\n"
-    "open(job['builds'][0]['out'], 'w').write(str(os.getpid()))\n"
-)
-
-
-def _warm_worker(monkeypatch, tmp_path) -> kernel._Worker:
-    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path / "kernels"))
-    monkeypatch.setattr(kernel, "_CHILD", STAND_IN_CHILD)
-    worker = kernel._Worker()
-    worker.warm()
-    assert worker.spare is not None and worker.spare.warmed.wait(60)
-    return worker
-
-
-def test_the_warm_child_builds_the_next_job_and_frees_the_host_for_another(monkeypatch, tmp_path):
-    """The warmed child builds the next queued job (no second start-up); while it is warm
-    no other process of the host warms one; the worker is busy only while it warms."""
-    worker = _warm_worker(monkeypatch, tmp_path)
-    assert not worker.busy()  # warm, waiting: training keeps its threads
-    other = kernel._Worker()
-    other.warm()
-    assert other.spare is None  # the host's warm-up lock is held
-    pid = worker.spare.proc.pid
-    worker._build_in_child([(_job_args(), tmp_path / "k.pt2")])
-    assert (tmp_path / "k.pt2").read_text() == str(pid)
-    assert worker.spare is None and worker.child is None
-    other.warm()  # the lock went with the child
-    assert other.spare is not None
-    other.close()
-    assert other.spare.proc.wait(10) is not None
-
-
-def test_a_warm_child_that_died_is_replaced_by_a_fresh_one(monkeypatch, tmp_path):
-    worker = _warm_worker(monkeypatch, tmp_path)
-    dead = worker.spare.proc
-    dead.kill()
-    dead.wait()
-    worker._build_in_child([(_job_args(), tmp_path / "k.pt2")])
-    assert (tmp_path / "k.pt2").read_text() not in ("", str(dead.pid))
-
-
-def test_the_compile_child_warms_up_then_builds_the_job_on_its_input():
-    """The child's own protocol (its warm-up and build stubbed): ``warm`` once warm, then
-    the job whose path comes on its input; an input closed without a path ends it."""
-    code = (
-        "import sys; from learned_opt import kernel; kernel.CHILD_NICE = 0; "
-        "kernel.warm_up = lambda: print('warming', flush=True); "
-        "kernel.compile_job = lambda path: print('job', path); "
-        "kernel.compile_child(sys.argv[1] == 'warm')"
-    )
-    for arg, given, said in [
-        ("warm", "/some/job.pt\n", ["warming", "warm", "job /some/job.pt"]),
-        ("", "/some/job.pt\n", ["job /some/job.pt"]),
-        ("warm", "", ["warming", "warm"]),
-    ]:
-        out = subprocess.run(
-            [sys.executable, "-c", code, arg], input=given, capture_output=True, text=True,
-            timeout=120,
-        )  # fmt: skip
-        assert out.returncode == 0 and out.stdout.split("\n")[:-1] == said, out.stderr[-800:]
-
-
-def test_a_warm_child_left_without_a_job_ends_after_its_idle_time():
-    code = (
-        "from learned_opt import kernel; kernel.CHILD_NICE = 0; kernel.warm_up = lambda: None; "
-        "kernel.SPARE_IDLE_SECONDS = 0.2; kernel.compile_job = print; kernel.compile_child(True)"
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.wait(timeout=120) == 0 and child.stdout.read() == "warm\n"
-    finally:
-        child.kill()
-        child.stdin.close()
-        child.stdout.close()
-
-
-def test_warm_up_generates_a_package_without_error():
-    """The real warm-up (inductor's code generation, no C++ compile) runs here."""
-    kernel.warm_up()
 
 
 def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
