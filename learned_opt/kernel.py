@@ -499,6 +499,13 @@ def _shared_config(groups: Sequence[Group]) -> NetConfig:
     return cfg
 
 
+def _per_tensor(groups: Sequence[Group]) -> tuple[list[float], list[float]]:
+    """Each tensor's ``lr`` and weight decay (its group's), over the groups' tensors in
+    turn."""
+    lrs = [float(g.lr) for g in groups for _ in g.params]
+    return lrs, [g.cfg.weight_decay for g in groups for _ in g.params]
+
+
 class _Plan(NamedTuple):
     """The buckets of a set of tensors (tensor indices, and the entry of each bucket's
     kind), and each bucket's ``lr`` and ``decay`` inputs by the groups' values."""
@@ -582,7 +589,7 @@ class Kernels:
             if eager:  # the buckets without a kernel: one reference call for all of them
                 start = time.perf_counter()
                 picked = [i for index, _ in eager for i in index]
-                oks = self._reference(theta, parts, groups, picked, params, grads, states)
+                oks = self._reference(theta, parts, cfg, groups, picked, params, grads, states)
                 if kernels:
                     self._count_eager(time.perf_counter() - start, params, eager)
                 for i, ok in zip(picked, oks.tolist()):
@@ -593,25 +600,26 @@ class Kernels:
             at += len(g.params)
         return out
 
-    def _reference(self, theta, parts, groups, picked, params, grads, states) -> Tensor:
+    def _reference(self, theta, parts, shared, groups, picked, params, grads, states) -> Tensor:
         """:func:`step_tensors` of the tensors ``picked`` (indices into ``groups``' tensors
-        in turn) in one call: under the groups' config (``weight_decay`` 0 in it where the
-        groups differ in it, each tensor's then handed over as ``decay``), with the
-        groups' ``lr`` where they share one, else one per tensor."""
+        in turn) in one call: under the groups' config (``shared``, their
+        :func:`_shared_config`, where they differ in weight decay, each tensor's then
+        handed over as ``decay``), with the groups' ``lr`` where they share one, else one
+        per tensor."""
         dtype, device = states[0]["v"].dtype, params[0].device
         owner = [k for k, g in enumerate(groups) for _ in g.params]
         used = [groups[k] for k in dict.fromkeys(owner[i] for i in picked)]
         cfg, decay = used[0].cfg, None
         lr = self._lr_tensor(float(used[0].lr), dtype, device)
-        if len({float(g.lr) for g in used}) > 1:
-            lr = torch.tensor(
-                [float(groups[owner[i]].lr) for i in picked], dtype=dtype, device=device
-            )
-        if len({g.cfg for g in used}) > 1:
-            cfg = _shared_config(used)
-            decay = torch.tensor(
-                [groups[owner[i]].cfg.weight_decay for i in picked], dtype=dtype, device=device
-            )
+        lrs_differ = len({float(g.lr) for g in used}) > 1
+        decays_differ = len({g.cfg for g in used}) > 1
+        if lrs_differ or decays_differ:  # one value per tensor (a single group needs none)
+            lrs, decays = _per_tensor(groups)
+            if lrs_differ:
+                lr = torch.tensor([lrs[i] for i in picked], dtype=dtype, device=device)
+            if decays_differ:
+                cfg = shared
+                decay = torch.tensor([decays[i] for i in picked], dtype=dtype, device=device)
         params, grads, states = ([t[i] for i in picked] for t in (params, grads, states))
         return step_tensors(theta, cfg, parts, params, grads, states, lr, self._packs, decay)
 
@@ -622,8 +630,7 @@ class Kernels:
         key = (tuple(float(g.lr) for g in groups), tuple(g.cfg.weight_decay for g in groups))
         inputs = plan.inputs.get(key)
         if inputs is None:
-            lrs = [float(g.lr) for g in groups for _ in g.params]
-            decays = [g.cfg.weight_decay for g in groups for _ in g.params]
+            lrs, decays = _per_tensor(groups)
             inputs = [
                 (torch.tensor([lrs[i] for i in index], dtype=dtype, device=device),
                  torch.tensor([decays[i] for i in index], dtype=dtype, device=device))
@@ -635,8 +642,8 @@ class Kernels:
         return inputs
 
     def _lr_tensor(self, value: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-        """``lr`` as the kernels' 0-d input, made again only when it changes (one per
-        param group's value)."""
+        """``lr`` as the reference's 0-d input where the groups share one, made again only
+        when it changes (one per param group's value)."""
         key = (value, dtype, device)
         lr = self._lr.get(key)
         if lr is None:
