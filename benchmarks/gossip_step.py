@@ -19,7 +19,9 @@ milliseconds per step, the slowest rank's median, of:
   timed once its step's kernel is compiled;
 - ``D-Adam ring overlap, robust clip`` and ``learned + learned mixing ring overlap, robust
   clip``: with ``robust="clip"`` (self-centred clipping) when nobody attacks, against the
-  same rows without it;
+  same rows without it, timed once its distances' kernel is compiled, and ``..., eager
+  distances``: the same two with the distances computed eagerly for good (as before the
+  kernel is built, or with compiling off);
 - ``D-Adam one_peer_ring deadline``: with ``step_deadline`` (its store round trips and
   waiting threads; no rank is slow here);
 - ``learned + Metropolis`` and ``Adam + learned mixing`` (one-peer ring, overlap): the
@@ -63,6 +65,7 @@ from learned_opt.distributed import (
     get_topology,
     launch_local,
 )
+from learned_opt.distributed.distance_kernel import Distances
 from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
@@ -169,6 +172,20 @@ def _configs(rank: int) -> dict:
         model,
         GossipOptimizer(local, graph, "learned", overlap=True, robust="clip", metrics_every=0),
     )
+    # the same two with the distances computed eagerly for good, as before their kernel
+    for name in (
+        "D-Adam ring overlap, robust clip",
+        "learned + learned mixing ring overlap, robust clip",
+    ):
+        model = mlp(rank)
+        if name.startswith("D-Adam"):
+            opt = dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip",
+                        metrics_every=0)  # fmt: skip
+        else:
+            opt = GossipOptimizer(LearnedOptimizer(model.parameters()), graph, "learned",
+                                  overlap=True, robust="clip", metrics_every=0)  # fmt: skip
+        opt.communicator.distances = Distances(compile=False)
+        out[f"{name}, eager distances"] = (model, opt)
     graph = get_topology("one_peer_ring", WORLD)
     # the price of a per-step deadline for stragglers (store round trips, waiting threads)
     model = mlp(rank)
@@ -233,16 +250,21 @@ def _bench(rank: int, world: int, rounds: int, steps: int, only: tuple[str, ...]
         loss.backward()
         opt.step(loss=loss.detach())
 
-    # the steps that queue the learned step's compiles, then its compiled kernels: the
-    # timing is of the steps a long run takes, not of the reference that steps meanwhile
+    # the steps that queue the learned step's compiles and the robust distances' (an
+    # exchange with the shared moments, every other one, is a kind of its own), then
+    # their compiled kernels: the timing is of the steps a long run takes, not of the
+    # reference that steps meanwhile
     with compile_after_seconds(0):
-        for _ in range(COMPILE_AFTER + 1):
+        for _ in range(2 * COMPILE_AFTER + 2):
             for model, opt in configs.values():
                 train_step(model, opt)
     for _, opt in configs.values():
         inner = getattr(getattr(opt, "local", None), "optimizer", None)
         if isinstance(inner, LearnedOptimizer) and not inner.wait_compiled(timeout=900):
             raise SystemExit(f"rank {rank}: the learned step's kernel did not compile in 900 s")
+        distances = getattr(getattr(opt, "communicator", None), "distances", None)
+        if distances is not None and distances.compile and not distances.wait(timeout=900):
+            raise SystemExit(f"rank {rank}: the robust distances did not compile in 900 s")
     out = {}
     for name, ms in time_in_turns(configs, train_step, rounds, steps).items():
         med = torch.tensor([ms], dtype=torch.float64)
@@ -285,11 +307,14 @@ def main() -> None:
         "vs_allreduce": {k: v / base for k, v in res.items()},
     }
     # robust mixing when nobody attacks: its share of the full step (issue target: <= 5%)
-    results["robust_overhead"] = {
-        name: res[f"{name}, robust clip"] / res[name] - 1
-        for name in ("D-Adam ring overlap", "learned + learned mixing ring overlap")
-        if f"{name}, robust clip" in res
-    }
+    robust = {}
+    for name in ("D-Adam ring overlap", "learned + learned mixing ring overlap"):
+        for suffix in (", robust clip", ", robust clip, eager distances"):
+            if name in res and name + suffix in res:
+                robust[name + suffix.replace(", robust clip", "")] = (
+                    res[name + suffix] / res[name] - 1
+                )
+    results["robust_overhead"] = robust
     peer = res.get("Decent-DP Adam one-peer ring")
     if peer is not None:
         results["vs_decent_dp"] = {k: v / peer for k, v in res.items()}

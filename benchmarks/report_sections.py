@@ -181,15 +181,23 @@ def render_cuda_check(r: dict) -> str:
 
 @section("robust_cost")
 def render_robust_cost(r: dict) -> str:
-    """One rank's robust mix against the plain one, and its fused floor (robust_cost.py)."""
-    labels = {"plain": "plain mix", "robust": 'robust mix (`robust="clip"`)',
-              "distances": "the distance pass alone",
+    """One rank's robust mix against the plain one, eager and compiled (robust_cost.py)."""
+    labels = {"plain": "plain mix", "robust": 'robust mix (`robust="clip"`), eager distances',
+              "robust_compiled": "robust mix, compiled distances",
+              "distances": "the distances alone, eager",
+              "compiled_distances": "the distances alone, compiled",
+              "state_distances": "the shared moments' distances, eager",
+              "state_compiled_distances": "the shared moments' distances, compiled",
               "fused_distances": "the distances in one compiled pass"}  # fmt: skip
     rows = [[labels.get(k, k), f"{v:.2f}"] for k, v in r["ms"].items()]
     extra, of_step = r["extra_ms"], r.get("extra_of_step") or {}
-    parts = [f"robust mixing adds {extra['robust']:.2f} ms"]
-    if "robust" in of_step:
-        parts[0] += f" ({of_step['robust']:.0%} of a rank's share of the step)"
+    parts = []
+    for key, how in (("robust", "with eager distances"), ("robust_compiled", "compiled")):
+        if key in extra:
+            part = f"{how}, robust mixing adds {extra[key]:.2f} ms"
+            if key in of_step:
+                part += f" ({of_step[key]:.1%} of a rank's share of the step)"
+            parts.append(part)
     if "fused_floor" in extra:
         floor = f"with the distances fused into one pass it would add {extra['fused_floor']:.2f} ms"
         if "fused_floor" in of_step:

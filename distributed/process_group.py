@@ -29,10 +29,10 @@ from learned_opt.network import Theta
 from .collectives import GroupCollectives, _PeerFailure
 from .compression import ErrorFeedback
 from .deadline import DeadlineExchange, _Failed
+from .distance_kernel import Distances
 from .membership import GossipError
 from .mixing import (
     check_rule,
-    distance_lists,
     learned_edge_weight,
     mix,
     parse_robust,
@@ -137,6 +137,9 @@ class ProcessGroupCommunicator(GroupCollectives):
         clip = parse_robust(robust)
         super().__init__(topology, group, timeout, on_failure=on_failure, store=store)
         self.robust, self._clip = robust, clip
+        #: the robust mix's distances, compiled once they have cost enough (see
+        #: :mod:`.distance_kernel`); ``distances.wait()`` blocks until they are
+        self.distances = Distances() if clip is not None else None
         self.compression = compression
         self._codec = None
         if compression:
@@ -484,13 +487,13 @@ class ProcessGroupCommunicator(GroupCollectives):
     def _verified(self, ys, ex: _Exchanged, keep: list[int]) -> tuple[list[int], Tensor | None]:
         """Robust mixing trusts no neighbour's finite flag: of ``keep``, the neighbours
         whose tensors are all finite, and (without compression) their distances
-        (:func:`~.mixing.distance_lists`, ``[D, T]``), which this check computes anyway: a
-        NaN or Inf makes a distance non-finite. With compression the (small) payloads are
-        checked before they reach the public copies."""
+        (:func:`~.mixing.distance_lists`, ``[D, T]``, by :attr:`distances`), which this
+        check computes anyway: a NaN or Inf makes a distance non-finite. With compression
+        the (small) payloads are checked before they reach the public copies."""
         if self._codec is not None:
             ok = [all(bool(torch.isfinite(t).all()) for t in ex.tensors[k]) for k in keep]
             return [k for k, good in zip(keep, ok) if good], None
-        dist = distance_lists(ys, [[ex.tensors[k][t] for k in keep] for t in range(len(ys))])
+        dist = self.distances(ys, [[ex.tensors[k][t] for k in keep] for t in range(len(ys))])
         ok = torch.isfinite(dist).all(1)
         return [k for k, good in zip(keep, ok.tolist()) if good], dist[ok]
 

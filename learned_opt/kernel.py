@@ -35,6 +35,7 @@ import atexit
 import contextlib
 import functools
 import hashlib
+import importlib
 import itertools
 import os
 import queue
@@ -514,7 +515,57 @@ class _Plan(NamedTuple):
     inputs: dict
 
 
-class Kernels:
+class KernelCache:
+    """The kernels of one user (an optimizer, a communicator), one :class:`_Entry` per
+    kind of input, and when to queue their builds: a kind's compile is queued once it
+    has run eagerly :data:`COMPILE_AFTER` times and all the user's eager calls have taken
+    :data:`COMPILE_AFTER_SECONDS` (at once where its package is on disk already)."""
+
+    def __init__(self):
+        self._entries: dict[tuple, _Entry] = {}
+        #: host seconds of all the eager calls (not synchronised on CUDA): what the
+        #: reference has cost this user, which decides when its kinds compile
+        self.eager_seconds = 0.0
+
+    def _entry(self, key: tuple) -> _Entry:
+        """The entry of the kind ``key`` (made at its first call)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry()
+        return entry
+
+    def _queue_if_due(
+        self, entry: _Entry, args_of: Callable[[], tuple], recipe: Recipe | None = None
+    ) -> None:
+        """Count an eager call of a kind, and queue its compile once due; ``args_of``
+        gives the kind's kernel arguments (of ``recipe``, the step's by default), built
+        only on the calls that need them."""
+        recipe = recipe or STEP
+        entry.eager_steps += 1
+        if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
+            entry.built = _is_built(recipe, args_of())
+        if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
+                and (entry.built or self.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
+            entry.queued = True
+            _worker().submit(entry, args_of(), recipe)
+
+    def ready(self) -> bool:
+        """Whether every kind run so far runs its compiled kernel."""
+        return bool(self._entries) and all(e.fn is not None for e in self._entries.values())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every queued compile has finished (or failed); returns
+        :meth:`ready`. For benchmarks and tests: a step or a mix never waits."""
+        for entry in list(self._entries.values()):
+            if entry.queued and not entry.done.wait(timeout):
+                return False
+        _worker().join_if_idle(timeout)
+        if not _worker().busy():
+            _yield_threads(False)
+        return self.ready()
+
+
+class Kernels(KernelCache):
     """The compiled kernels of one optimizer (see the module).
 
     Tensors are stepped in buckets of at most :data:`BUCKET`, ordered by shape, and every
@@ -526,11 +577,8 @@ class Kernels:
     optimizer's :class:`_Pack` cache."""
 
     def __init__(self, compile: bool = True):
+        super().__init__()
         self.compile = compile
-        self._entries: dict[tuple, _Entry] = {}
-        #: host seconds of all the eager bucket steps (not synchronised on CUDA): what the
-        #: reference has cost this optimizer, which decides when its kinds compile
-        self.eager_seconds = 0.0
         self._plans: dict[tuple, list] = {}  # see _plan
         self._lr: dict[tuple, Tensor] = {}  # (value, dtype, device): its 0-d tensor
         self._packs: dict[tuple, _Pack] = {}  # the eager packs' flat state (see _Pack)
@@ -581,7 +629,7 @@ class Kernels:
                         _bucket_args, theta, cfg, parts, params, grads, states, index, lr, decay
                     )
                     if entry.fn is None:
-                        self._queue_if_due(entry, args)
+                        self._queue_if_due(entry, lambda args=args: _kernel_args(args()))
                         eager.append((index, entry))
                         continue
                     for i, ok in zip(index, entry.fn(*_kernel_args(args())).tolist()):
@@ -665,22 +713,11 @@ class Kernels:
                 sig = _signature(
                     cfg, parts, *([t[i] for i in index] for t in (params, grads, states))
                 )
-                plan.buckets.append((index, self._entries.setdefault(sig, _Entry())))
+                plan.buckets.append((index, self._entry(sig)))
             if len(self._plans) >= MAX_PLANS:  # layouts that change step after step
                 self._plans.clear()
             self._plans[key] = plan
         return plan
-
-    def _queue_if_due(self, entry: _Entry, args_of: Callable[[], tuple]) -> None:
-        """Count an eager step of a bucket, and queue its compile once due; ``args_of``
-        gives the bucket's step arguments, built only on the steps that need them."""
-        entry.eager_steps += 1
-        if entry.eager_steps == 1:  # a package built before (another rank, an earlier run)
-            entry.built = _is_built(_kernel_args(args_of()))
-        if (not entry.queued and entry.eager_steps >= COMPILE_AFTER
-                and (entry.built or self.eager_seconds >= COMPILE_AFTER_SECONDS)):  # fmt: skip
-            entry.queued = True
-            _worker().submit(entry, _kernel_args(args_of()))
 
     def _count_eager(self, seconds: float, params, eager: list) -> None:
         """Add an eager call's ``seconds`` to the optimizer's and, by their share of the
@@ -690,21 +727,6 @@ class Kernels:
         total = max(sum(sizes), 1)
         for (_, entry), size in zip(eager, sizes):
             entry.eager_seconds += seconds * size / total
-
-    def ready(self) -> bool:
-        """Whether every bucket stepped so far runs its compiled kernel."""
-        return bool(self._entries) and all(e.fn is not None for e in self._entries.values())
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every queued compile has finished (or failed); returns
-        :meth:`ready`. For benchmarks and tests: ``step()`` itself never waits."""
-        for entry in list(self._entries.values()):
-            if entry.queued and not entry.done.wait(timeout):
-                return False
-        _worker().join_if_idle(timeout)
-        if not _worker().busy():
-            _yield_threads(False)
-        return self.ready()
 
 
 #: At most this many tensors are stepped by one compiled call. Each call costs tens of
@@ -812,21 +834,18 @@ class _Worker:
         self.child: subprocess.Popen | None = None  # see _build_in_child
         self.closed = False
 
-    def submit(self, entry: _Entry, args: tuple) -> None:
+    def submit(self, entry: _Entry, args: tuple, recipe: Recipe | None = None) -> None:
+        """Queue the kernel of ``args`` (the step's, or another ``recipe``'s) for
+        ``entry``."""
         # the job holds copies (the live tensors keep changing) and only a weak reference
         # to the entry, so a dropped optimizer's compile is skipped
-        theta, cfg, parts, params, grads, states, lr, decay = args
-        copies = (
-            theta, cfg, parts,
-            [p.detach().clone() for p in params], [g.detach().clone() for g in grads],
-            [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
-            lr.clone(), decay.clone(),
-        )  # fmt: skip
+        recipe = recipe or STEP
+        copies = recipe.copy(args)
         with self.lock:
             if self.closed:  # the interpreter is exiting: the reference keeps stepping
                 entry.done.set()
                 return
-            self.jobs.put((weakref.ref(entry), copies))
+            self.jobs.put((weakref.ref(entry), recipe, copies))
             if self.thread is None:
                 self.thread = threading.Thread(
                     target=self._run, name="learned-opt-compile", daemon=True
@@ -872,23 +891,22 @@ class _Worker:
             return jobs
 
     def _build_in_child(
-        self, builds: list[tuple[tuple, Path]], built: Callable[[int], None] = lambda i: None
+        self,
+        builds: list[tuple[tuple, Path]],
+        built: Callable[[int], None] = lambda i: None,
+        recipe: Recipe | None = None,
     ) -> None:
-        """Build the packages of ``builds`` (``(args, path)`` each), in order, in one child
-        process at low priority (:data:`CHILD_NICE`; the training process keeps the cores
-        it needs): the child pays torch's and the compiler's start-up once for all of
-        them. ``built(i)`` is called as the package of ``builds[i]`` appears, while the
-        child goes on with the next. Raises a ``RuntimeError`` that says why when a
-        package was not built (those before it were)."""
-        jobs = []
-        for args, path in builds:
-            theta, cfg, parts, params, grads, states, lr, decay = args
-            jobs.append({
-                "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts),
-                "params": params, "grads": grads, "states": states, "lr": lr,
-                "decay": decay, "out": str(path),
-            })  # fmt: skip
-        job = {"builds": jobs, "threads": kernel_threads(), "nice": CHILD_NICE,
+        """Build the packages of ``builds`` (``(args, path)`` each, of one ``recipe``: the
+        step's by default), in order, in one child process at low priority
+        (:data:`CHILD_NICE`; the training process keeps the cores it needs): the child
+        pays torch's and the compiler's start-up once for all of them. ``built(i)`` is
+        called as the package of ``builds[i]`` appears, while the child goes on with the
+        next. Raises a ``RuntimeError`` that says why when a package was not built (those
+        before it were)."""
+        recipe = recipe or STEP
+        jobs = [recipe.payload(args) | {"out": str(path)} for args, path in builds]
+        job = {"builds": jobs, "recipe": recipe.name, "module": recipe.module,
+               "threads": kernel_threads(), "nice": CHILD_NICE,
                "parent": os.getpid()}  # fmt: skip
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         paths, seen = [path for _, path in builds], 0
@@ -938,48 +956,51 @@ class _Worker:
 
     def _run(self) -> None:
         while jobs := self._take():
-            entries = [(ref(), args) for ref, args in jobs]
-            entries = [(entry, args) for entry, args in entries if entry is not None]
+            entries = [(ref(), recipe, args) for ref, recipe, args in jobs]
+            entries = [job for job in entries if job[0] is not None]
             entries.sort(key=lambda job: -job[0].eager_seconds)  # the costliest kind first
             del jobs
             try:
                 self._build_and_load(entries)
             finally:
-                for entry, _ in entries:
+                for entry, _, _ in entries:
                     entry.done.set()
                 del entries
 
     def _build_and_load(self, entries: list) -> None:
-        """Load the kernel of every ``(entry, args)``: from its package if one is on disk,
-        else built first, all of them in one child; a failure warns once per entry and
-        leaves it the reference."""
+        """Load the kernel of every ``(entry, recipe, args)``: from its package if one is
+        on disk, else built first, those of one recipe in one child; a failure warns once
+        per entry and leaves it the reference."""
         failed: dict[int, Exception] = {}
 
         def load(i: int, path: Path) -> None:
             try:
-                entries[i][0].fn = load_package(path)
+                entries[i][0].fn = entries[i][1].load(path)
             except Exception as e:  # a package that does not load: the reference steps
                 failed[i] = e
 
         todo: dict[Path, list[int]] = {}  # a package to build, and the entries it serves
         try:
             with _host_lock():  # one process of the host builds, the others load
-                for i, (_, args) in enumerate(entries):
-                    path = package_path(args)
+                for i, (_, recipe, args) in enumerate(entries):
+                    path = recipe.path(args)
                     if path.is_file():
                         load(i, path)
                     else:  # entries of two optimizers of one model share a package
                         todo.setdefault(path, []).append(i)
-                if todo and not self.closed:
-                    paths = list(todo)
-                    builds = [(entries[todo[path][0]][1], path) for path in paths]
+                recipes = {id(entries[ids[0]][1]): entries[ids[0]][1] for ids in todo.values()}
+                for key, recipe in recipes.items():
+                    if self.closed:
+                        break
+                    paths = [path for path, ids in todo.items() if id(entries[ids[0]][1]) == key]
+                    builds = [(entries[todo[path][0]][2], path) for path in paths]
 
-                    def built(k: int) -> None:
+                    def built(k: int, paths=paths) -> None:
                         for i in todo[paths[k]]:
                             load(i, paths[k])
 
                     try:
-                        self._build_in_child(builds, built)
+                        self._build_in_child(builds, built, recipe=recipe)
                     finally:
                         prune_packages(paths[0].parent, keep=paths)
         except Exception as e:  # any failure of the compiler: keep the reference
@@ -987,11 +1008,11 @@ class _Worker:
             failed.update({i: e for i in waiting if entries[i][0].fn is None and i not in failed})
         if self.closed:  # cut short by the exit
             return
-        for e in failed.values():
+        for i, e in failed.items():
+            what, fallback = entries[i][1].what
             warnings.warn(
-                f"learned_opt: compiling the step kernel failed ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); this model keeps the "
-                f"eager reference step (correct, slower)",
+                f"learned_opt: compiling {what} failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); {fallback} (correct, slower)",
                 RuntimeWarning,
                 stacklevel=1,
             )
@@ -1099,30 +1120,39 @@ class _Step(torch.nn.Module):
 def build_package(args: tuple, path: Path) -> None:
     """Export :func:`step_tensors` for the tensors of ``args`` (``torch.export``, their
     shapes, dtypes and strides) and compile it ahead of time into an AOTInductor package
-    at ``path`` (written under another name, then renamed, so that no reader sees half
-    of it). The package steps the tensors in place and returns their stepped flags."""
+    at ``path`` (:func:`export_package`). The package steps the tensors in place and
+    returns their stepped flags."""
     theta, cfg, parts, params, grads, states, lr, decay = args
     with torch.no_grad(), torch.autocast(params[0].device.type, enabled=False):
         sparse = [bool(s.get("sparse_rows")) for s in states]
         module = _Step(cfg, parts, sorted(theta), sparse, [state_keys(s) for s in states])
         inputs = flat_inputs(theta_inputs(theta), params, grads, states, lr, decay)
-        program = torch.export.export(module, (inputs,))
-        partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
-        try:
-            from torch._inductor import aoti_compile_and_package  # the documented AOT entry
-
-            aoti_compile_and_package(program, package_path=str(partial))
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
+        export_package(module, inputs, path)
 
 
-def load_package(path: Path) -> Callable:
-    """The kernel of a package built by :func:`build_package`, as a function of
-    :func:`step_tensors`'s arguments. Loading maps its shared library into this process:
-    the package must be this user's and not writable by others (:func:`kernel_dir`). A
-    package of this user's that does not load (written by a full disk, say) is removed
-    before the error is raised, so that the next run builds it again."""
+def export_package(module: torch.nn.Module, inputs: list[Tensor], path: Path) -> None:
+    """Export ``module``, a function of one flat list of tensors, for ``inputs``
+    (``torch.export``: their shapes, dtypes and strides) and compile it ahead of time into
+    an AOTInductor package at ``path`` (written under another name, then renamed, so that
+    no reader sees half of it)."""
+    program = torch.export.export(module, (inputs,))
+    partial = path.with_name(f".partial-{os.getpid()}-{path.name}")
+    try:
+        from torch._inductor import aoti_compile_and_package  # the documented AOT entry
+
+        aoti_compile_and_package(program, package_path=str(partial))
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_runner(path: Path) -> Callable[[list[Tensor]], list[Tensor]]:
+    """The function of a package built by :func:`export_package`: its flat list of
+    input tensors to its list of outputs. Loading maps its shared library into this
+    process: the package must be this user's and not writable by others
+    (:func:`kernel_dir`). A package of this user's that does not load (written by a full
+    disk, say) is removed before the error is raised, so that the next run builds it
+    again."""
     from torch._inductor import aoti_load_package
 
     _check_private(path)
@@ -1137,13 +1167,21 @@ def load_package(path: Path) -> Callable:
     # The loader it then runs takes the flat list itself; where a torch has no such
     # loader, the call goes through __call__ (the same list, the same result).
     run = getattr(getattr(runner, "loader", None), "boxed_run", None)
+    if run is None:
+        return lambda flat: [runner(flat)]
+    return run
+
+
+def load_package(path: Path) -> Callable:
+    """The kernel of a package built by :func:`build_package`, as a function of
+    :func:`step_tensors`'s arguments (loaded by :func:`load_runner`)."""
+    run = load_runner(path)
     last = [None, []]  # theta's dict, and its tensors in order (an optimizer's is cached)
 
     def kernel(theta, cfg, parts, params, grads, states, lr, decay):
         if theta is not last[0]:
             last[:] = theta, theta_inputs(theta)
-        flat = flat_inputs(last[1], params, grads, states, lr, decay)
-        return runner(flat) if run is None else run(flat)[0]
+        return run(flat_inputs(last[1], params, grads, states, lr, decay))[0]
 
     return kernel
 
@@ -1162,11 +1200,84 @@ def package_path(args: tuple) -> Path:
         for s in states
     ]  # fmt: skip
     key = (
-        torch.__version__, _source_digest(), sorted(cfg.to_dict().items()), tuple(parts),
+        sorted(cfg.to_dict().items()), tuple(parts),
         [(k, t.dtype, tuple(t.shape)) for k, t in sorted(theta.items())], tensors, state,
         (lr.dtype, decay.dtype, str(lr.device)), threads,
     )  # fmt: skip
+    return package_file(key, source_digest(Path(__file__).parent))
+
+
+def package_file(key, digest: str) -> Path:
+    """The package file in :func:`kernel_dir` whose name hashes ``key`` (what a kernel is
+    built for), torch's version and ``digest`` (:func:`source_digest` of the code it
+    runs)."""
+    key = (torch.__version__, digest, key)
     return kernel_dir() / f"{hashlib.sha256(repr(key).encode()).hexdigest()[:40]}.pt2"
+
+
+class Recipe(NamedTuple):
+    """What the compile worker builds for one kind of kernel, and how: the step's
+    (:data:`STEP`), or another module's (:func:`register`), whose kernels then share the
+    worker, its child process, the host lock and the kernel folder.
+
+    Each function takes the kernel's ``args`` (a tuple of the recipe's own): ``copy``
+    copies the tensors to build on (the live ones keep changing); ``payload`` gives what
+    the child receives (``torch.save``-able, loaded with ``weights_only``); ``build``
+    runs in the child on that payload and writes the package at a path; ``path`` names
+    the package (:func:`package_file`); ``load`` loads it as the kernel."""
+
+    name: str  #: its key in the registry
+    module: str  #: the module that registers it, imported by the child
+    what: tuple[str, str]  #: for a failure's warning: what failed, what runs instead
+    copy: Callable[[tuple], tuple]
+    payload: Callable[[tuple], dict]
+    build: Callable[[dict, Path], None]
+    path: Callable[[tuple], Path]
+    load: Callable[[Path], Callable]
+
+
+_RECIPES: dict[str, Recipe] = {}
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Make ``recipe`` known to the compile worker's child (which imports its module)."""
+    _RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def _copy_step(args: tuple) -> tuple:
+    theta, cfg, parts, params, grads, states, lr, decay = args
+    return (
+        theta, cfg, parts,
+        [p.detach().clone() for p in params], [g.detach().clone() for g in grads],
+        [{k: t.clone() if isinstance(t, Tensor) else t for k, t in s.items()} for s in states],
+        lr.clone(), decay.clone(),
+    )  # fmt: skip
+
+
+def _step_payload(args: tuple) -> dict:
+    theta, cfg, parts, params, grads, states, lr, decay = args
+    return {
+        "theta": dict(theta), "cfg": cfg.to_dict(), "parts": list(parts), "params": params,
+        "grads": grads, "states": states, "lr": lr, "decay": decay,
+    }  # fmt: skip
+
+
+def _build_step(build: dict, path: Path) -> None:
+    args = (
+        build["theta"], NetConfig.from_dict(build["cfg"]), Parts(*build["parts"]),
+        build["params"], build["grads"], build["states"], build["lr"], build["decay"],
+    )  # fmt: skip
+    build_package(args, path)
+
+
+#: The step's kernels (the module's functions, looked up when called).
+STEP = register(Recipe(
+    "step", __name__, ("the step kernel", "this model keeps the eager reference step"),
+    lambda args: _copy_step(args), lambda args: _step_payload(args),
+    lambda build, path: _build_step(build, path), lambda args: package_path(args),
+    lambda path: load_package(path),
+))  # fmt: skip
 
 
 #: The most packages :func:`prune_packages` leaves in the kernel folder (about 2.5 MB each
@@ -1196,20 +1307,21 @@ def prune_packages(
     return removed
 
 
-def _is_built(args: tuple) -> bool:
-    """Whether the package of ``args`` is on disk already (False where the kernel folder
-    cannot be used: the worker's build then says why)."""
+def _is_built(recipe: Recipe, args: tuple) -> bool:
+    """Whether the package of ``recipe`` for ``args`` is on disk already (False where the
+    kernel folder cannot be used: the worker's build then says why)."""
     try:
-        return package_path(args).is_file()
+        return recipe.path(args).is_file()
     except OSError:
         return False
 
 
 @functools.cache
-def _source_digest() -> str:
-    """A hash of this package's Python sources: a kernel built by other code is not used."""
+def source_digest(folder: Path) -> str:
+    """A hash of the Python sources of ``folder`` (this package's, for the step): a
+    kernel built by other code is not used."""
     digest = hashlib.sha256()
-    for file in sorted(Path(__file__).parent.glob("*.py")):
+    for file in sorted(folder.glob("*.py")):
         digest.update(file.name.encode() + file.read_bytes())
     return digest.hexdigest()
 
@@ -1246,19 +1358,19 @@ def _check_private(path: Path) -> None:
 
 
 def compile_job(path: str) -> None:
-    """The child of :meth:`_Worker._build_in_child`: :func:`build_package` of each saved
+    """The child of :meth:`_Worker._build_in_child`: its recipe's ``build`` of each saved
     set of tensors in turn (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
+    if not job["module"].startswith("learned_opt."):
+        raise ValueError(f"not a learned_opt module: {job['module']!r}")
     _exit_with_parent(job["parent"])
     if hasattr(os, "nice"):
         os.nice(job["nice"])
     torch.set_num_threads(job["threads"])
+    importlib.import_module(job["module"])  # registers its recipe
+    recipe = _RECIPES[job["recipe"]]
     for build in job["builds"]:
-        args = (
-            build["theta"], NetConfig.from_dict(build["cfg"]), Parts(*build["parts"]),
-            build["params"], build["grads"], build["states"], build["lr"], build["decay"],
-        )  # fmt: skip
-        build_package(args, Path(build["out"]))
+        recipe.build(build, Path(build["out"]))
 
 
 def _exit_with_parent(parent: int, poll: float = 1.0) -> None:

@@ -76,9 +76,9 @@ def compiled(tmp_path_factory):
     builds, children = [], []  # the packages a child process built; the children started
     build = kernel._Worker._build_in_child
 
-    def counted(self, jobs, built=lambda i: None):
+    def counted(self, jobs, built=lambda i: None, recipe=None):
         children.append(len(jobs))
-        build(self, jobs, lambda i: built(i) or builds.append(jobs[i][1]))
+        build(self, jobs, lambda i: built(i) or builds.append(jobs[i][1]), recipe)
 
     mp.setattr(kernel._Worker, "_build_in_child", counted)
     threads = torch.get_num_threads()
@@ -229,7 +229,7 @@ def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tm
     monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
     calls, loaded = [], []
 
-    def build(self, jobs, built):
+    def build(self, jobs, built, recipe=None):
         calls.append([path.name for _, path in jobs])
         for i, (_, path) in enumerate(jobs):
             path.write_bytes(b"stand-in")
@@ -245,7 +245,7 @@ def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tm
     worker, entries = kernel._Worker(), [kernel._Entry() for _ in args]
     entries[2].eager_seconds = 1.0  # the costliest in eager steps: built first
     for entry, a in zip(entries, args):
-        worker.jobs.put((weakref.ref(entry), a))
+        worker.jobs.put((weakref.ref(entry), kernel.STEP, a))
     worker._run()  # on this thread: every job is queued before it looks
     names = [kernel.package_path(a).name for a in args]
     assert calls == [[names[2], names[1]]]  # each package built once
@@ -316,7 +316,7 @@ def test_a_new_build_prunes_the_longest_unused_packages(monkeypatch, tmp_path):
     aged = _aged_packages(tmp_path, kernel.KEEP_PACKAGES)
     built = tmp_path / "new.pt2"
 
-    def build(self, jobs, built):
+    def build(self, jobs, built, recipe=None):
         for i, (_, path) in enumerate(jobs):
             path.write_bytes(b"stand-in")
             os.utime(path, (1.0, 1.0))  # older than all: kept all the same
@@ -507,7 +507,7 @@ class _Submissions:
         self.at_step: list[int] = []
         self.step = 0
 
-    def submit(self, entry, args):
+    def submit(self, entry, args, recipe=None):
         self.at_step.append(self.step)
 
     def busy(self) -> bool:
@@ -634,7 +634,7 @@ def test_a_cpu_training_yields_a_thread_to_a_build_and_takes_it_back(monkeypatch
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
     release, built_for = threading.Event(), []
 
-    def build(self, jobs, built):
+    def build(self, jobs, built, recipe=None):
         built_for.extend([kernel.kernel_threads()] * len(jobs))
         release.wait(COMPILE_TIMEOUT)
         for i, (_, path) in enumerate(jobs):
@@ -689,7 +689,7 @@ def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
     bucket's share of that call's seconds (by its elements) adds up to the optimizer's."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
-    monkeypatch.setattr(kernel, "_is_built", lambda args: False)
+    monkeypatch.setattr(kernel, "_is_built", lambda recipe, args: False)
     calls = []
     step = kernel.step_tensors
     monkeypatch.setattr(kernel, "step_tensors", lambda *a: calls.append(len(a[3])) or step(*a))
@@ -713,7 +713,7 @@ def test_a_kernel_takes_each_tensor_s_lr_and_decay_from_its_group(monkeypatch):
     decay and no-decay split); the buckets without one step in one reference call."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
-    monkeypatch.setattr(kernel, "_is_built", lambda args: False)
+    monkeypatch.setattr(kernel, "_is_built", lambda recipe, args: False)
     calls = []
     step = kernel.step_tensors
     monkeypatch.setattr(

@@ -1,0 +1,172 @@
+"""Robust mixing's compiled distances (``learned_opt.distributed.distance_kernel``).
+
+The suite turns compiling off (``tests/conftest.py``); these tests turn it on with a
+kernel folder of their own. One builds a real package (about 10-20 s of a core), the
+others stand in for the compile worker.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from learned_opt import kernel
+from learned_opt.distributed import distance_kernel
+from learned_opt.distributed.distance_kernel import DISTANCES, Distances
+from learned_opt.distributed.mixing import distance_lists
+from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV
+
+COMPILE_TIMEOUT = 600  # a cold build on a loaded machine
+
+
+@pytest.fixture
+def compiling(monkeypatch, tmp_path):
+    """Compiling on, into a kernel folder of the test's own, due at once."""
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(kernel, "CHILD_NICE", 0)  # a busy test machine: no waiting child
+    return tmp_path
+
+
+def _tensors(seed: int = 0, neighbours: int = 2, state_dtype=torch.bfloat16):
+    """A rank's tensors (two parameters, a float32 moment, a float64 one) and its
+    neighbours' copies, as an exchange unpacks them: views into one byte buffer per
+    neighbour, the float32 moment received in ``state_dtype``."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [
+        torch.randn(64, 48, generator=gen),
+        torch.randn(48, generator=gen),
+        torch.rand(64, 48, generator=gen),
+        torch.randn(5, dtype=torch.float64, generator=gen),
+    ]
+    wire = [torch.float32, torch.float32, state_dtype, torch.float64]
+    neighbour_xs = [[] for _ in xs]
+    for _ in range(neighbours):
+        copies = [(x + 0.01 * torch.randn(x.shape, generator=gen, dtype=x.dtype)).to(w)
+                  for x, w in zip(xs, wire)]  # fmt: skip
+        buffer = torch.cat([c.reshape(-1).view(torch.uint8) for c in copies])
+        at = 0
+        for t, c in enumerate(copies):
+            size = c.numel() * c.element_size()
+            neighbour_xs[t].append(buffer[at : at + size].view(c.dtype).view(c.shape))
+            at += size
+    return xs, neighbour_xs
+
+
+def test_the_compiled_distances_are_the_eager_ones(compiling):
+    """Built in a child process, loaded without waiting, then the same distances as
+    :func:`distance_lists` (float32 rounding), a bfloat16 neighbour and a float64 tensor
+    included; a neighbour's NaN or Inf makes its distance non-finite, as eagerly. A
+    second communicator's kernels load the package at once (built on this host)."""
+    xs, nbs = _tensors()
+    distances = Distances()
+    for _ in range(COMPILE_AFTER):  # eager meanwhile: the reference values
+        assert torch.equal(distances(xs, nbs), distance_lists(xs, nbs))
+    assert distances.wait(timeout=COMPILE_TIMEOUT), "the distance kernel was not built"
+    for seed in (0, 1):  # new values through the same kernel
+        xs, nbs = _tensors(seed)
+        got, want = distances(xs, nbs), distance_lists(xs, nbs)
+        assert got.shape == want.shape == (2, len(xs))
+        torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-5, atol=1e-6)
+    nbs[0][1][3, 3] = float("nan")
+    nbs[2][0][0, 0] = float("inf")
+    got = distances(xs, nbs)
+    assert torch.isfinite(got).tolist() == [[True, True, False, True], [False] + [True] * 3]
+    assert len(list(compiling.glob("*.pt2"))) == 1
+    again = Distances()
+    for _ in range(COMPILE_AFTER):
+        again(xs, nbs)
+    assert again._entries and all(e.built for e in again._entries.values())
+    assert again.wait(timeout=COMPILE_TIMEOUT)
+
+
+class _Recorder:
+    """A stand-in compile worker: records what was queued, with which recipe."""
+
+    def __init__(self):
+        self.queued: list = []
+
+    def submit(self, entry, args, recipe=None):
+        self.queued.append((recipe, args))
+
+    def busy(self) -> bool:
+        return False
+
+
+def test_the_distances_compile_once_their_eager_calls_took_long_enough(compiling, monkeypatch):
+    """Queued with the distances' recipe once a kind has run :data:`COMPILE_AFTER` times
+    and the communicator's eager distances have taken ``COMPILE_AFTER_SECONDS``; each
+    kind (here: another number of neighbours) on its own; never where compiling is off."""
+    recorder = _Recorder()
+    monkeypatch.setattr(kernel, "_worker", lambda: recorder)
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 3600.0)
+    xs, nbs = _tensors()
+    distances = Distances()
+    for _ in range(COMPILE_AFTER + 2):
+        distances(xs, nbs)
+    assert recorder.queued == [] and distances.eager_seconds > 0
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)
+    distances(xs, nbs)
+    assert [recipe for recipe, _ in recorder.queued] == [DISTANCES]
+    assert recorder.queued[0][1][0] is xs
+    _, three = _tensors(neighbours=3)
+    for _ in range(COMPILE_AFTER):
+        distances(xs, three)
+    assert len(recorder.queued) == 2 and len(distances._entries) == 2
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    off = Distances()
+    for _ in range(COMPILE_AFTER + 1):
+        off(xs, nbs)
+    assert len(recorder.queued) == 2 and not off._entries
+
+
+def test_a_failed_distance_build_warns_and_the_eager_distances_go_on(compiling, monkeypatch):
+    monkeypatch.setattr(kernel, "_CHILD", "import sys; sys.exit('no compiler here')")
+    xs, nbs = _tensors()
+    distances = Distances()
+    with pytest.warns(RuntimeWarning, match="robust mixing's distances failed.*no compiler"):
+        for _ in range(COMPILE_AFTER):
+            distances(xs, nbs)
+        assert not distances.wait(timeout=COMPILE_TIMEOUT)
+    assert torch.equal(distances(xs, nbs), distance_lists(xs, nbs))
+
+
+def test_one_queue_of_steps_and_distances_builds_each_recipe_in_a_child_of_its_own(
+    compiling, monkeypatch
+):
+    """The step's kernels and the distances' share the worker: queued together, each
+    recipe's packages are built by one child that imports its module, and loaded by
+    that recipe."""
+    children = []
+
+    def build(self, jobs, built, recipe=None):
+        children.append(recipe.name)
+        for i, (_, path) in enumerate(jobs):
+            path.write_bytes(b"stand-in")
+            built(i)
+
+    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(kernel, "load_package", lambda path: "step kernel")
+    monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
+    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
+    monkeypatch.setattr(kernel, "package_path", lambda args: compiling / "step.pt2")
+    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
+    worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
+    worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
+    worker._run()  # on this thread: both are queued before it looks
+    assert sorted(children) == ["distances", "step"]
+    assert entries[0].fn == "step kernel" and entries[1].fn(*_tensors()) == "ran"
+
+
+def test_the_child_builds_only_learned_opt_modules(tmp_path):
+    """A job naming a module outside the package is refused before anything is
+    imported."""
+    job = {"builds": [], "recipe": "step", "module": "os", "threads": 1, "nice": 0,
+           "parent": -1}  # fmt: skip
+    path = tmp_path / "job.pt"
+    torch.save(job, path)
+    with pytest.raises(ValueError, match="not a learned_opt module"):
+        kernel.compile_job(str(path))
