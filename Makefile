@@ -44,9 +44,10 @@ docs: $(STAMP)
 wheel-check: $(STAMP)
 	.ci/check_wheel.sh
 
-# The compiled kernel on other torch versions, each in a venv of its own: its tests, the
-# golden updates and the packed step. ($(call other_torch,VENV,VERSION))
-KERNEL_TESTS := tests/core/test_kernel.py tests/core/test_golden.py tests/core/test_packed_step.py
+# The compiled kernels on other torch versions, each in a venv of its own: their tests, the
+# golden updates, the packed step and the robust distances. ($(call other_torch,VENV,VERSION))
+KERNEL_TESTS := tests/core/test_kernel.py tests/core/test_golden.py tests/core/test_packed_step.py \
+	tests/distributed/test_distance_kernel.py
 define other_torch
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/python -m pip install -q torch==$(2) numpy pytest pytest-timeout
