@@ -11,9 +11,10 @@ The kernels are built by the step's compile worker (:mod:`learned_opt.kernel`, r
 :data:`DISTANCES`). That means a child process at low priority, one build per host and
 user, and packages in :func:`~learned_opt.kernel.kernel_dir`. They follow the step's
 policy too: a kind (its tensors' shapes, dtypes and strides, the number of neighbours,
-the thread count) is computed eagerly until its mixes have taken
-:data:`~learned_opt.kernel.COMPILE_AFTER_SECONDS`, then built in the background, never
-waited for. Kernels are built for CPU tensors only
+the thread count) is computed eagerly until it has run
+:data:`~learned_opt.kernel.COMPILE_AFTER` times and the communicator's eager distances
+have taken :data:`~learned_opt.kernel.COMPILE_AFTER_SECONDS` (at once where its package
+is on disk), then built in the background, never waited for. Kernels are built for CPU tensors only
 (:data:`~learned_opt.kernel.KERNEL_DEVICES`).
 
 Measured by ``benchmarks/robust_cost.py``.
