@@ -10,6 +10,7 @@ from __future__ import annotations
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from learned_opt import LearnedOptimizer, LearnedOptimizerNet
@@ -176,6 +177,43 @@ def local_steps_run(rank: int, n: int) -> dict:
     flushed = ls.flush()  # the last LOCAL_TAIL steps' round
     return {"param": param.clone(), "bytes_sent": ls.bytes_sent, "rounds": rounds,
             "flushed": flushed, "flushed_again": ls.flush()}  # fmt: skip
+
+
+def compiled_robust_mix(rank: int, n: int, kernel_dir: str) -> dict:
+    """``robust="clip"`` on the ring with compiling on (a kernel folder of the test's own):
+    the first exchanges measure eagerly and queue the distances' kernel (one rank of the
+    host builds it, the others load it), then rank 1 sends 1e6 and, at the next step, NaN
+    under a forged finite flag, through the kernel."""
+    import os
+
+    from learned_opt.kernel import (
+        COMPILE_AFTER,
+        COMPILE_ENV,
+        KERNEL_DIR_ENV,
+        compile_after_seconds,
+    )
+
+    os.environ[COMPILE_ENV], os.environ[KERNEL_DIR_ENV] = "1", kernel_dir
+    comm = ProcessGroupCommunicator(
+        get_topology("ring", n), timeout=COLLECTIVE_TIMEOUT, robust="clip"
+    )
+    with compile_after_seconds(0):
+        for step in range(COMPILE_AFTER):
+            comm.mix([torch.full((4,), float(rank))], step)
+    built = comm.distances.wait(timeout=600)
+    dist.barrier()  # every rank's kernel is loaded before the next exchange
+    mixed, info = comm.mix([robust_payload(rank)], COMPILE_AFTER)
+    nan = robust_payload(rank)
+    if rank == 1:
+        nan[0] = float("nan")
+        with mock.patch.object(Layout, "pack", _forged_pack):
+            comm.mix([nan], COMPILE_AFTER + 1)
+        return {"built": built, "mixed": mixed[0].tolist()}
+    forged, forged_info = comm.mix([nan], COMPILE_AFTER + 1)
+    return {
+        "built": built, "mixed": mixed[0].tolist(), "excluded": info["excluded"],
+        "forged": forged[0].tolist(), "forged_excluded": forged_info["excluded"],
+    }  # fmt: skip
 
 
 def _robust_mix(rank: int, n: int) -> dict:

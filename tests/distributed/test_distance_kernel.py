@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import weakref
 
+import dist_workers as w  # tests/distributed is on sys.path under pytest
 import pytest
 import torch
 
 from learned_opt import kernel
-from learned_opt.distributed import distance_kernel
+from learned_opt.distributed import distance_kernel, get_topology, launch_local
 from learned_opt.distributed.distance_kernel import DISTANCES, Distances
-from learned_opt.distributed.mixing import distance_lists
+from learned_opt.distributed.mixing import distance_lists, mix
 from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV
 
 COMPILE_TIMEOUT = 600  # a cold build on a loaded machine
@@ -170,3 +171,31 @@ def test_the_child_builds_only_learned_opt_modules(tmp_path):
     torch.save(job, path)
     with pytest.raises(ValueError, match="not a learned_opt module"):
         kernel.compile_job(str(path))
+
+
+def test_real_ranks_mix_robustly_through_the_compiled_distances(tmp_path):
+    """Three gloo ranks on a ring with compiling on: once the kernel is built (by one of
+    them, the others load it), rank 1's 1e6 is clipped as the eager mix clips it, and its
+    NaN under a forged finite flag is left out."""
+    n = 3
+    results = launch_local(
+        w.compiled_robust_mix, n, str(tmp_path), timeout=COMPILE_TIMEOUT + 120,
+        pg_timeout=w.STARTUP,
+    )  # fmt: skip
+    topo = get_topology("ring", n)
+    for rank, res in enumerate(results):
+        assert res["built"], f"rank {rank}: the distances' kernel was not built"
+        peers = topo.neighbors(rank, 0)
+        weights = [topo.weight(rank, j, 0, "metropolis") for j in peers]
+        payloads = [w.robust_payload(j) for j in peers]
+        expect = mix(w.robust_payload(rank), payloads, weights, robust="clip")
+        assert res["mixed"] == pytest.approx(expect.tolist(), rel=1e-5)
+        if rank != 1:
+            assert max(res["mixed"]) < 4 and res["forged_excluded"] == [1]
+            honest = [k for k, j in enumerate(peers) if j != 1]
+            expect = mix(
+                w.robust_payload(rank), [payloads[k] for k in honest],
+                [weights[k] for k in honest], robust="clip",
+            )  # fmt: skip
+            assert res["forged"] == pytest.approx(expect.tolist(), rel=1e-5)
+    assert len(list(tmp_path.glob("*.pt2"))) == 1  # one build for the host
