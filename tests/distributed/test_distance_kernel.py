@@ -57,6 +57,7 @@ def _tensors(seed: int = 0, neighbours: int = 2, state_dtype=torch.bfloat16):
     return xs, neighbour_xs
 
 
+@pytest.mark.timeout(COMPILE_TIMEOUT + 60)
 def test_the_compiled_distances_are_the_eager_ones(compiling):
     """Built in a child process, loaded without waiting, then the same distances as
     :func:`distance_lists` (float32 rounding), a bfloat16 neighbour and a float64 tensor
@@ -173,6 +174,7 @@ def test_the_child_builds_only_learned_opt_modules(tmp_path):
         kernel.compile_job(str(path))
 
 
+@pytest.mark.timeout(COMPILE_TIMEOUT + 180)
 def test_real_ranks_mix_robustly_through_the_compiled_distances(tmp_path):
     """Three gloo ranks on a ring with compiling on: once the kernel is built (by one of
     them, the others load it), rank 1's 1e6 is clipped as the eager mix clips it, and its
