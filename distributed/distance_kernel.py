@@ -14,8 +14,8 @@ policy too: a kind (its tensors' shapes, dtypes and strides, the number of neigh
 the thread count) is computed eagerly until it has run
 :data:`~learned_opt.kernel.COMPILE_AFTER` times and the communicator's eager distances
 have taken :data:`~learned_opt.kernel.COMPILE_AFTER_SECONDS` (at once where its package
-is on disk), then built in the background, never waited for. Kernels are built for CPU tensors only
-(:data:`~learned_opt.kernel.KERNEL_DEVICES`).
+is on disk), then built in the background, never waited for. Kernels are built for CPU
+tensors only (:data:`~learned_opt.kernel.KERNEL_DEVICES`).
 
 Measured by ``benchmarks/robust_cost.py``.
 """
@@ -30,10 +30,8 @@ import torch
 from torch import Tensor
 
 from learned_opt.kernel import (
-    KERNEL_DEVICES,
     KernelCache,
     Recipe,
-    compiling_enabled,
     export_package,
     kernel_threads,
     load_runner,
@@ -135,19 +133,10 @@ class Distances(KernelCache):
     eager until the kernel of their kind is built, then compiled (see the module); the
     same values, up to float32 rounding (non-finite where a neighbour sent NaN or Inf)."""
 
-    def __init__(self, compile: bool = True):
-        super().__init__()
-        self.compile = compile
-
     def __call__(self, xs: Sequence[Tensor], neighbor_xs: Sequence[Sequence[Tensor]]) -> Tensor:
         """``[D, T]``: the distance of neighbour ``j``'s copy of tensor ``t`` to ``xs[t]``
         (``neighbor_xs[t][j]``; every tensor has the same ``D`` neighbours)."""
-        if (
-            not (self.compile and compiling_enabled())
-            or not xs
-            or not neighbor_xs[0]
-            or any(x.device.type not in KERNEL_DEVICES for x in xs)
-        ):
+        if not xs or not neighbor_xs[0] or not all(map(self.compiles, {x.device for x in xs})):
             return distance_lists(xs, neighbor_xs)
         entry = self._entry(_signature(xs, neighbor_xs))
         if entry.fn is not None:

@@ -521,11 +521,17 @@ class KernelCache:
     has run eagerly :data:`COMPILE_AFTER` times and all the user's eager calls have taken
     :data:`COMPILE_AFTER_SECONDS` (at once where its package is on disk already)."""
 
-    def __init__(self):
+    def __init__(self, compile: bool = True):
+        self.compile = compile
         self._entries: dict[tuple, _Entry] = {}
         #: host seconds of all the eager calls (not synchronised on CUDA): what the
         #: reference has cost this user, which decides when its kinds compile
         self.eager_seconds = 0.0
+
+    def compiles(self, device: torch.device) -> bool:
+        """Whether this user's kinds on ``device`` compile: ``compile`` set, compiling not
+        turned off (:data:`COMPILE_ENV`), and a device of :data:`KERNEL_DEVICES`."""
+        return self.compile and compiling_enabled() and device.type in KERNEL_DEVICES
 
     def _entry(self, key: tuple) -> _Entry:
         """The entry of the kind ``key`` (made at its first call)."""
@@ -577,8 +583,7 @@ class Kernels(KernelCache):
     optimizer's :class:`_Pack` cache."""
 
     def __init__(self, compile: bool = True):
-        super().__init__()
-        self.compile = compile
+        super().__init__(compile)
         self._plans: dict[tuple, list] = {}  # see _plan
         self._lr: dict[tuple, Tensor] = {}  # (value, dtype, device): its 0-d tensor
         self._packs: dict[tuple, _Pack] = {}  # the eager packs' flat state (see _Pack)
@@ -602,7 +607,7 @@ class Kernels(KernelCache):
         dtype = groups[0].states[0]["v"].dtype
         if device.type == "cpu":
             _yield_threads(_worker().busy())
-        kernels = self.compile and compiling_enabled() and device.type in KERNEL_DEVICES
+        kernels = self.compiles(device)
         cfg = _shared_config(groups)
         # the kernel and the reference step outside autocast, which would otherwise cast
         # the matrix products of a step() called inside it
@@ -980,30 +985,37 @@ class _Worker:
                 failed[i] = e
 
         todo: dict[Path, list[int]] = {}  # a package to build, and the entries it serves
+        by_recipe: dict[str, list[Path]] = {}  # the packages to build, by recipe
         try:
             with _host_lock():  # one process of the host builds, the others load
                 for i, (_, recipe, args) in enumerate(entries):
                     path = recipe.path(args)
                     if path.is_file():
                         load(i, path)
-                    else:  # entries of two optimizers of one model share a package
-                        todo.setdefault(path, []).append(i)
-                recipes = {id(entries[ids[0]][1]): entries[ids[0]][1] for ids in todo.values()}
-                for key, recipe in recipes.items():
+                        continue
+                    if path not in todo:  # entries of two optimizers of one model share one
+                        by_recipe.setdefault(recipe.name, []).append(path)
+                    todo.setdefault(path, []).append(i)
+                for paths in by_recipe.values():  # one child per recipe
                     if self.closed:
                         break
-                    paths = [path for path, ids in todo.items() if id(entries[ids[0]][1]) == key]
-                    builds = [(entries[todo[path][0]][2], path) for path in paths]
+                    first = [todo[path][0] for path in paths]
+                    builds = [(entries[i][2], path) for i, path in zip(first, paths)]
 
                     def built(k: int, paths=paths) -> None:
                         for i in todo[paths[k]]:
                             load(i, paths[k])
 
                     try:
-                        self._build_in_child(builds, built, recipe=recipe)
+                        self._build_in_child(builds, built, recipe=entries[first[0]][1])
+                    except Exception as e:  # this recipe's entries keep the reference
+                        waiting = [i for path in paths for i in todo[path]]
+                        failed.update(
+                            {i: e for i in waiting if entries[i][0].fn is None and i not in failed}
+                        )
                     finally:
-                        prune_packages(paths[0].parent, keep=paths)
-        except Exception as e:  # any failure of the compiler: keep the reference
+                        prune_packages(paths[0].parent, keep=list(todo))
+        except Exception as e:  # the kernel folder or its lock: every build keeps the reference
             waiting = [i for ids in todo.values() for i in ids]
             failed.update({i: e for i in waiting if entries[i][0].fn is None and i not in failed})
         if self.closed:  # cut short by the exit

@@ -163,6 +163,30 @@ def test_one_queue_of_steps_and_distances_builds_each_recipe_in_a_child_of_its_o
     assert entries[0].fn == "step kernel" and entries[1].fn(*_tensors()) == "ran"
 
 
+def test_a_recipe_whose_child_fails_leaves_the_other_recipes_builds(compiling, monkeypatch):
+    """One recipe's failed child warns for its own entries only: the other recipe's
+    package, queued together, is still built and loaded."""
+
+    def build(self, jobs, built, recipe=None):
+        if recipe.name == "step":
+            raise RuntimeError("the compile process failed: no compiler here")
+        for i, (_, path) in enumerate(jobs):
+            path.write_bytes(b"stand-in")
+            built(i)
+
+    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
+    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
+    monkeypatch.setattr(kernel, "package_path", lambda args: compiling / "step.pt2")
+    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
+    worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
+    worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
+    with pytest.warns(RuntimeWarning, match="compiling the step kernel failed") as caught:
+        worker._run()
+    assert len(caught) == 1
+    assert entries[0].fn is None and entries[1].fn(*_tensors()) == "ran"
+
+
 def test_the_child_builds_only_learned_opt_modules(tmp_path):
     """A job naming a module outside the package is refused before anything is
     imported."""
