@@ -136,6 +136,17 @@ def test_a_failed_distance_build_warns_and_the_eager_distances_go_on(compiling, 
     assert torch.equal(distances(xs, nbs), distance_lists(xs, nbs))
 
 
+def _queue_of_both(folder, monkeypatch):
+    """A worker with a step job and a distances job queued, and their two entries (the
+    step's package named in ``folder``)."""
+    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
+    monkeypatch.setattr(kernel, "package_path", lambda args: folder / "step.pt2")
+    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
+    worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
+    worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
+    return worker, entries
+
+
 def test_one_queue_of_steps_and_distances_builds_each_recipe_in_a_child_of_its_own(
     compiling, monkeypatch
 ):
@@ -153,11 +164,7 @@ def test_one_queue_of_steps_and_distances_builds_each_recipe_in_a_child_of_its_o
     monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
     monkeypatch.setattr(kernel, "load_package", lambda path: "step kernel")
     monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
-    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
-    monkeypatch.setattr(kernel, "package_path", lambda args: compiling / "step.pt2")
-    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
-    worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
-    worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
+    worker, entries = _queue_of_both(compiling, monkeypatch)
     worker._run()  # on this thread: both are queued before it looks
     assert sorted(children) == ["distances", "step"]
     assert entries[0].fn == "step kernel" and entries[1].fn(*_tensors()) == "ran"
@@ -176,11 +183,7 @@ def test_a_recipe_whose_child_fails_leaves_the_other_recipes_builds(compiling, m
 
     monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
     monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
-    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
-    monkeypatch.setattr(kernel, "package_path", lambda args: compiling / "step.pt2")
-    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
-    worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
-    worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
+    worker, entries = _queue_of_both(compiling, monkeypatch)
     with pytest.warns(RuntimeWarning, match="compiling the step kernel failed") as caught:
         worker._run()
     assert len(caught) == 1
