@@ -227,15 +227,13 @@ class ErrorFeedback:
                 self.compressor.add_(h, payload[parts * t : parts * (t + 1)])
         return self.copies[peer]
 
-    def mix_(
-        self, t: int, y: Tensor, copies: list[Tensor], weights: list, robust: str | None = None
-    ) -> None:
-        """Tensor ``t``: ``d = sum_j w_j (h_j - h_i)`` through :func:`mix` (``robust``: its
-        clipping of each ``h_j - h_i``), then ``y += gamma * d`` and, with drift correction,
-        ``z += beta * d; y += z``; in place."""
+    def mix_(self, t: int, y: Tensor, copies: list[Tensor], weights: list) -> None:
+        """Tensor ``t``: ``d = sum_j w_j (h_j - h_i)`` through :func:`mix` (robust mixing
+        passes weights already clipped), then ``y += gamma * d`` and, with drift
+        correction, ``z += beta * d; y += z``; in place."""
         own = self.own[t]
         if copies:
-            d = mix(own, copies, weights, robust=robust).sub_(own)
+            d = mix(own, copies, weights).sub_(own)
             y.add_(d, alpha=self.gamma)
             if self.beta:
                 self.drift[t].add_(d, alpha=self.beta)

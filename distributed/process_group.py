@@ -499,8 +499,9 @@ class ProcessGroupCommunicator(GroupCollectives):
 
     def _mix_copies(self, job, ex: _Exchanged, ys, keep, own_loss, rules, theta, cfg, out):
         """Compressed mix: ``y_i += gamma * sum_j w_ij (h_j - h_i)``, with the weights taken
-        from the public copies ``h`` (the same on both ends of an edge); ``rules``: one per
-        tensor."""
+        from the public copies ``h`` (the same on both ends of an edge), and with robust
+        mixing each ``h_j - h_i`` clipped (:func:`~.mixing.robust_weight_lists`, the
+        distances by :attr:`distances`); ``rules``: one per tensor."""
         codec = self._codec
         peers = [ex.peers[k] for k in keep]
         copies = [codec.decode(p, ex.tensors[k], job.full) for p, k in zip(peers, keep)]
@@ -513,11 +514,15 @@ class ProcessGroupCommunicator(GroupCollectives):
             self._weights(codec.own, t, on_copies, own_loss, order, job.step, rules[t], theta, cfg)
             for t in range(len(ys))
         ]
+        if self._clip is not None and copies:  # every h_j - h_i clipped, by one distances call
+            neighbours = [[c[t] for c in copies] for t in range(len(ys))]
+            dist = self.distances(codec.own, neighbours)
+            weights = robust_weight_lists(codec.own, neighbours, weights, self._clip, dist)
         mixed = list(out) if out is not None else [y.clone() for y in ys]
         for t, (y, target, w) in enumerate(zip(ys, mixed, weights)):
             if target is not y:
                 target.copy_(y)
-            codec.mix_(t, target, [c[t] for c in copies], w, robust=self.robust)
+            codec.mix_(t, target, [c[t] for c in copies], w)
         return mixed, weights
 
     def _weights(self, ys, t, ex: _Exchanged, own_loss, keep, step, rule, theta, cfg):

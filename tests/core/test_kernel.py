@@ -210,6 +210,7 @@ def test_a_child_that_fails_says_why_in_one_line(monkeypatch, tmp_path, child, w
 def test_a_child_hands_over_each_package_as_it_is_built(monkeypatch, tmp_path):
     """One child builds every queued kind in turn; each package is handed over (loaded)
     as it appears, and a later failure still says why."""
+    monkeypatch.setenv(kernel.ISA_ENV, "0")  # one child: no second one that probes
     monkeypatch.setattr(kernel, "_CHILD", (
         "import sys, time, torch; job = torch.load(sys.argv[1], weights_only=True); "
         "open(job['builds'][0]['out'], 'wb').write(b'k'); time.sleep(1); "
@@ -220,6 +221,53 @@ def test_a_child_hands_over_each_package_as_it_is_built(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="the second kind failed"):
         worker._build_in_child([(_job_args(), path) for path in paths], seen.append)
     assert seen == [0] and paths[0].is_file() and not paths[1].exists()
+
+
+def test_a_child_that_fails_trusting_the_cpu_flags_is_followed_by_one_that_probes(
+    monkeypatch, tmp_path
+):
+    """The child trusts the CPU's flags for inductor's vector instruction set; where it
+    fails, a second child, which probes them, builds the packages the first left (each
+    handed over once, by its index among all the builds). A value the user set stands:
+    one child, its failure raised."""
+    monkeypatch.delenv(kernel.ISA_ENV, raising=False)
+    monkeypatch.setattr(kernel, "_CHILD", (
+        "import os, sys, torch; job = torch.load(sys.argv[1], weights_only=True); "
+        "open(os.path.join(os.path.dirname(job['builds'][0]['out']), 'log'), 'a')"
+        ".write(repr(os.environ.get('TORCHINDUCTOR_VEC_ISA_OK')) + ' '); "
+        "outs = [b['out'] for b in job['builds']]; "
+        "trusted = os.environ.get('TORCHINDUCTOR_VEC_ISA_OK') == '1'; "
+        "[open(o, 'wb').write(b'k') for o in (outs[:1] if trusted else outs)]; "
+        "sys.exit('unknown flag -mamx-tile') if trusted else None"
+    ))  # fmt: skip
+    worker, seen = kernel._Worker(), []
+    paths = [tmp_path / "first.pt2", tmp_path / "second.pt2", tmp_path / "third.pt2"]
+    worker._build_in_child([(_job_args(), path) for path in paths], seen.append)
+    assert seen == [0, 1, 2] and all(path.is_file() for path in paths)
+    assert (tmp_path / "log").read_text().split() == ["'1'", "None"]
+    for path in paths:
+        path.unlink()
+    (tmp_path / "log").unlink()
+    monkeypatch.setenv(kernel.ISA_ENV, "1")
+    with pytest.raises(RuntimeError, match="unknown flag -mamx-tile"):
+        worker._build_in_child([(_job_args(), path) for path in paths])
+    assert (tmp_path / "log").read_text().split() == ["'1'"]
+
+
+def test_loading_a_package_trusts_the_cpu_flags_unless_the_user_chose(monkeypatch):
+    """A package's load asks inductor for the vector instruction set only to compare it
+    with the package's: it trusts the CPU's flags there instead of compiling probes,
+    unless the user set inductor's variable, and the setting is restored after."""
+    from torch._inductor import config
+
+    before = config.cpp.vec_isa_ok
+    monkeypatch.delenv(kernel.ISA_ENV, raising=False)
+    with kernel._cpu_flags_trusted():
+        assert config.cpp.vec_isa_ok is True
+    assert config.cpp.vec_isa_ok == before
+    monkeypatch.setenv(kernel.ISA_ENV, "0")
+    with kernel._cpu_flags_trusted():
+        assert config.cpp.vec_isa_ok == before
 
 
 def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tmp_path):

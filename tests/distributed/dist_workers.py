@@ -258,6 +258,7 @@ def _robust_mix(rank: int, n: int) -> dict:
         "mixed": mixed[0].tolist(),
         "in_place": in_place[0].tolist(),
         "excluded": info["excluded"],
+        "topk_mixed": topk[0].tolist(),
         "forged": [
             forged_info["excluded"], bool(torch.isfinite(forged[0]).all()),
             topk_info["excluded"], bool(torch.isfinite(topk[0]).all()),

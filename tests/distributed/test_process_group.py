@@ -73,6 +73,27 @@ def test_robust_mix_clips_a_bad_neighbour_and_excludes_nan(exchange_results):
             assert res["robust"]["forged"] == [[1], True, [1], True]
 
 
+def test_a_compressed_robust_mix_clips_the_public_copies(exchange_results):
+    """With compression (top-k 100%, gamma 0.5, drift correction beta 0.05) the clip works
+    on the public copies: step 0 sends whole (rank 1's 1e6 clipped), step 1 leaves out
+    rank 1's forged NaN; each step adds gamma d + beta (d_0 + ... + d_t)."""
+    topo = get_topology("ring", N)
+    for rank, res in enumerate(exchange_results):
+        if rank == 1:
+            continue
+        own, peers = w.robust_payload(rank), topo.neighbors(rank, 0)
+        weights = {j: topo.weight(rank, j, 0, "metropolis") for j in peers}
+
+        def d(kept):
+            nb = [w.robust_payload(j) for j in kept]
+            return mix(own, nb, [weights[j] for j in kept], robust="clip") - own
+
+        d0, d1 = d(peers), d([j for j in peers if j != 1])
+        # step 1 mixes `own` again (its copy unchanged), the drift holds beta (d0 + d1)
+        expect = own + 0.5 * d1 + 0.05 * (d0 + d1)
+        assert res["robust"]["topk_mixed"] == pytest.approx(expect.tolist(), rel=1e-6)
+
+
 def test_consensus_shrinks_with_mixing_alone(exchange_results):
     before, series = exchange_results[0]["consensus"]
     assert len(series) == 10 and series[-1] < 0.2 * before
