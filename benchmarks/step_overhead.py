@@ -426,7 +426,8 @@ def compare_isa_probes(threads: int, rounds: int) -> dict:
             print(f"round {i + 1} {side}: {runs[side][-1]}", flush=True)
     keys = ("first_kernel_seconds", "kernel_ready_seconds", "warm_kernel_ready_seconds")
     medians = {
-        side: {k: statistics.median(r[k] for r in rows) for k in keys} for side, rows in runs.items()
+        side: {k: statistics.median(r[k] for r in rows) for k in keys}
+        for side, rows in runs.items()
     }
     return {"rounds": rounds, "medians": medians, "runs": runs}
 
@@ -508,7 +509,8 @@ def main(argv: list[str] | None = None) -> None:
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
         if args.isa_probe_rounds:
             result["cold_start_isa_probes"] = {
-                **compare_isa_probes(args.threads, args.isa_probe_rounds), **stamp
+                **compare_isa_probes(args.threads, args.isa_probe_rounds),
+                **stamp,
             }
             print(f"medians: {result['cold_start_isa_probes']['medians']}")
         else:

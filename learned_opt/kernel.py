@@ -1095,6 +1095,8 @@ def _cpu_flags_trusted():
 
 class _ChildFailed(RuntimeError):
     """A compile child exited with a failure before it built all its packages."""
+
+
 #: Environment variable naming the folder of the compiled kernels (see :func:`kernel_dir`).
 KERNEL_DIR_ENV = "LEARNED_OPT_KERNEL_DIR"
 

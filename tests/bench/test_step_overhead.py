@@ -95,7 +95,9 @@ def test_the_isa_probe_comparison_takes_turns_and_takes_medians(monkeypatch):
     out = so.compare_isa_probes(2, 3)
     assert calls == [None, so.PROBED_ENV] * 3
     assert out["medians"]["trusted"] == {
-        "first_kernel_seconds": 3, "kernel_ready_seconds": 30, "warm_kernel_ready_seconds": 1.5
+        "first_kernel_seconds": 3,
+        "kernel_ready_seconds": 30,
+        "warm_kernel_ready_seconds": 1.5,
     }  # rounds 1, 3, 5
     assert out["medians"]["probed"]["kernel_ready_seconds"] == 40  # rounds 2, 4, 6
     assert len(out["runs"]["probed"]) == 3

@@ -84,7 +84,7 @@ def test_a_compressed_robust_mix_clips_the_public_copies(exchange_results):
         own, peers = w.robust_payload(rank), topo.neighbors(rank, 0)
         weights = {j: topo.weight(rank, j, 0, "metropolis") for j in peers}
 
-        def d(kept):
+        def d(kept, own=own, weights=weights):
             nb = [w.robust_payload(j) for j in kept]
             return mix(own, nb, [weights[j] for j in kept], robust="clip") - own
 
