@@ -123,7 +123,20 @@ def _first_steps(result: dict) -> str:
             f"after {cold['warm_kernel_ready_seconds']:.1f} s "
             f"({cold['warm_steps_until_ready']} steps)."
         )
-    return text + (f" {cold['note']}" if cold.get("note") else "")
+    text += f" {cold['note']}" if cold.get("note") else ""
+    probes = result.get("cold_start_isa_probes")
+    if probes:
+        t, p = probes["medians"]["trusted"], probes["medians"]["probed"]
+        text += (
+            f" With inductor trusting the CPU's flags for its vector instruction set (as "
+            f"shipped) against probing them, {probes['rounds']} cold starts each taking "
+            f"turns (`{probes['command']}`, {probes['date'][:10]}), medians: the first kernel "
+            f"after {t['first_kernel_seconds']:.0f} s against {p['first_kernel_seconds']:.0f} s, "
+            f"the last after {t['kernel_ready_seconds']:.0f} s against "
+            f"{p['kernel_ready_seconds']:.0f} s, and in a second process "
+            f"{t['warm_kernel_ready_seconds']:.1f} s against {p['warm_kernel_ready_seconds']:.1f} s."
+        )
+    return text
 
 
 @section("step_overhead")
