@@ -15,11 +15,16 @@ the package's C++ wrapper; its kernels; linking and the rest), and inductor's ow
 
 Variants, each in a new process with a cache of its own:
 
-- ``shipped``: the build as the kernel's child runs it;
-- ``no_isa_probes``: ``TORCHINDUCTOR_VEC_ISA_OK=1``, inductor trusting the CPU's flags
-  instead of compiling a probe for each vector ISA;
+- ``shipped``: the build as the kernel's child runs it (``TORCHINDUCTOR_VEC_ISA_OK=1``,
+  inductor trusting the CPU's flags for its vector ISA);
+- ``isa_probes``: inductor compiling a probe for each vector ISA instead (the child's
+  build before 2026-12-07);
 - ``wrapper_O0``: ``AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL=O0``, the wrapper at ``-O0``;
+- ``no_precompiled_headers``: AOTInductor compiling its headers with each package instead
+  of once per cache (``aot_inductor.precompile_headers`` off);
 - ``one_package``: every tensor in one package instead of one per kind of bucket.
+
+Every variant but ``isa_probes`` trusts the CPU's flags, as shipped.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ from pathlib import Path
 from benchmarks.common import command_line, compile_env, machine, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
+TRUSTED = {"TORCHINDUCTOR_VEC_ISA_OK": "1"}
 VARIANTS = {
-    "shipped": {},
-    "no_isa_probes": {"TORCHINDUCTOR_VEC_ISA_OK": "1"},
-    "wrapper_O0": {"AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0"},
-    "one_package": {},
+    "shipped": TRUSTED,
+    "isa_probes": {"TORCHINDUCTOR_VEC_ISA_OK": ""},  # set, and empty: inductor's default
+    "wrapper_O0": {**TRUSTED, "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0"},
+    "no_precompiled_headers": TRUSTED,
+    "one_package": TRUSTED,
 }
 #: The compiler's subprocesses by what they compile (the first kind whose mark is in the
 #: command line): the ISA probes load their library in a Python child.
@@ -60,25 +67,38 @@ def kind_of(command) -> str:
     return "link_and_other"
 
 
+def queued_builds(model, batch) -> list[tuple]:
+    """The step kernels' arguments that training ``model`` (its ``loss(batch)``) queues
+    for building, recorded instead of built (the compile worker's ``submit`` replaced
+    meanwhile)."""
+    from learned_opt import LearnedOptimizer, kernel
+
+    queued: list[tuple] = []
+    submit = kernel._Worker.submit
+    kernel._Worker.submit = lambda self, entry, args, recipe=None: queued.append(args)
+    try:
+        opt = LearnedOptimizer(model.parameters())
+        with kernel.compile_after_seconds(0):
+            for _ in range(kernel.COMPILE_AFTER + 1):
+                opt.zero_grad()
+                model.loss(batch).backward()
+                opt.step()
+    finally:
+        kernel._Worker.submit = submit
+    return queued
+
+
 def anatomy(merge: bool) -> list[dict]:
     """In this process: the packages of the 0.5M transformer's kinds of bucket, built in
     turn, each build's seconds split by phase."""
     import torch
 
     from benchmarks.step_overhead import MODELS
-    from learned_opt import LearnedOptimizer, kernel
+    from learned_opt import kernel
 
-    queued: list[tuple] = []
-    kernel._Worker.submit = lambda self, entry, args: queued.append(args)  # record only
     torch.manual_seed(0)
     model = MODELS["transformer-0.5M"]()
-    batch = model.batch(torch.Generator().manual_seed(0))
-    opt = LearnedOptimizer(model.parameters())
-    with kernel.compile_after_seconds(0):
-        for _ in range(kernel.COMPILE_AFTER + 1):
-            opt.zero_grad()
-            model.loss(batch).backward()
-            opt.step()
+    queued = queued_builds(model, model.batch(torch.Generator().manual_seed(0)))
     if merge:
         first = queued[0]
         joined = [sum((list(args[i]) for args in queued), []) for i in (3, 4, 5)]
@@ -139,6 +159,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
+        if args.child == "no_precompiled_headers":
+            from torch._inductor import config
+
+            config.aot_inductor.precompile_headers = False
         print(json.dumps(anatomy(merge=args.child == "one_package")))
         return
     start, load = time.perf_counter(), os.getloadavg()[0]

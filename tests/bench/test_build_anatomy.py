@@ -10,7 +10,7 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not in
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import report_sections  # noqa: E402
-from benchmarks.build_anatomy import kind_of  # noqa: E402
+from benchmarks.build_anatomy import kind_of, queued_builds  # noqa: E402
 
 
 def test_each_compiler_subprocess_is_named_by_what_it_compiles():
@@ -42,3 +42,26 @@ def test_the_table_sums_each_variant_and_names_its_packages():
     )  # fmt: skip
     assert "| shipped | 16 + 14 | 50.0 | 3.0 | 0.0 | 7.0 | 17.0 | 0.0 | 0.0 |" in text
     assert "Command: `c`" in text
+
+
+def test_the_builds_a_model_queues_are_recorded_not_built(monkeypatch, tmp_path):
+    """Training a model with compiling due at once queues its kinds of bucket: recorded
+    (the step's arguments), nothing built, and the worker's own submit put back."""
+    import torch
+
+    from learned_opt import kernel
+
+    monkeypatch.setenv(kernel.COMPILE_ENV, "1")
+    monkeypatch.setenv(kernel.KERNEL_DIR_ENV, str(tmp_path))
+    submit = kernel._Worker.submit
+
+    class Model(torch.nn.Sequential):
+        def loss(self, batch):
+            return self(batch).square().mean()
+
+    torch.manual_seed(0)
+    model = Model(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    queued = queued_builds(model, torch.randn(4, 8))
+    assert queued and all(len(args) == 8 for args in queued)  # theta, cfg, parts, ... decay
+    assert sum(len(args[3]) for args in queued) == 4  # every parameter, once
+    assert kernel._Worker.submit is submit and not list(tmp_path.glob("*.pt2"))
