@@ -574,6 +574,7 @@ def render_wallclock_headline(r: dict) -> str:
 
 
 @section("wallclock_validation_choice")
+@section("wallclock_validation_thresholds")
 def render_wallclock_compare(r: dict) -> str:
     """Several runs of ``benchmarks/wallclock.py`` on the same rows, side by side."""
     runs = r["runs"]
