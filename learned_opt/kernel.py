@@ -1074,6 +1074,8 @@ _CHILD = "import sys; from learned_opt.kernel import compile_job; compile_job(sy
 #: instruction set of its kernels instead of compiling a probe for each
 #: (:meth:`_Worker._build_in_child`).
 ISA_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
+#: The inductor option that :data:`ISA_ENV` sets, as ``(section, name)``.
+ISA_OPTION = ("cpp", "vec_isa_ok")
 
 
 @contextlib.contextmanager
@@ -1084,12 +1086,13 @@ def _cpu_flags_trusted():
     compiles a program per instruction set (7-8 s on an empty cache) and loads each in a
     new Python process (about 1 s on a warm one). Inductor keeps the answer for the
     process."""
-    if ISA_ENV in os.environ:
-        yield
-        return
     from torch._inductor import config
 
-    with config.patch({"cpp.vec_isa_ok": True}):
+    section, option = ISA_OPTION
+    if ISA_ENV in os.environ or not hasattr(getattr(config, section, None), option):
+        yield  # the user's choice, or a torch without the option: inductor decides
+        return
+    with config.patch({f"{section}.{option}": True}):
         yield
 
 

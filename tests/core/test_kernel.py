@@ -257,7 +257,8 @@ def test_a_child_that_fails_trusting_the_cpu_flags_is_followed_by_one_that_probe
 def test_loading_a_package_trusts_the_cpu_flags_unless_the_user_chose(monkeypatch):
     """A package's load asks inductor for the vector instruction set only to compare it
     with the package's: it trusts the CPU's flags there instead of compiling probes,
-    unless the user set inductor's variable, and the setting is restored after."""
+    unless the user set inductor's variable, and the setting is restored after. A torch
+    without the option loads as inductor decides."""
     from torch._inductor import config
 
     before = config.cpp.vec_isa_ok
@@ -267,6 +268,10 @@ def test_loading_a_package_trusts_the_cpu_flags_unless_the_user_chose(monkeypatc
     assert config.cpp.vec_isa_ok == before
     monkeypatch.setenv(kernel.ISA_ENV, "0")
     with kernel._cpu_flags_trusted():
+        assert config.cpp.vec_isa_ok == before
+    monkeypatch.delenv(kernel.ISA_ENV)
+    monkeypatch.setattr(kernel, "ISA_OPTION", ("cpp", "an_option_a_later_torch_dropped"))
+    with kernel._cpu_flags_trusted():  # no such option: the load goes on as inductor decides
         assert config.cpp.vec_isa_ok == before
 
 
