@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from learned_opt import LearnedOptimizer
-from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
+from learned_opt.kernel import COMPILE_AFTER, ISA_ENV, compile_after_seconds
 from learned_opt.orthogonal import is_matrix
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
@@ -389,12 +389,11 @@ def cold_start(threads: int, env: dict[str, str] | None = None) -> dict:
     variables of both processes."""
     root = Path(__file__).resolve().parent.parent
     result = {"workload": "transformer-0.5M", "threads": threads}
-    extra = env or {}
     with tempfile.TemporaryDirectory() as cache:
-        env = compile_env(cache, threads) | extra
+        child_env = compile_env(cache, threads) | (env or {})
         for prefix in ("", "warm_"):
             out = subprocess.run(
-                [sys.executable, "-c", _COLD_START], env=env, cwd=root, capture_output=True,
+                [sys.executable, "-c", _COLD_START], env=child_env, cwd=root, capture_output=True,
                 text=True, check=True,
             )  # fmt: skip
             first, first_kernel, ready, steps, slowest = out.stdout.split()[-5:]
@@ -411,7 +410,7 @@ def cold_start(threads: int, env: dict[str, str] | None = None) -> dict:
 #: The environment of a start whose inductor probes the CPU's vector instruction sets, as
 #: before the optimizer trusted the CPU's flags (set, the variable stands, and empty it
 #: leaves inductor's default): :func:`compare_isa_probes`.
-PROBED_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": ""}
+PROBED_ENV = {ISA_ENV: ""}
 
 
 def compare_isa_probes(threads: int, rounds: int) -> dict:

@@ -234,9 +234,9 @@ def test_a_child_that_fails_trusting_the_cpu_flags_is_followed_by_one_that_probe
     monkeypatch.setattr(kernel, "_CHILD", (
         "import os, sys, torch; job = torch.load(sys.argv[1], weights_only=True); "
         "open(os.path.join(os.path.dirname(job['builds'][0]['out']), 'log'), 'a')"
-        ".write(repr(os.environ.get('TORCHINDUCTOR_VEC_ISA_OK')) + ' '); "
+        f".write(repr(os.environ.get({kernel.ISA_ENV!r})) + ' '); "
         "outs = [b['out'] for b in job['builds']]; "
-        "trusted = os.environ.get('TORCHINDUCTOR_VEC_ISA_OK') == '1'; "
+        f"trusted = os.environ.get({kernel.ISA_ENV!r}) == '1'; "
         "[open(o, 'wb').write(b'k') for o in (outs[:1] if trusted else outs)]; "
         "sys.exit('unknown flag -mamx-tile') if trusted else None"
     ))  # fmt: skip
