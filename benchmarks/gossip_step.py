@@ -159,33 +159,23 @@ def _configs(rank: int) -> dict:
                 GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
             )
     # the price of robust mixing when nobody attacks (a ring: with one neighbour per step
-    # there is nothing to clip against)
+    # there is nothing to clip against), with the distances compiled, then computed
+    # eagerly for good (as before their kernel is built)
     graph = get_topology("ring", WORLD)
-    model = mlp(rank)
-    out["D-Adam ring overlap, robust clip"] = (
-        model,
-        dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip", metrics_every=0),
-    )
-    model = mlp(rank)
-    local = LearnedOptimizer(model.parameters())
-    out["learned + learned mixing ring overlap, robust clip"] = (
-        model,
-        GossipOptimizer(local, graph, "learned", overlap=True, robust="clip", metrics_every=0),
-    )
-    # the same two with the distances computed eagerly for good, as before their kernel
-    for name in (
-        "D-Adam ring overlap, robust clip",
-        "learned + learned mixing ring overlap, robust clip",
-    ):
+    for suffix in ("", ", eager distances"):
         model = mlp(rank)
-        if name.startswith("D-Adam"):
-            opt = dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip",
-                        metrics_every=0)  # fmt: skip
-        else:
-            opt = GossipOptimizer(LearnedOptimizer(model.parameters()), graph, "learned",
+        opt = dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip", metrics_every=0)
+        out["D-Adam ring overlap, robust clip" + suffix] = (model, opt)
+        learned_model = mlp(rank)
+        learned = GossipOptimizer(LearnedOptimizer(learned_model.parameters()), graph, "learned",
                                   overlap=True, robust="clip", metrics_every=0)  # fmt: skip
-        opt.communicator.distances = Distances(compile=False)
-        out[f"{name}, eager distances"] = (model, opt)
+        out["learned + learned mixing ring overlap, robust clip" + suffix] = (
+            learned_model,
+            learned,
+        )
+        if suffix:
+            for gossip in (opt, learned):
+                gossip.communicator.distances = Distances(compile=False)
     graph = get_topology("one_peer_ring", WORLD)
     # the price of a per-step deadline for stragglers (store round trips, waiting threads)
     model = mlp(rank)
