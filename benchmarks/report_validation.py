@@ -200,6 +200,10 @@ SCHEDULE_PHRASES = {
 @section("validation_update_hypergradient_blend")
 @section("validation_floor1")
 @section("validation_gossip_ceiling7_decentralized")
+@section("validation_gossip_ceiling3_decentralized")
+@section("validation_gossip_ceiling4_decentralized")
+@section("validation_gossip_ceiling6_decentralized")
+@section("validation_gossip_ceiling7_now_decentralized")
 @section("validation_weight_decay")
 def render_validation(r: dict) -> str:
     s = r["summary"]
