@@ -198,6 +198,7 @@ SCHEDULE_PHRASES = {
 @section("validation_nesterov64_reuse96")
 @section("validation_update_hypergradient")
 @section("validation_update_hypergradient_blend")
+@section("validation_ortho_whitened_cosine")
 @section("validation_floor1")
 @section("validation_gossip_ceiling7_decentralized")
 @section("validation_gossip_ceiling3_decentralized")
