@@ -94,16 +94,6 @@ class NetConfig:
     # per-element m/sqrt(v) shrinks in noise (to about 0.23 for pure noise at 0.9); 0 turns
     # it off (see MixingConfig.ortho_snr_gossip for the exponent under gossip).
     ortho_snr: float = 0.0
-    # The width at which the adaptation of a matrix that keeps a Gram polynomial Q
-    # (ns_every > 1, smaller side k >= ns_reuse_min_dim) reads its cosine in the whitened
-    # basis, cos(Q g_t, Q m1_{t-1}), where every singular direction counts alike instead of
-    # the momentum's top ones (where a step too large oscillates, and the plain cosine
-    # turns negative while the other directions still want larger steps). A wider matrix
-    # blends the two cosines, min(1, ortho_whiten / k) of the whitened one: averaged over k
-    # directions, most of them noise, the whitened cosine fades with k, and alone it let
-    # 192- and 256-wide matrices step too large (validation_ortho_whitened_cosine.json).
-    # 0 turns it off (see MixingConfig.ortho_whiten_gossip for the width under gossip).
-    ortho_whiten: float = 0.0
     # Decoupled weight decay, AdamW's at its learning rate step_mult times the lr
     # multiplier: before its update every tensor is multiplied by
     # 1 - weight_decay * step_mult * lr, so weight_decay=0.1 decays as
@@ -153,10 +143,6 @@ class NetConfig:
             )
         if not 0 <= float(self.ortho_snr) <= 4:
             raise ValueError(f"NetConfig.ortho_snr must be in [0, 4], got {self.ortho_snr!r}")
-        if not 0 <= float(self.ortho_whiten) < float("inf"):
-            raise ValueError(
-                f"NetConfig.ortho_whiten must be a finite number >= 0, got {self.ortho_whiten!r}"
-            )
         if self.output not in OUTPUTS:
             raise ValueError(f"NetConfig.output must be one of {OUTPUTS}, got {self.output!r}")
         for name in ("ortho_min_dim", "ortho_max_dim", "ns_steps", "ns_every", "ns_reuse_min_dim"):
@@ -256,10 +242,6 @@ class MixingConfig:
     # The exponent of NetConfig.ortho_snr under gossip (None: the rule's own). adapt_init_2x
     # sets 1: under gossip an orthogonalised step shrinks in gradient noise as Adam's does.
     ortho_snr_gossip: float | None = None
-    # NetConfig.ortho_whiten under gossip (None: the rule's own). adapt_init_2x sets 0: on
-    # the decentralized validation settings the whitened cosine lowered the 40-feature
-    # MLPs (median 0.99x the best tuned baseline against 1.33x without it).
-    ortho_whiten_gossip: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.edge_width, bool) or int(self.edge_width) < 1:
@@ -280,18 +262,13 @@ class MixingConfig:
         snr = self.ortho_snr_gossip
         if snr is not None and not 0 <= float(snr) <= 4:
             raise ValueError(f"MixingConfig.ortho_snr_gossip must be in [0, 4], got {snr!r}")
-        white = self.ortho_whiten_gossip
-        if white is not None and not 0 <= float(white) < float("inf"):
-            raise ValueError(
-                f"MixingConfig.ortho_whiten_gossip must be None or a finite number >= 0, got {white!r}"
-            )
 
     def under_gossip(self, rule: NetConfig) -> NetConfig:
         """The update rule a worker steps with under gossip (decentralized training, real
         or simulated): ``rule`` with its adapted step multipliers' ceiling lowered to
         ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, their rate
-        ``lr_adapt_rate_gossip``, its matrices' signal-to-noise exponent
-        ``ortho_snr_gossip`` and whitening width ``ortho_whiten_gossip`` where set. The bounds and rate apply only where ``rule``
+        ``lr_adapt_rate_gossip`` and its matrices' signal-to-noise exponent
+        ``ortho_snr_gossip`` where set. The bounds and rate apply only where ``rule``
         adapts step sizes. Memoised (every step asks for it)."""
         return _under_gossip(self, rule)
 
@@ -314,16 +291,12 @@ def _under_gossip(mixing: MixingConfig, cfg: NetConfig) -> NetConfig:
     rate = mixing.lr_adapt_rate_gossip
     rate = cfg.lr_adapt_rate if rate is None else rate
     snr = cfg.ortho_snr if mixing.ortho_snr_gossip is None else mixing.ortho_snr_gossip
-    white = cfg.ortho_whiten if mixing.ortho_whiten_gossip is None else mixing.ortho_whiten_gossip
     if not cfg.adapts_lr:
         ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
-    old = (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr, cfg.ortho_whiten)
-    if (ceiling, floor, rate, snr, white) == old:
+    new = (ceiling, floor, rate, snr)
+    if new == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr):
         return cfg
-    return replace(
-        cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr,
-        ortho_whiten=white,
-    )  # fmt: skip
+    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr)
 
 
 def split_config(config: dict, mixing: dict | None = None) -> tuple[NetConfig, MixingConfig]:

@@ -82,8 +82,6 @@ PRESETS: dict[str, tuple[dict, str]] = {
             "ns_steps": 4,
             "ns_every": 2,
             "ortho_nesterov": 0.1,
-            "ortho_whiten": 64.0,
-            "ortho_whiten_gossip": 0.0,
         },  # fmt: skip
         _NOT_TRAINED
         + "adapt_init with twice its base steps: Adam(lr=2e-3) for the Adam-form tensors "
@@ -120,13 +118,7 @@ PRESETS: dict[str, tuple[dict, str]] = {
         "(NetConfig.ortho_nesterov 0.1), chosen on the validation family: median 1.15x as "
         "before, small problems 1.57x against 1.49x, the 256-wide MLP 1.11x against 0.81x, "
         "the 192-wide LSTM 1.49x against 1.23x, but the LSTM 1.00x against 1.11x "
-        "(benchmarks/results/validation_nesterov64*.json). Their step-size adaptation "
-        "reads its cosine partly in the whitened basis of their kept polynomial, "
-        "cos(Q g, Q m), all of it at width 64 and 64 / k of it at width k "
-        "(NetConfig.ortho_whiten 64; not under gossip), chosen on the validation family: "
-        "on six seeds median 1.17x against 1.10x, runs of 1000 steps or more 1.11x against "
-        "1.00x, the lowest row 0.84x against 0.76x (the 2000-step Friedman MLP), but the "
-        "192-wide LSTM 1.06x against 1.48x (benchmarks/results/validation_whiten64*.json).",
+        "(benchmarks/results/validation_nesterov64*.json).",
     ),
 }
 

@@ -111,24 +111,6 @@ def newton_schulz_reusing(
     return out.reshape(x.shape), new.reshape(q.shape)
 
 
-def whitened_cosine(g: Tensor, m: Tensor, q: Tensor) -> Tensor:
-    """``cos(Q g, Q m)`` of the matrices ``g`` and ``m`` (``[B, r, c]``), with the kept
-    Gram polynomials ``q`` (``[B, k, k]``, ``k`` the smaller side) applied as
-    :func:`newton_schulz_reusing` applies them: from the left to a wide matrix, transposed
-    from the right to a tall one. ``Q`` maps the momentum it was computed from close to an
-    orthogonal matrix, so the cosine weighs every singular direction alike. ``[B]``; with
-    ``Q`` the identity (before a matrix's first iteration) the plain cosine; 0 where
-    either side is 0."""
-    if g.shape[-2] <= g.shape[-1]:
-        gq, mq = torch.bmm(q, g), torch.bmm(q, m)
-    else:
-        gq, mq = torch.bmm(g, q.transpose(-1, -2)), torch.bmm(m, q.transpose(-1, -2))
-    dot = (gq * mq).sum((-2, -1))
-    tiny = _TINY * _TINY
-    g_norm = torch.sqrt(gq.square().sum((-2, -1)) + tiny)
-    return dot / (g_norm * torch.sqrt(mq.square().sum((-2, -1)) + tiny) + _TINY)
-
-
 def gram_polynomial(y: Tensor, steps: int) -> Tensor:
     """``Q`` (``[B, r, r]``) such that ``Q y`` is :func:`newton_schulz`'s result for the
     wide matrices ``y`` (``[B, r, c]``, ``r <= c``, already scaled to Frobenius norm at most

@@ -53,14 +53,7 @@ from .network import (
     head_is_nonzero,
     tensor_head,
 )
-from .orthogonal import (
-    gram_layout,
-    gram_numel,
-    is_matrix,
-    ns_due,
-    shape_direction,
-    whitened_cosine,
-)
+from .orthogonal import gram_layout, gram_numel, is_matrix, ns_due, shape_direction
 from .segments import FlatLayout, one_segment, segment_expand, segment_mean, segment_sum
 
 
@@ -203,34 +196,6 @@ def reduce_sums(
     )  # fmt: skip
 
 
-def whiten_adaptation(
-    cfg: NetConfig, layout: FlatLayout, keeping, sums: TensorSums, g: Tensor, m1: Tensor, q: Tensor
-) -> TensorSums:
-    """``sums`` with the ``g_dot_m`` of the matrices that keep a Gram polynomial
-    (``keeping``, the segments in ``q``'s order) moved towards the whitened cosine
-    (:attr:`~learned_opt.config.NetConfig.ortho_whiten`): ``(1 - w) g.m1 + w
-    cos(Q g, Q m1) |g| |m1|`` with ``w = min(1, ortho_whiten / k)``, ``k`` the smaller
-    side, so that :func:`~learned_opt.features.adapt_log_lr` reads ``(1 - w)`` of the
-    plain cosine and ``w`` of :func:`~learned_opt.orthogonal.whitened_cosine`. ``g`` and
-    ``m1`` as :func:`reduce_sums` summed them (``[..., P]``), ``q`` ``[..., Q]``."""
-    starts = list(itertools.accumulate(layout.numels, initial=0))
-    columns = list(sums.g_dot_m.unbind(-1))
-    offset = 0
-    for k in keeping:
-        rows, cols = layout.shapes[k]
-        side = min(rows, cols)
-        span = slice(starts[k], starts[k] + rows * cols)
-        kept = q[..., offset : offset + side * side].reshape(-1, side, side)
-        offset += side * side
-        cosine = whitened_cosine(
-            g[..., span].reshape(-1, rows, cols), m1[..., span].reshape(-1, rows, cols), kept
-        ).reshape(g.shape[:-1])
-        w = min(1.0, float(cfg.ortho_whiten) / side)
-        norms = safe_sqrt(sums.g_sum_squares[..., k]) * safe_sqrt(sums.m_sum_squares[..., k])
-        columns[k] = (1.0 - w) * columns[k] + w * cosine * norms
-    return sums._replace(g_dot_m=torch.stack(columns, -1))
-
-
 def flat_step(
     theta: Theta,
     cfg: NetConfig,
@@ -295,12 +260,6 @@ def flat_step(
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new, masked)
     matrices = layout.matrices(cfg)
-    keeping = gram_layout(cfg, layout.shapes, matrices) if q is not None else ()
-    size = sum(gram_numel(layout.shapes[k]) for k in keeping)
-    if q is not None and q.shape[-1] != size:
-        raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials {size}")
-    if cfg.adapts_lr and cfg.ortho_whiten and keeping:
-        sums = whiten_adaptation(cfg, layout, keeping, sums, g_in, adapt_momentum(m, layout), q)
     stats = shape_stats(layout.shapes, cfg, p, matrices)  # for the adaptation and the context
     new_log_lr = log_lr
     if cfg.adapts_lr:
@@ -331,6 +290,10 @@ def flat_step(
     if parts.element_net:
         layers = element_layers(theta, cfg, p.dtype, segment_expand(bias.transpose(-1, -2), layout))
         d, log_mag = element_mlp(layers, x * segment_expand(scales.transpose(-1, -2), layout))
+    keeping = gram_layout(cfg, layout.shapes, matrices) if q is not None else ()
+    size = sum(gram_numel(layout.shapes[k]) for k in keeping)
+    if q is not None and q.shape[-1] != size:
+        raise ValueError(f"q holds {q.shape[-1]} elements, the layout's Gram polynomials {size}")
     refresh = ns_due(cfg, step) if keeping else True
     new_p, new_q = apply_update(
         cfg, p_in, d, log_mag, m_new[..., 0, :], v_new, step, segment_expand(scale, layout),
