@@ -54,12 +54,18 @@ BASE_NAME = "learned_opt_base"
 def import_revision(ref: str, folder: Path):
     """``learned_opt`` at git revision ``ref``, extracted into ``folder`` and imported as
     :data:`BASE_NAME`; returns its ``optimizer`` module and the commit it resolved to. Its
-    kernels' build processes import it under that name too (``folder`` is on their path)."""
+    kernels' build processes import it under that name too (``folder`` is on their path).
+    The revision's shipped checkpoints are extracted beside it (:func:`base_checkpoint`):
+    a checkpoint of this checkout may hold config fields that the revision does not
+    know."""
     commit = subprocess.run(
         ["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
     archive = subprocess.run(
-        ["git", "archive", commit, "learned_opt"], cwd=ROOT, capture_output=True, check=True
+        ["git", "archive", commit, "learned_opt", "checkpoints"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
@@ -76,6 +82,13 @@ def import_revision(ref: str, folder: Path):
             + kernel._CHILD.replace("learned_opt.kernel", f"{BASE_NAME}.kernel")
         )
     return optimizer, commit
+
+
+def base_checkpoint(folder: Path) -> Path:
+    """The base revision's own default checkpoint, as :func:`import_revision` extracted it
+    into ``folder``."""
+    name = importlib.import_module(f"{BASE_NAME}.checkpoint").DEFAULT_CHECKPOINT
+    return folder / "checkpoints" / f"{name}.pt"
 
 
 #: ``--split``'s groups: AdamW's usual weight decay on the matrices, none on the rest.
@@ -96,7 +109,7 @@ def param_groups(params: list, split: bool) -> list:
 
 def measure(
     task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False,
-    kernel: bool = False,
+    kernel: bool = False, base_ckpt: Path | None = None,
 ) -> dict:  # fmt: skip
     """Fastest-round ms per step of AdamW, the base revision's rule and this one's, every
     side on :func:`param_groups` of the model's parameters; with ``kernel``, each rule's
@@ -109,7 +122,9 @@ def measure(
     base_kernel = importlib.import_module(f"{BASE_NAME}.kernel")
     makers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-        "base": lambda ps: base_optimizer.LearnedOptimizer(ps, compile=kernel),
+        "base": lambda ps: base_optimizer.LearnedOptimizer(
+            ps, checkpoint=base_ckpt, compile=kernel
+        ),
         "this": lambda ps: LearnedOptimizer(ps, compile=kernel),
     }
     sides, kinds = {}, {}
@@ -181,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         base_optimizer, commit = import_revision(args.base, Path(folder))
         for name in args.tasks:
             rows[name] = r = measure(
-                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel
-            )
+                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel,
+                base_checkpoint(Path(folder)),
+            )  # fmt: skip
             print(
                 f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
                 f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
