@@ -164,6 +164,7 @@ SCHEDULE_PHRASES = {
 @section("validation_whiten64")
 @section("validation_whiten64_seeds345")
 @section("validation_whiten64_decentralized")
+@section("validation_whiten64_squared")
 @section("validation_nesterov64_wsd_half")
 @section("validation_nesterov64_decentralized")
 @section("validation_nesterov_all")
