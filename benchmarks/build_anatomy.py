@@ -39,13 +39,14 @@ import time
 from pathlib import Path
 
 from benchmarks.common import command_line, compile_env, machine, write_json
+from benchmarks.step_overhead import PROBED_ENV
 from learned_opt.kernel import ISA_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUSTED = {ISA_ENV: "1"}
 VARIANTS = {
     "shipped": TRUSTED,
-    "isa_probes": {ISA_ENV: ""},  # set, and empty: inductor's default
+    "isa_probes": PROBED_ENV,
     "wrapper_O0": {**TRUSTED, "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0"},
     "no_precompiled_headers": TRUSTED,
     "one_package": TRUSTED,

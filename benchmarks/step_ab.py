@@ -109,7 +109,7 @@ def param_groups(params: list, split: bool) -> list:
 
 def measure(
     task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False,
-    kernel: bool = False, base_ckpt: Path | None = None,
+    kernel: bool = False,
 ) -> dict:  # fmt: skip
     """Fastest-round ms per step of AdamW, the base revision's rule and this one's, every
     side on :func:`param_groups` of the model's parameters; with ``kernel``, each rule's
@@ -120,6 +120,7 @@ def measure(
 
     task = get_task(task_name)
     base_kernel = importlib.import_module(f"{BASE_NAME}.kernel")
+    base_ckpt = base_checkpoint(Path(base_optimizer.__file__).parents[1])
     makers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
         "base": lambda ps: base_optimizer.LearnedOptimizer(
@@ -196,9 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
         base_optimizer, commit = import_revision(args.base, Path(folder))
         for name in args.tasks:
             rows[name] = r = measure(
-                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel,
-                base_checkpoint(Path(folder)),
-            )  # fmt: skip
+                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel
+            )
             print(
                 f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
                 f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",

@@ -1006,6 +1006,9 @@ class _Worker:
             except Exception as e:  # a package that does not load: the reference steps
                 failed[i] = e
 
+        def keep_reference(ids, e: Exception) -> None:  # those not loaded already
+            failed.update({i: e for i in ids if entries[i][0].fn is None and i not in failed})
+
         todo: dict[Path, list[int]] = {}  # a package to build, and the entries it serves
         by_recipe: dict[str, list[Path]] = {}  # the packages to build, by recipe
         try:
@@ -1031,15 +1034,11 @@ class _Worker:
                     try:
                         self._build_in_child(builds, built, recipe=entries[first[0]][1])
                     except Exception as e:  # this recipe's entries keep the reference
-                        waiting = [i for path in paths for i in todo[path]]
-                        failed.update(
-                            {i: e for i in waiting if entries[i][0].fn is None and i not in failed}
-                        )
+                        keep_reference([i for path in paths for i in todo[path]], e)
                     finally:
                         prune_packages(paths[0].parent, keep=list(todo))
         except Exception as e:  # the kernel folder or its lock: every build keeps the reference
-            waiting = [i for ids in todo.values() for i in ids]
-            failed.update({i: e for i in waiting if entries[i][0].fn is None and i not in failed})
+            keep_reference([i for ids in todo.values() for i in ids], e)
         if self.closed:  # cut short by the exit
             return
         for i, e in failed.items():

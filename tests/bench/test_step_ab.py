@@ -25,7 +25,7 @@ def test_a_revision_is_imported_apart_and_timed_beside_this_one(tmp_path):
     assert Path(base.__file__).is_relative_to(tmp_path) and commit
     ckpt = step_ab.base_checkpoint(tmp_path)  # the revision's own, with its own config
     assert ckpt.is_file() and ckpt.is_relative_to(tmp_path)
-    row = step_ab.measure("val_friedman_mlp", base, steps=1, rounds=2, base_ckpt=ckpt)
+    row = step_ab.measure("val_friedman_mlp", base, steps=1, rounds=2)  # steps with ckpt
     assert set(row["ms"]) == {"adamw", "base", "this"} and min(row["ms"].values()) > 0
     assert row["parameters"] == 4929
     assert row["max_rel_diff"] < 1e-6  # HEAD's step and the checkout's agree
