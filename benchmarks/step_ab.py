@@ -49,6 +49,9 @@ TASKS = (
     "val_lstm_lm", "heldout_convnet_bn", "heldout_char_lm",
 )  # fmt: skip
 BASE_NAME = "learned_opt_base"
+#: How revisions from 482aa8a to a597db0 checked a build job's module (by the literal
+#: package name, so that the base revision's build process refused its own recipes).
+_OLD_GUARD = 'job["module"].startswith("learned_opt.")'
 
 
 def import_revision(ref: str, folder: Path):
@@ -69,7 +72,14 @@ def import_revision(ref: str, folder: Path):
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder, filter="data")
+    for name in [n for n in sys.modules if n.split(".")[0] == BASE_NAME]:
+        del sys.modules[name]  # a revision imported before
     (folder / "learned_opt").rename(folder / BASE_NAME)
+    # a revision that checks a build job's module by the literal package name would
+    # refuse its own recipes under BASE_NAME
+    kernel_py = folder / BASE_NAME / "kernel.py"
+    renamed = _OLD_GUARD.replace("learned_opt.", f"{BASE_NAME}.")
+    kernel_py.write_text(kernel_py.read_text().replace(_OLD_GUARD, renamed))
     sys.path.insert(0, str(folder))
     try:
         optimizer = importlib.import_module(f"{BASE_NAME}.optimizer")

@@ -1421,12 +1421,17 @@ def _check_private(path: Path) -> None:
         )
 
 
+#: The package a job's module must belong to: ``learned_opt``, or the name a copy of it
+#: was imported under (``benchmarks/step_ab.py`` imports another revision apart).
+_PACKAGE = __name__.rpartition(".")[0]
+
+
 def compile_job(path: str) -> None:
     """The child of :meth:`_Worker._build_in_child`: its recipe's ``build`` of each saved
     set of tensors in turn (a file it owns; loaded with ``weights_only``), at low priority."""
     job = torch.load(path, weights_only=True)
-    if not job["module"].startswith("learned_opt."):
-        raise ValueError(f"not a learned_opt module: {job['module']!r}")
+    if not job["module"].startswith(_PACKAGE + "."):
+        raise ValueError(f"not a {_PACKAGE} module: {job['module']!r}")
     _exit_with_parent(job["parent"])
     if hasattr(os, "nice"):
         os.nice(job["nice"])

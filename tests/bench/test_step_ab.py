@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks import step_ab  # noqa: E402
@@ -45,11 +48,26 @@ def test_split_gives_the_usual_decay_and_no_decay_groups():
     assert plain == {"params": [params[1], params[3]], "weight_decay": 0.0}
 
 
-def test_the_imported_revision_builds_its_kernels_with_its_own_code(tmp_path):
+@pytest.mark.parametrize("ref", ["HEAD", "a597db0"])  # a597db0: the literal module check
+def test_the_imported_revision_builds_its_kernels_with_its_own_code(tmp_path, ref):
     """``--kernel``: the other revision's build process imports that revision (its own
-    job format), not this checkout's."""
-    step_ab.import_revision("HEAD", tmp_path)
-    code = importlib.import_module(f"{step_ab.BASE_NAME}.kernel")._CHILD
+    job format), not this checkout's, and takes that revision's recipes: a build job
+    naming its kernel module runs there, one naming another module is refused."""
+    if ref != "HEAD" and subprocess.run(["git", "cat-file", "-e", ref], cwd=ROOT).returncode:
+        pytest.skip(f"{ref} is not in this clone's history")
+    step_ab.import_revision(ref, tmp_path)
+    kernel = importlib.import_module(f"{step_ab.BASE_NAME}.kernel")
+    code = kernel._CHILD
     assert f"{step_ab.BASE_NAME}.kernel import" in code and "learned_opt.kernel" not in code
     folder = code.split("sys.path.insert(0, ")[1].split(")")[0].strip("'")
-    assert (Path(folder) / step_ab.BASE_NAME / "kernel.py").is_file()
+    assert step_ab._OLD_GUARD not in (Path(folder) / step_ab.BASE_NAME / "kernel.py").read_text()
+    assert Path(kernel.__file__).is_relative_to(tmp_path)  # not a revision imported before
+    for module, ok in ((f"{step_ab.BASE_NAME}.kernel", True), ("learned_opt.kernel", False)):
+        job = {"builds": [], "recipe": "step", "module": module, "threads": 1, "nice": 0,
+               "parent": os.getpid()}  # fmt: skip
+        torch.save(job, tmp_path / "job.pt")
+        run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.pt")],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert (run.returncode == 0) == ok, run.stderr[-2000:]
+        if not ok:
+            assert "ValueError: not a learned_opt" in run.stderr  # the revision's own words
