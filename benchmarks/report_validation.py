@@ -171,6 +171,8 @@ SCHEDULE_PHRASES = {
 @section("validation_adam_metric_cosine")
 @section("validation_adam_hypergradient_cosine")
 @section("validation_omax192")
+@section("validation_ortho_ceiling2")
+@section("validation_ortho_step8")
 @section("validation_nesterov64_wsd_half")
 @section("validation_nesterov64_decentralized")
 @section("validation_nesterov_all")
