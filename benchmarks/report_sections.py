@@ -637,6 +637,7 @@ def render_eager_step(r: dict) -> str:
 @section("step_ab_whiten_validation")
 @section("step_ab_whiten_squared")
 @section("step_ab_whiten_sampled")
+@section("step_ab_whiten_sampled_kernel")
 def render_step_ab(r: dict) -> str:
     """This checkout's step against another revision's, taking turns in one process: the
     eager reference, or (``path`` ``kernel``) the compiled kernels with the kinds each
