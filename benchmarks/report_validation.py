@@ -293,3 +293,53 @@ def render_meta_stages(r: dict) -> str:
         f" how many the stage was ahead and behind. Generated from the records by"
         f" `{r['command']}`."
     )
+
+
+#: The rows of the headroom table (``benchmarks/validation_headroom.py``), in order.
+HEADROOM_ROWS = (
+    ("reference", "the shipped rule"),
+    ("best_variant", "the best single variant"),
+    ("best_pair", "the better of two variants, per row and seed"),
+    ("per_row_across_seeds", "each row's best variant, chosen on the other seeds"),
+    ("per_row_in_sample", "each row's and seed's best variant (in sample)"),
+)
+
+
+@section("validation_headroom")
+def render_headroom(r: dict) -> str:
+    """What choosing per problem among the validation records could reach."""
+    s = r["summaries"]
+    base = s["reference"]["median"]
+    rows = []
+    for key, what in HEADROOM_ROWS:
+        x = s[key]
+        names = ", ".join(f"`{n}`" for n in x.get("names", ()))
+        rows.append(
+            [what + (f" ({names})" if names else ""), f"**{_x(x['median'])}**",
+             f"{x['median'] / base:.2f}", _x(x["median_short"]), _x(x["median_long"]),
+             _x(x["lowest"]), f"{x['geomean_over_reference']:.2f}"]
+        )  # fmt: skip
+    header = ["choice", "median", "times the shipped rule's", "small problems",
+              "runs of 1000+ steps", "lowest row", "row by row"]  # fmt: skip
+    settings = [
+        [d["task"], d["workers"], d["topology"], d["partition"], d["alpha"],
+         f"{len(d['not_worse_than_dadam'])} of {d['records']}",
+         "-" if d["best"] is None else f"`{d['best']}` ({_x(d['best_speedup'])})"]
+        for d in r.get("decentralized", [])
+    ]  # fmt: skip
+    dec_header = ["problem", "ranks", "graph", "data", "alpha",
+                  "records ending no worse than D-Adam", "fastest of them"]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + ("\n\n" + markdown_table(dec_header, settings) if settings else "")
+        + f"\n\nSingle-worker validation family, seeds {', '.join(map(str, r['seeds']))}: step"
+        f" speedups against tuned AdamW from {len(r['variants'])} records that ran every"
+        f" problem at those seeds (variants of the rule, meta-trained stages and schedules;"
+        f" the reference `{r['reference']}.json` among them). Row by row: the geometric mean"
+        f" over the reference's speedup, every problem and seed. Targets: runs of 1000+"
+        f" steps {r['targets']['median_long']}, lowest row {r['targets']['lowest']}, a"
+        f" meta-trained median {r['targets']['times_reference']} times the hand-set rule's."
+        f" Decentralized: every record of the setting, at whatever seeds it ran; no worse"
+        f" than D-Adam means at every seed, against D-Adam tuned in the same run."
+        f" Generated from the records by `{r['command']}`."
+    )
