@@ -15,13 +15,13 @@ those variants there, would score:
 - **one variant** for every row, the best by its geometric mean over the reference, and
   the best **pair** (each row and seed taking the better of two).
 
-Under gossip it reads every record's decentralized settings (at any seeds) and counts, per
-setting, the records that ran it and those whose averaged model ended no worse than tuned
-D-Adam's at every seed, the issue's bar for every setting.
-
 Each is summarised as the issue's targets read it (:mod:`benchmarks.validation_scores`):
 the median, the small problems' and long runs' medians, the lowest row, and the geometric
 mean over the reference's step speedup, row by row and seed by seed.
+
+Under gossip it reads every record's decentralized settings (at any seeds) and counts, per
+setting, the records that ran it and those whose averaged model ended no worse than tuned
+D-Adam's at every seed, the issue's bar for every setting.
 """
 
 from __future__ import annotations
