@@ -174,6 +174,7 @@ SCHEDULE_PHRASES = {
 @section("validation_ortho_ceiling2")
 @section("validation_ortho_step8")
 @section("validation_adam_step4")
+@section("validation_cautious")
 @section("validation_nesterov64_wsd_half")
 @section("validation_nesterov64_decentralized")
 @section("validation_nesterov_all")
