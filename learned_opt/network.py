@@ -34,7 +34,7 @@ Theta = dict[str, Tensor]
 
 
 class LearnedOptimizerNet(nn.Module):
-    """Holds theta. ``forward`` is the per-tensor local step (see :func:`learned_opt.step.tensor_step`)."""
+    """Holds theta; the step that uses it is :func:`learned_opt.step.tensor_step`."""
 
     def __init__(self, config: NetConfig | None = None, mixing: MixingConfig | None = None):
         super().__init__()
@@ -79,11 +79,16 @@ class LearnedOptimizerNet(nn.Module):
         """The meta-parameters as a plain dict (what the pure functions take)."""
         return dict(self.named_parameters())
 
-    def forward(self, p, g, m, v, step, lr=1.0):  # noqa: D401 - functional_call entry
-        """Differentiable local step of one tensor; returns ``(new_p, new_m, new_v)``."""
-        from .step import tensor_step
+    def forward(self, *args, **kwargs):
+        """The network is not called: it holds theta, and the step takes it.
 
-        return tensor_step(self.theta(), self.config, p, g, m, v, step, lr)
+        The step lives in :mod:`learned_opt.step` (which imports this module, not the other
+        way round): ``tensor_step(net.theta(), net.config, p, g, m, v, step)``."""
+        raise TypeError(
+            "LearnedOptimizerNet holds theta and is not called; run a step with "
+            "learned_opt.step.tensor_step(net.theta(), net.config, p, g, m, v, step), "
+            "or use learned_opt.LearnedOptimizer"
+        )
 
 
 def head_is_nonzero(theta: Theta, name: str) -> bool:

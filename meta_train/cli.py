@@ -19,7 +19,6 @@ from learned_opt.checkpoint import (
 from learned_opt.config import MixingConfig, NetConfig, split_config
 from learned_opt.network import LearnedOptimizerNet
 
-CONFIG_DIR = Path(__file__).parent / "configs"
 #: Packages of the ``[meta]`` extra (with those of ``[tasks]`` it includes).
 META_PACKAGES = (
     "lightning",

@@ -27,8 +27,10 @@ from learned_opt.checkpoint import (
     read_torch_file,
 )
 
-from .cli import CONFIG_DIR
 from .settings import validate_settings
+
+#: The shipped meta-training configs (``--config <name>``), installed with the package.
+CONFIG_DIR = Path(__file__).parent / "configs"
 
 #: Trainer settings of every run unless the config says otherwise.
 TRAINER_DEFAULTS = {"default_root_dir": "runs/meta", "max_epochs": 1}

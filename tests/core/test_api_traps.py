@@ -182,3 +182,10 @@ def test_one_cycle_runs_on_the_multiplier_once_told_not_to_cycle_momentum():
             lrs.append(opt.param_groups[0]["lr"])
     assert lrs == sorted(lrs) and 0.04 < lrs[0] < lrs[-1] <= 1.0  # warming up to max_lr
     assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_calling_the_network_points_to_the_step():
+    """The network holds theta; the step lives in ``learned_opt.step`` (which imports the
+    network, not the other way round), and a call says where."""
+    with pytest.raises(TypeError, match=r"learned_opt\.step\.tensor_step"):
+        perturbed_net()(torch.zeros(3), torch.zeros(3))

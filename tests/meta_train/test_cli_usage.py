@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from learned_opt.cli import main as learned_opt_main
-from learned_opt.meta_train.cli import CONFIG_DIR, meta_cli_main
+from learned_opt.meta_train.cli import meta_cli_main
 from learned_opt.meta_train.data import TaskSeedDataModule
 from learned_opt.meta_train.meta_cli import (
+    CONFIG_DIR,
     TRAINER_DEFAULTS,
     MetaCLI,
     UsageError,

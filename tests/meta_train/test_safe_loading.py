@@ -22,7 +22,8 @@ import torch
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import CheckpointError
 from learned_opt.cli import main as learned_opt_main
-from learned_opt.meta_train.cli import CONFIG_DIR, export, inspect, meta_cli_main
+from learned_opt.meta_train.cli import export, inspect, meta_cli_main
+from learned_opt.meta_train.meta_cli import CONFIG_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 
