@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT, CheckpointError
+from learned_opt.helptext import PlainHelpFormatter
 
 from .averaging import all_reduce_mean_
 from .compression import default_consensus_step, get_compressor
@@ -175,7 +176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (see ``--help``), all checked: a mistake prints one line and
     exits with code 2."""
     p = _ArgumentParser(
-        prog="python -m learned_opt.distributed.train", description=__doc__.split("\n")[0]
+        prog="python -m learned_opt.distributed.train",
+        description=__doc__.split("\n")[0],
+        formatter_class=PlainHelpFormatter,
     )
     p.add_argument(
         "--task", default="digits_mlp", help="a name from learned_opt.tasks.list_tasks()"

@@ -1,11 +1,15 @@
-"""``learned-opt``: a thin dispatcher over the project's commands (imported lazily).
+"""learned-opt: the project's commands, in one entry point.
 
-learned-opt list                                   shipped pretrained optimizers
-learned-opt export <lightning.ckpt> <out.pt>       deployable checkpoint from a run
-learned-opt inspect <checkpoint> [--logdir DIR]    card and response curves to TensorBoard
-learned-opt meta fit --config <yaml>               meta-train (same as learned-opt-meta)
-learned-opt train ...                              decentralized training (torchrun entry)
-learned-opt --version
+  learned-opt list                                   shipped pretrained optimizers
+  learned-opt export <lightning.ckpt> <out.pt>       deployable checkpoint from a run
+  learned-opt inspect <checkpoint> [--logdir DIR]    card and response curves to TensorBoard
+  learned-opt meta fit --config <yaml>               meta-train (same as learned-opt-meta)
+  learned-opt train ...                              decentralized training (torchrun entry)
+  learned-opt --version
+
+export, inspect and meta need the meta extra, train the tasks extra; each command's
+--help says more. (A thin dispatcher: each command is imported only when it runs. This
+text is the --help, so it is plain text.)
 """
 
 from __future__ import annotations

@@ -214,7 +214,12 @@ def inspect(checkpoint: str, logdir: str) -> Path:
 
 
 def export_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="learned-opt export", description=export.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="learned-opt export",
+        description="Write the deployable checkpoint of a meta-training run, with its card. "
+        "The run's validation is measured afresh on the exported optimizer, and the card "
+        "holds these numbers; --no-validate keeps the run's last validation instead.",
+    )
     parser.add_argument("lightning_ckpt")
     parser.add_argument("out")
     parser.add_argument(
@@ -227,7 +232,12 @@ def export_main(argv: list[str]) -> int:
 
 
 def inspect_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="learned-opt inspect", description=inspect.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="learned-opt inspect",
+        description="Write a checkpoint's card and response curves to TensorBoard under "
+        "--logdir. Event files already directly in it (an earlier inspect) are replaced, "
+        "so running it twice does not show every curve twice.",
+    )
     parser.add_argument("checkpoint", help="a file path or a shipped name such as 'default'")
     parser.add_argument(
         "--logdir", default="runs/inspect", help="event files already in it are replaced"

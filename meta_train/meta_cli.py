@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 
 from learned_opt.checkpoint import (
@@ -26,6 +27,7 @@ from learned_opt.checkpoint import (
     load_checkpoint,
     read_torch_file,
 )
+from learned_opt.helptext import PlainText
 
 from .settings import validate_settings
 
@@ -91,8 +93,18 @@ def check_resume_checkpoint(ckpt_path: str | None, weights_only: bool | None) ->
         raise CheckpointError(f"{ckpt_path}: not a Lightning checkpoint (no state_dict)")
 
 
+class PlainHelpFormatter(PlainText, DefaultHelpFormatter):
+    """jsonargparse's help (types, defaults) as plain text: Lightning's docstrings and ours
+    are reStructuredText."""
+
+
 class MetaCLI(LightningCLI):
     """LightningCLI with the ``fit`` and ``validate`` subcommands and safe resuming."""
+
+    def init_parser(self, **kwargs):
+        """Lightning's parser, printing ``--help`` as plain text (no reStructuredText)."""
+        kwargs.setdefault("formatter_class", PlainHelpFormatter)
+        return super().init_parser(**kwargs)
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:

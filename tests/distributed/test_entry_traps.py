@@ -49,3 +49,17 @@ def test_core_only_install_gets_one_line_naming_the_extra(tmp_path, hidden, name
         f"learned-opt train needs the tasks extra ({named} is missing): "
         "pip install 'learned-opt[tasks]'"
     ]
+
+
+def test_train_help_is_plain(capsys):
+    """The torchrun entry's ``--help`` is plain text, not its docstring's markup."""
+    import re
+
+    from learned_opt.distributed.train import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Decentralized training of a task from learned_opt.tasks" in out
+    assert not re.search(r"`|:(func|class|mod|meth|attr):", out), out

@@ -3,6 +3,7 @@ errors with exit code 2, the subcommands it has, and settings that cannot disagr
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -151,3 +152,31 @@ def test_missing_meta_extra_is_one_line_naming_it(tmp_path, hidden, call, comman
     assert run.stderr.strip().splitlines() == [
         f"{command} needs the meta extra ({hidden} is missing): pip install 'learned-opt[meta]'"
     ]
+
+
+#: What reStructuredText inline markup leaves in a help text: a backquote or a role.
+RST_MARKUP = re.compile(r"`|:(func|class|mod|meth|attr|data|exc):")
+
+
+@pytest.mark.parametrize("command", ["export", "inspect"])
+def test_export_and_inspect_help_is_plain(command, capsys):
+    from learned_opt.meta_train import cli
+
+    with pytest.raises(SystemExit) as info:
+        (cli.export_main if command == "export" else cli.inspect_main)(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: learned-opt {command}" in out
+    assert not RST_MARKUP.search(out), out
+
+
+def test_meta_fit_help_is_plain(capsys):
+    """``learned-opt-meta fit --help``: Lightning's Trainer options and our module's, with
+    their docstrings' markup removed."""
+    with pytest.raises(SystemExit) as info:
+        meta_cli_main(["fit", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--trainer.max_steps" in out and "--model.unroll_length" in out
+    assert "Holds theta (self.net)" in out
+    assert not RST_MARKUP.search(out), [line for line in out.splitlines() if "`" in line]
