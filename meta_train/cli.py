@@ -55,7 +55,13 @@ def meta_cli_main(args: list[str] | None = None):
     stderr and exits with code 2 (``SystemExit``)."""
     with meta_extra("learned-opt-meta"):
         from .data import TaskSeedDataModule
-        from .meta_cli import TRAINER_DEFAULTS, MetaCLI, UsageError, resolve_config_args
+        from .meta_cli import (
+            TRAINER_DEFAULTS,
+            MetaCLI,
+            UsageError,
+            lightning_notices_silenced,
+            resolve_config_args,
+        )
         from .module import MetaTrainModule
 
     command = " ".join(["learned-opt-meta", *(sys.argv[1:] if args is None else args)])
@@ -65,16 +71,17 @@ def meta_cli_main(args: list[str] | None = None):
             sys.argv[1:] = resolve_config_args(sys.argv[1:])
         else:
             args = resolve_config_args(list(args))
-        MetaCLI(
-            MetaTrainModule,
-            TaskSeedDataModule,
-            args=args,
-            seed_everything_default=0,
-            save_config_kwargs={"overwrite": True},
-            trainer_defaults=dict(TRAINER_DEFAULTS),
-            # a parse error is raised, not printed after 70 lines of usage
-            parser_kwargs={"exit_on_error": False},
-        )
+        with lightning_notices_silenced():
+            MetaCLI(
+                MetaTrainModule,
+                TaskSeedDataModule,
+                args=args,
+                seed_everything_default=0,
+                save_config_kwargs={"overwrite": True},
+                trainer_defaults=dict(TRAINER_DEFAULTS),
+                # a parse error is raised, not printed after 70 lines of usage
+                parser_kwargs={"exit_on_error": False},
+            )
     except (UsageError, CheckpointError, argparse.ArgumentError) as exc:
         message = " ".join(str(exc).split())  # jsonargparse's message may span lines
         print(f"learned-opt-meta: error: {message}", file=sys.stderr)

@@ -16,6 +16,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+import warnings
 from pathlib import Path
 
 from jsonargparse import DefaultHelpFormatter
@@ -36,6 +40,49 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 
 #: Trainer settings of every run unless the config says otherwise.
 TRAINER_DEFAULTS = {"default_root_dir": "runs/meta", "max_epochs": 1}
+
+
+#: Lightning's own notices that say nothing about the run: the hardware it did not use, an
+#: advert, the seed, a limit the config set, and why ``fit`` stopped (``max_steps``).
+LIGHTNING_NOTICES = re.compile(
+    r"^(\[rank: \d+\] )?(GPU available|TPU available|HPU available|💡 Tip|Seed set to "
+    r"|`Trainer\(\w+=1(\.0)?\)` was configured so|`Trainer.fit` stopped)"
+)
+#: Lightning's warnings that do not apply (``message`` regex, category).
+LIGHTNING_WARNINGS = (
+    # the meta-state is saved after the outer step, which is what a resumed run needs
+    (r"Using ModelCheckpoint with manual optimization and every_n_train_steps", Warning),
+    # torch deprecates a class that Lightning's own code still builds
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+)
+#: The loggers Lightning's notices come through.
+LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.seed",
+)
+
+
+def _not_a_notice(record: logging.LogRecord) -> bool:
+    return not LIGHTNING_NOTICES.search(record.getMessage())
+
+
+@contextlib.contextmanager
+def lightning_notices_silenced():
+    """Within it, Lightning's notices (:data:`LIGHTNING_NOTICES`) and its warnings that do
+    not apply (:data:`LIGHTNING_WARNINGS`) are not printed; its other warnings, errors and
+    the progress bar are."""
+    loggers = [logging.getLogger(name) for name in LIGHTNING_LOGGERS]
+    with warnings.catch_warnings():
+        for message, category in LIGHTNING_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        for logger in loggers:
+            logger.addFilter(_not_a_notice)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(_not_a_notice)
 
 
 class UsageError(Exception):
@@ -136,8 +183,17 @@ class MetaCLI(LightningCLI):
             raise UsageError(str(exc)) from exc
 
     def fit(self, model, **kwargs) -> None:
-        """``Trainer.fit``, always resuming with ``weights_only=True``."""
-        self.trainer.fit(model, **{**kwargs, "weights_only": True})
+        """``Trainer.fit``, always resuming with ``weights_only=True``; then one line says
+        where the run's logs and checkpoints are."""
+        trainer = self.trainer
+        trainer.fit(model, **{**kwargs, "weights_only": True})
+        if trainer.is_global_zero:
+            last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
+            print(
+                f"learned-opt-meta: {trainer.global_step} meta-steps; logs in {trainer.log_dir}"
+                + (f"; export with: learned-opt export {last} out.pt" if last else ""),
+                flush=True,
+            )
 
     def validate(self, model, **kwargs):
         """``Trainer.validate``, always loading with ``weights_only=True``."""

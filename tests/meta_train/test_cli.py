@@ -186,3 +186,26 @@ def test_export_of_a_run_saved_before_the_mixing_config_was_split(tmp_path):
         0
     ]
     assert net.config.output == "ortho" and net.mixing.lr_adapt_max_gossip == 3.0
+
+
+def test_a_smoke_fit_prints_no_lightning_notices(tmp_path):
+    """``learned-opt-meta fit --config smoke`` for 2 steps, as a user runs it: Lightning's
+    notices (the unused hardware, an advert, the seed, a deprecation, a 12-line example
+    about checkpoints) are gone; the progress bar and the line saying where the run's logs
+    and checkpoints are remain."""
+    cmd = [
+        sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit", "--config", "smoke",
+        "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    for notice in (
+        "GPU available", "TPU available", "Tip", "litlogger", "Seed set", "was configured so",
+        "deprecated", "Warning", "saved_models", "`Trainer.fit` stopped",
+    ):  # fmt: skip
+        assert notice not in text, text
+    assert "Epoch 0" in text  # the progress bar
+    assert f"learned-opt-meta: 2 meta-steps; logs in {tmp_path}" in text
+    assert "checkpoints/last.ckpt out.pt" in text
+    assert len(text.strip().splitlines()) <= 10, text
