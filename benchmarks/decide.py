@@ -1,0 +1,217 @@
+"""The decision procedure: rule A against rule B on freshly drawn jobs.
+
+Both rules train the same N jobs drawn from :mod:`learned_opt.tasks.distribution`. A draw's
+score is A's step speedup over B (:func:`learned_opt.meta_train.evaluation.speedup`: the
+steps B needs to reach the worse of the two best smoothed losses over the steps A needs),
+clipped to [1/20, 20] so that a diverged run counts as a large loss without an infinite log.
+The verdict reads the geometric mean with a 95 % bootstrap interval, overall and per kind:
+
+    A ships only if the interval's lower end is above 1.0 and no kind's geometric mean is
+    below 0.97. A median that rises while a kind falls is a loss.
+
+The same scores in time are reported beside: each run's steps to the level times its
+measured seconds per step (the optimizer's construction and any compile included).
+
+Seeds. The draws of a decision are the next N seeds after every seed the ledger
+(``benchmarks/ledger.json``) has given out, from :data:`DECISION_SEEDS` on; the decision is
+written to the ledger before its first run, so a seed is never drawn for two choices, even if
+a run is stopped. Seeds below :data:`DECISION_SEEDS` belong to the reporting draw
+(``benchmarks/report_draw.py``); meta-training draws from :data:`META_SEEDS` on.
+
+    OMP_NUM_THREADS=1 python -m benchmarks.decide --a . --b bbd8f5d --draws 200 --jobs 2
+
+Writes ``benchmarks/results/decide.json`` (every draw's curves' scores; ``--out``) and the
+summary into the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+from benchmarks import rules  # noqa: E402
+from benchmarks.common import command_line, write_json  # noqa: E402
+from learned_opt.meta_train.evaluation import smooth, speedup, steps_to_common_level  # noqa: E402
+from learned_opt.tasks.distribution import KINDS, draw  # noqa: E402
+
+LEDGER = Path(__file__).resolve().parent / "ledger.json"
+DECISION_SEEDS = 10_000  # decisions draw from here on; below it: the reporting draw
+META_SEEDS = 10_000_000  # meta-training draws from here on
+CLIP = 20.0
+KIND_FLOOR = 0.97
+
+
+# ----------------------------------------------------------------------------- the ledger
+def read_ledger(path: Path = LEDGER) -> list[dict]:
+    """The ledger's decisions (an empty list if there is none yet)."""
+    if not path.is_file():
+        return []
+    entries = json.loads(path.read_text())
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a JSON list of decisions")
+    return entries
+
+
+def reserve(n: int, entry: dict, path: Path = LEDGER) -> list[int]:
+    """The next ``n`` unused decision seeds, recorded in the ledger with ``entry``."""
+    entries = read_ledger(path)
+    first = max([DECISION_SEEDS] + [e["first_seed"] + e["draws"] for e in entries])
+    if first + n > META_SEEDS:
+        raise ValueError("the decision seeds are used up")
+    entries.append({**entry, "first_seed": first, "draws": n, "status": "running"})
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+    return list(range(first, first + n))
+
+
+def settle(first_seed: int, summary: dict, path: Path = LEDGER) -> None:
+    """Record a decision's outcome beside its seeds."""
+    entries = read_ledger(path)
+    for e in entries:
+        if e["first_seed"] == first_seed:
+            e.update(summary, status="done")
+    path.write_text(json.dumps(entries, indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------- scoring
+def clipped(x: float) -> float:
+    return min(max(x, 1 / CLIP), CLIP)
+
+
+def diverged(curve: list[float]) -> bool:
+    """Non-finite, or ended (smoothed) above its first loss."""
+    s = smooth(curve)
+    return not s or not math.isfinite(s[-1]) or s[-1] > curve[0]
+
+
+def score_draw(a: dict, b: dict) -> dict:
+    """A's step and time speedups over B on one draw."""
+    step = clipped(speedup(a["curve"], b["curve"]))
+    steps = steps_to_common_level(a["curve"], b["curve"])
+    time_score = step
+    if steps is not None and steps[0] and steps[1]:
+        per_a, per_b = a["seconds"] / len(a["curve"]), b["seconds"] / len(b["curve"])
+        time_score = clipped(steps[1] * per_b / (steps[0] * per_a))
+    return {"step": step, "time": time_score, "a_diverged": diverged(a["curve"]),
+            "b_diverged": diverged(b["curve"])}  # fmt: skip
+
+
+def geomean(xs) -> float:
+    return float(math.exp(statistics.fmean(math.log(x) for x in xs)))
+
+
+def bootstrap(xs: list[float], reps: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """95 % percentile interval of the geometric mean, resampling draws."""
+    logs = np.log(np.asarray(xs))
+    idx = np.random.default_rng(seed).integers(0, len(logs), (reps, len(logs)))
+    means = np.exp(logs[idx].mean(1))
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def summarise(rows: list[dict], key: str = "step") -> dict:
+    """Geometric mean, interval, median, share won and per-kind means of ``rows``' scores,
+    and the verdict."""
+    xs = [r[key] for r in rows]
+    low, high = bootstrap(xs)
+    kinds = {}
+    for k in sorted({r["kind"] for r in rows}):
+        ks = [r[key] for r in rows if r["kind"] == k]
+        kinds[k] = {"n": len(ks), "geomean": round(geomean(ks), 4)}
+    fallen = [k for k, v in kinds.items() if v["geomean"] < KIND_FLOOR]
+    return {
+        "n": len(xs), "geomean": round(geomean(xs), 4), "interval": [round(low, 4), round(high, 4)],
+        "median": round(statistics.median(xs), 4), "won": round(sum(x > 1 for x in xs) / len(xs), 3),
+        "lost": round(sum(x < 1 for x in xs) / len(xs), 3), "kinds": kinds, "kinds_below_floor": fallen,
+        "ships": low > 1.0 and not fallen,
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- running
+def _job(seed: int, side: str) -> dict:
+    return rules.run(draw(seed), side)
+
+
+def decide(a: str, b: str, seeds: list[int], jobs: int, log=print) -> list[dict]:
+    """Both sides' runs of every seed, scored; progress on ``log``."""
+    for side in (a, b):  # a bad side fails here, once, not in every worker
+        rules.factory(side, 1)
+    rows, pending = {}, {}
+    with ProcessPoolExecutor(jobs) as pool:
+        futures = {pool.submit(_job, s, side): (s, side) for s in seeds for side in (a, b)}
+        for fut in as_completed(futures):
+            seed, side = futures[fut]
+            pending.setdefault(seed, {})[side] = fut.result()
+            if len(pending[seed]) < 2:
+                continue
+            spec = draw(seed)
+            runs = pending.pop(seed)
+            rows[seed] = {"seed": seed, "kind": spec.kind, "horizon": spec.horizon,
+                          **score_draw(runs[a], runs[b]),
+                          "seconds": [runs[a]["seconds"], runs[b]["seconds"]]}  # fmt: skip
+            done = list(rows.values())
+            log(f"[{len(done)}/{len(seeds)}] seed {seed} {spec.kind} ({spec.horizon} steps): "
+                f"{rows[seed]['step']:.2f}x; geometric mean so far {geomean(r['step'] for r in done):.3f}")  # fmt: skip
+    return [rows[s] for s in seeds]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--a", required=True, help="the candidate side (see benchmarks/rules.py)")
+    p.add_argument("--b", required=True, help="the side it must beat")
+    p.add_argument("--draws", type=int, default=200, help="fresh draws (default 200)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel runs")
+    p.add_argument("--note", default="", help="what the decision is about, for the ledger")
+    p.add_argument("--out", default="decide", help="result file name under benchmarks/results")
+    p.add_argument("--ledger", type=Path, default=LEDGER, help=argparse.SUPPRESS)  # tests
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.draws < 2:
+        raise SystemExit("decide: --draws must be at least 2")
+    entry = {"a": args.a, "b": args.b, "note": args.note,
+             "commit": rules.resolve_commit("HEAD"), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    for side in (args.a, args.b):
+        if not side.startswith(("adamw:", *rules.ANCHORS)) and parse_side_ref(side) != ".":
+            entry[f"{'a' if side == args.a else 'b'}_commit"] = rules.resolve_commit(
+                parse_side_ref(side)
+            )
+    seeds = reserve(args.draws, entry, args.ledger)
+    print(
+        f"decide: {args.a} against {args.b} on seeds {seeds[0]}-{seeds[-1]}, {args.jobs} jobs",
+        flush=True,
+    )
+    start = time.perf_counter()
+    rows = decide(args.a, args.b, seeds, args.jobs, log=lambda s: print(s, flush=True))
+    summary = {"steps": summarise(rows, "step"), "time": summarise(rows, "time"),
+               "divergences": {"a": sum(r["a_diverged"] for r in rows),
+                               "b": sum(r["b_diverged"] for r in rows)},
+               "minutes": round((time.perf_counter() - start) / 60, 1)}  # fmt: skip
+    settle(seeds[0], summary, args.ledger)
+    payload = {**entry, "command": command_line("python -m benchmarks.decide", argv),
+               "first_seed": seeds[0], "summary": summary, "kinds": sorted(KINDS), "rows": rows}  # fmt: skip
+    write_json(args.out, payload)
+    s = summary["steps"]
+    print(f"steps: geometric mean {s['geomean']}x, 95% interval {s['interval']}, median {s['median']}x, "
+          f"kinds below {KIND_FLOOR}: {s['kinds_below_floor'] or 'none'} -> "
+          f"{'SHIPS' if s['ships'] else 'does not ship'}; time: {summary['time']['geomean']}x")  # fmt: skip
+    return payload
+
+
+def parse_side_ref(side: str) -> str:
+    return rules.parse_side(side)[0]
+
+
+if __name__ == "__main__":
+    main()
