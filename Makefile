@@ -73,7 +73,7 @@ demo: $(STAMP)
 	$(VPY) -m learned_opt.demo
 
 bench: $(STAMP)
-	$(VPY) benchmarks/run_all.py
+	$(VPY) -m benchmarks --all
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info runs lightning_logs

@@ -30,6 +30,7 @@ shipped = resources.files("learned_opt")
 for name in ("meta_train/configs/smoke.yaml", "meta_train/configs/finetune.yaml",
              "checkpoints/default.pt", "checkpoints/default_stage1.pt"):
     assert (shipped / name).is_file(), f"the wheel lacks {name}"
+assert not (shipped / "meta_train/stages").exists(), "stage checkpoints are not shipped"
 PY
 OMP_NUM_THREADS=1 venv/bin/python quickstart.py
 venv/bin/learned-opt --version

@@ -21,7 +21,7 @@ Target (issue 33): at least 100x fewer bytes than exact gossip, with the final a
 model's loss within 5% of the exact run's (ratio <= 1.05).
 
 Choices are made first, on the decentralized validation family
-(:data:`benchmarks.gossip_validation.SETTINGS`, none held out): ``H``, the top-k density
+(:data:`VALIDATION`, none held out): ``H``, the top-k density
 and the outer learning rates over :data:`GRID`, among the variants that send >= 100x
 fewer bytes on every validation setting, by the median loss ratio. That table is written
 into the JSON before any held-out run; the held-out settings then run only the chosen
@@ -42,9 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from benchmarks import heldout_decentralized as dec
-from benchmarks.common import command_line, machine, write_json
-from benchmarks.gossip_validation import CACHE as VALIDATION_CACHE
-from benchmarks.gossip_validation import SETTINGS as VALIDATION_SETTINGS
+from benchmarks.common import RESULTS, command_line, machine, write_json
 from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
 from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import LearnedOptimizer, load_checkpoint
@@ -63,8 +61,16 @@ from learned_opt.tasks import check_not_held_out, get_task
 #: Targets of the issue: bytes reduction against exact gossip, and loss ratio.
 BYTES_TARGET, LOSS_TARGET = 100.0, 1.05
 #: Validation settings the choice is made on (tasks of the meta-training registry).
-VALIDATION = [s for s in VALIDATION_SETTINGS
-              if s["task"] in ("digits_mlp", "wine_autoencoder", "logreg_wine_l2", "digits_cnn")]  # fmt: skip
+VALIDATION = [
+    dict(task=task, workers=workers, topology=topology, alpha=alpha, horizon=200, every=every,
+         seed=0)
+    for task, workers, topology, alpha, every in (
+        ("digits_mlp", 16, "ring", 0.1, 1), ("wine_autoencoder", 8, "torus", 0.3, 1),
+        ("logreg_wine_l2", 16, "torus", 0.1, 1), ("digits_cnn", 4, "ring", 0.3, 5),
+    )
+]  # fmt: skip
+#: Tuned D-Adam runs of the validation settings (the inner rate of each).
+VALIDATION_CACHE = RESULTS / "local_steps_baselines.json"
 #: The choice grid: local steps, top-k density, outer Nesterov lr, outer learned
 #: multiplier; and the local steps of the plain outer rule, SGD at lr 1 (the anchor moves
 #: by the tracked mean pseudo-gradient: the ranks' average, as FedAvg's; at ``H = 1``

@@ -1,26 +1,212 @@
-"""Renderers of the other result sections (see ``report.py``)."""
+"""The renderers of the generated result sections (see ``report.py``): each registered with
+``@section(NAME)`` renders ``benchmarks/results/NAME.json`` (``NAME:VIEW`` a view of it)."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
 
-from benchmarks.report import markdown_table, section
+from benchmarks.validation_anchors import ANCHORS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RENDERERS: dict[str, Callable[..., str]] = {}
 
 
-def _x(v: float) -> str:
+def section(name: str):
+    """Register ``fn(result_dict) -> markdown`` as the renderer of ``results/NAME.json``."""
+
+    def register(fn):
+        RENDERERS[name] = fn
+        return fn
+
+    return register
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _x(v) -> str:
+    if v is None:
+        return "-"
     return "diverged" if not math.isfinite(v) else f"{v:.2f}x"
+
+
+# Step cost
+
+
+def _load_cell(r: dict) -> str:
+    if r["load"] == "as is":
+        return "as is"
+    blocks = r.get("blocks")
+    if not blocks:
+        return "2 busy processes beside"
+    each = ", ".join(f"{b:.2f}x" for b in blocks)
+    return f"2 busy processes beside (median of {len(blocks)} blocks: {each})"
+
+
+#: Step-cost columns: (header, key of a row); a column no row has is left out, so results
+#: written before and after a benchmark change both render.
+STEP_COLUMNS = (
+    ("optimizer step / AdamW", "learned_default_step_ratio"),
+    ("training step / AdamW", "learned_default_train_ratio"),
+    ("eager reference: step / AdamW", "learned_reference_step_ratio"),
+    ("eager reference: training step / AdamW", "learned_reference_train_ratio"),
+    ("no orthogonalisation: step / AdamW", "learned_no_ortho_step_ratio"),
+    ("no orthogonalisation: training step / AdamW", "learned_no_ortho_train_ratio"),
+    ("Newton-Schulz every step: step / AdamW", "learned_ns_every_step_step_ratio"),
+    ("Newton-Schulz every step: training step / AdamW", "learned_ns_every_step_train_ratio"),
+    ("gossip rule: step / AdamW", "learned_gossip_rule_step_ratio"),
+    ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
+    ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),
+    ("shipped rule: training step / AdamW", "learned_shipped_train_ratio"),
+    ("Muon + AdamW: step / AdamW", "muon_adamw_step_ratio"),
+    ("Muon + AdamW: training step / AdamW", "muon_adamw_train_ratio"),
+)
+
+
+def _shipped_prefix(result: dict) -> str:
+    """The row-key prefix of the shipped single-worker rule: ``learned_shipped`` in results
+    that measured it beside another build, else ``learned_default`` (``LearnedOptimizer(params)``)."""
+    shipped = any("learned_shipped_step_ratio" in r for r in result["rows"])
+    return "learned_shipped" if shipped else "learned_default"
+
+
+def _first_steps(result: dict) -> str:
+    """What the result says about the first steps of a new process (the compile)."""
+    cold = result.get("cold_start") or result.get("cold_compile")
+    if not cold:
+        return ""
+    parts = []
+    first = cold.get("first_step_seconds", cold.get("seconds"))
+    if first is not None:
+        digits = 2 if first < 0.1 else 1  # 0.04 s, not 0.0 s
+        parts.append(f"the first step took {first:.{digits}f} s")
+    if cold.get("first_kernel_seconds") is not None:
+        parts.append(
+            f"the kernel of the costliest kind of bucket was ready after "
+            f"{cold['first_kernel_seconds']:.0f} s"
+        )
+    if cold.get("kernel_ready_seconds") is not None:
+        parts.append(f"the compiled kernel was ready after {cold['kernel_ready_seconds']:.0f} s")
+    where = f"{cold.get('workload', 'the first workload')}, {cold.get('threads', '?')} threads"
+    if cold.get("command"):  # measured again on its own, after the table
+        where += f"; measured {cold['date'][:10]} by `{cold['command']}`"
+    text = f" In a new process with an empty compile cache ({where}), " + " and ".join(parts) + "."
+    if cold.get("warm_kernel_ready_seconds") is not None:  # a second process on that cache
+        text += (
+            f" A second process on that cache (a later run, another rank) loaded the kernel "
+            f"after {cold['warm_kernel_ready_seconds']:.1f} s "
+            f"({cold['warm_steps_until_ready']} steps)."
+        )
+    text += f" {cold['note']}" if cold.get("note") else ""
+    probes = result.get("cold_start_isa_probes")
+    if probes:
+        t, p = probes["medians"]["trusted"], probes["medians"]["probed"]
+        text += (
+            f" With inductor trusting the CPU's flags for its vector instruction set (as "
+            f"shipped) against probing them, {probes['rounds']} cold starts each taking "
+            f"turns (`{probes['command']}`, {probes['date'][:10]}), medians: the first kernel "
+            f"after {t['first_kernel_seconds']:.0f} s against {p['first_kernel_seconds']:.0f} s, "
+            f"the last after {t['kernel_ready_seconds']:.0f} s against "
+            f"{p['kernel_ready_seconds']:.0f} s, and in a second process "
+            f"{t['warm_kernel_ready_seconds']:.1f} s against {p['warm_kernel_ready_seconds']:.1f} s."
+        )
+    return text
+
+
+@section("step_overhead")
+@section("step_overhead_stacked")
+def render_step_overhead(result: dict) -> str:
+    """Step cost against AdamW: the optimizer step alone and the whole training step."""
+
+    def ratio(r, key):
+        return f"{r[key]:.2f}x" if key in r else "-"
+
+    columns = [(h, k) for h, k in STEP_COLUMNS if any(k in r for r in result["rows"])]
+    header = ["workload", "params (tensors)", "threads", "machine", "AdamW step ms"]
+    header += [h for h, _ in columns]
+    rows = [
+        [
+            r["workload"],
+            f"{r['params']:,} ({r.get('tensors', '?')})",
+            r.get("threads", 2),
+            _load_cell(r),
+            f"{r['adamw_foreach_step_ms']:.1f}",
+        ]
+        + [ratio(r, k) for _, k in columns]
+        for r in result["rows"]
+    ]
+    m = result["machine"]
+    load = result.get("load_average_before")
+    load_note = f", load average {load[0]:.1f} before measuring" if load else ""
+    day = result["date"][:10]
+    later = {}  # rows appended by a later run (--append): workload -> date
+    for r in result["rows"]:
+        if r.get("date", day)[:10] != day:
+            later.setdefault(r["workload"], r["date"][:10])
+    when = "".join(f"; {w} on {d}" for w, d in later.items())
+    return (
+        markdown_table(header, rows)
+        + f"\n\nMeasured {day}{when} on {m['processor']} ({m['cpu_count']} cores"
+        f"{load_note}), torch {m['torch']}; {_samples(result)}, every optimizer on its own "
+        "copy of the model, taking turns, so that a busy machine slows them alike (compare "
+        f"ratios, not times). AdamW with `foreach=True`.{_first_steps(result)} Command: "
+        f"`{result['command']}`. Targets: {result.get('targets', '-')}."
+    )
+
+
+def _samples(result: dict) -> str:
+    """How a step-cost run sampled: single steps, or the mean of ``period`` in a row."""
+    repeats, warmup, period = (result.get(k, "?") for k in ("repeats", "warmup", "period"))
+    if period in ("?", 1):
+        return f"median of {repeats} steps after {warmup} warm-up steps"
+    return (
+        f"median of {repeats} samples, each the mean of {period} consecutive steps (the "
+        f"rule's step time alternates with its Newton-Schulz steps), after {warmup} warm-up "
+        "samples"
+    )
+
+
+@section("step_overhead:brief")
+@section("step_overhead_stacked:brief")
+def render_step_overhead_brief(result: dict) -> str:
+    """The shipped single-worker rule's step cost against AdamW, one row per workload
+    measured as is (no competing processes)."""
+    prefix = _shipped_prefix(result)
+    rows = [
+        [
+            r["workload"],
+            f"{r['params']:,}",
+            r.get("threads", 2),
+            f"{r[f'{prefix}_step_ratio']:.1f}x",
+            f"{r[f'{prefix}_train_ratio']:.2f}x" if f"{prefix}_train_ratio" in r else "-",
+        ]
+        for r in result["rows"]
+        if r.get("load") == "as is" and f"{prefix}_step_ratio" in r
+    ]
+    header = [
+        "workload",
+        "params",
+        "CPU threads",
+        "optimizer step / AdamW's",
+        "training step / AdamW's",
+    ]
+    m = result["machine"]
+    return (
+        markdown_table(header, rows)
+        + f"\n\nOn {m['processor']}, torch {m['torch']}; the training step is forward, "
+        "backward and optimizer step (`-`: not measured)."
+    )
 
 
 def _f(v: float) -> str:
     return "inf" if not math.isfinite(v) else f"{v:.4g}"
-
-
-def _partial(r: dict, what: str) -> str:
-    if r.get("complete", True):
-        return ""
-    done = len(r.get("tasks", r.get("settings", [])))
-    return f"**Partial run: {done} of {r.get('total', '?')} {what} measured.** "
 
 
 def _measured(r: dict) -> str:
@@ -30,106 +216,13 @@ def _measured(r: dict) -> str:
     return f"Measured {r.get('date', '?')} on {where}, torch {r.get('torch', '?')}."
 
 
-@section("quality_single")
-def render_quality_single(r: dict) -> str:
-    h1, h2 = r["horizons"]
-    header = ["task", "params", f"speedup @{h1}", f"speedup @{h2}", f"best baseline @{h2}",
-              f"final loss learned / best @{h2}"]  # fmt: skip
-    rows = []
-    for t in r["tasks"]:
-        a, b = t[f"h{h1}"], t[f"h{h2}"]
-        best = b["best_baseline"][0]
-        rows.append([
-            t["task"], f"{t['num_params']:,}", _x(a["speedup_median"]), _x(b["speedup_median"]),
-            f"{best} (lr {b['best_lr'][best]:g})",
-            f"{_f(b['final_loss_mean']['learned'])} / {_f(b['final_loss_mean'][best])}",
-        ])  # fmt: skip
-    s1, s2 = r["summary"][f"h{h1}"], r["summary"][f"h{h2}"]
+def seeds_phrase(seeds: list[int]) -> str:
+    """How a decentralized benchmark's rows were taken over ``seeds``, for a caption."""
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
     return (
-        markdown_table(header, rows)
-        + f"\n\n{_partial(r, 'tasks')}Median speedup over the best of tuned Adam, AdamW and "
-        f"SGD+momentum: "
-        f"**{_x(s1['median_speedup'])}** at {h1} steps ({s1['tasks_faster']}/{s1['tasks']} "
-        f"tasks faster), **{_x(s2['median_speedup'])}** at {h2} steps ({s2['tasks_faster']}/"
-        f"{s2['tasks']}). Learned-optimizer runs that diverged: {s2['learned_diverged_runs']}. "
-        f"Speedup = steps the best baseline needs to reach a loss level / steps the learned "
-        f"optimizer needs, at the worse of the two best levels (below 1: slower); median of "
-        f"{len(r['seeds'])} seeds; each baseline tuned per task and horizon over a 7-point "
-        f"learning-rate grid. Checkpoint: `{r['checkpoint']}`. {_measured(r)} "
-        f"Wall time {r['wall_seconds'] / 60:.0f} min. Plot: `benchmarks/results/quality_single.png`."
-    )
-
-
-@section("quality_decentralized")
-def render_quality_decentralized(r: dict) -> str:
-    header = ["workers", "topology", "data", "speedup", "best baseline (lr)",
-              "avg-model loss learned / best", "consensus learned / best"]  # fmt: skip
-    rows = []
-    for s in r["settings"]:
-        best = s["best_baseline"]
-        b = s["baselines"][best]
-        rows.append([
-            s["workers"], s["topology"], s["partition"], _x(s["speedup"]), f"{best} ({b['lr']:g})",
-            f"{_f(s['learned']['averaged_model_loss'])} / {_f(b['averaged_model_loss'])}",
-            f"{s['learned']['consensus']:.3g} / {b['consensus']:.3g}",
-        ])  # fmt: skip
-    per = ", ".join(f"{w} workers {_x(v['median_speedup'])}" for w, v in r["summary"].items())
-    return (
-        markdown_table(header, rows)
-        + f"\n\n{_partial(r, 'settings')}Task `{r['task']}`, {r['horizon']} steps, Dirichlet alpha "
-        f"{r['dirichlet_alpha']} for the non-IID rows. Learned optimizer + learned mixing "
-        f"against the best of D-SGD (momentum 0.9), D-Adam and gradient tracking (DSGT), all "
-        f"Metropolis-mixed and each tuned over its 7-point grid per setting. Median speedup: "
-        f"**{_x(r['median_speedup_all'])}** overall; {per}. {_measured(r)} Wall time "
-        f"{r['wall_seconds'] / 60:.0f} min. Plot: `benchmarks/results/quality_decentralized.png`."
-    )
-
-
-@section("meta_train_throughput")
-def render_meta_train_throughput(r: dict) -> str:
-    rows = [[k, f"{v['inner_steps_x_workers_per_s']:.0f}", f"{v['seconds_per_meta_step']:.2f}"]
-            for k, v in r["results"].items()]  # fmt: skip
-    return (
-        markdown_table(["estimator", "inner steps x workers / s", "s / meta-step"], rows)
-        + f"\n\nConfig `{r['config'].split('/work/main/')[-1]}`. {_measured(r)}"
-    )
-
-
-@section("estimators")
-def render_estimators(r: dict) -> str:
-    rows = [[k, v["meta_steps"], _x(v["median_speedup_adam"]), _x(v["median_speedup_dadam"])]
-            for k, v in r["results"].items()]  # fmt: skip
-    return (
-        markdown_table(
-            [
-                "estimator",
-                "meta-steps",
-                "median speedup vs tuned Adam",
-                "vs tuned D-Adam (8 workers)",
-            ],
-            rows,
-        )  # fmt: skip
-        + f"\n\nSame budget: {r['budget_minutes_each']:g} minutes each, side by side, "
-        f"{r['threads_each']} thread each, config `{r['config']}`, measured {r['date']}. "
-        f"The better one, **{r['better']}**, is the default."
-    )
-
-
-@section("gossip_throughput")
-def render_gossip_throughput(r: dict) -> str:
-    rows = []
-    for procs, sizes in r["throughput_ms"].items():
-        for size, m in sizes.items():
-            rows.append([
-                procs, size, f"{m['exchange+mix']:.1f}", f"{m['exchange+mix (learned)']:.1f}",
-                f"{m['raw send/recv']:.1f}", f"{m['all_reduce']:.1f}", f"{m['mix_overhead_x']:.2f}x",
-            ])  # fmt: skip
-    header = ["processes", "params", "exchange+mix ms", "learned mix ms", "raw send/recv ms",
-              "all_reduce ms", "mix / raw"]  # fmt: skip
-    return (
-        markdown_table(header, rows)
-        + f"\n\nGoal: {r['goal']}. {r['note']}. Measured {r['date'][:10]}, {r['machine']}, "
-        f"torch {r['torch']}."
+        f"the median over seeds {', '.join(map(str, seeds))} (data split, initialisation "
+        "and batches; baselines tuned per seed)"
     )
 
 
@@ -179,63 +272,6 @@ def render_cuda_check(r: dict) -> str:
     )
 
 
-@section("robust_cost")
-def render_robust_cost(r: dict) -> str:
-    """One rank's robust mix against the plain one, eager and compiled (robust_cost.py)."""
-    labels = {"plain": "plain mix", "robust": 'robust mix (`robust="clip"`), eager distances',
-              "robust_compiled": "robust mix, compiled distances",
-              "distances": "the distances alone, eager",
-              "compiled_distances": "the distances alone, compiled",
-              "state_distances": "the shared moments' distances, eager",
-              "state_compiled_distances": "the shared moments' distances, compiled",
-              "fused_distances": "the distances in one compiled pass"}  # fmt: skip
-    rows = [[labels.get(k, k), f"{v:.2f}"] for k, v in r["ms"].items()]
-    extra, of_step = r["extra_ms"], r.get("extra_of_step") or {}
-    parts = []
-    for key, how in (("robust", "with eager distances"), ("robust_compiled", "compiled")):
-        if key in extra:
-            part = f"{how}, robust mixing adds {extra[key]:.2f} ms"
-            if key in of_step:
-                part += f" ({of_step[key]:.1%} of a rank's share of the step)"
-            parts.append(part)
-    if "fused_floor" in extra:
-        floor = f"with the distances fused into one pass it would add {extra['fused_floor']:.2f} ms"
-        if "fused_floor" in of_step:
-            floor += f" ({of_step['fused_floor']:.0%})"
-        parts.append(floor)
-    share = ""
-    if r.get("rank_share_ms"):
-        share = (f" A rank's share of the step: `gossip_step.json`'s {r['step_row']} row, "
-                 f"{r['step_ms']:.1f} ms for 4 ranks on 2 cores, times 2 / 4 "
-                 f"({r['rank_share_ms']:.1f} ms).")  # fmt: skip
-    return (
-        markdown_table(["one rank's mix", "ms"], rows)
-        + f"\n\n{r['setup'][:1].upper()}{r['setup'][1:]}: "
-        + "; ".join(parts)
-        + "."
-        + share
-        + f" Measured {r['date']} on {r['machine']}, torch {r['torch']}. "
-        f"Command: `{r['command']}`."
-    )
-
-
-@section("weight_decay")
-def render_weight_decay(r: dict) -> str:
-    """Each side at each decay on the two overfitting problems (weight_decay.py)."""
-    side = {"learned": "learned rule", "adamw": "AdamW (lr 1e-3)"}
-    head = {"problem": "problem", "side": "optimizer", "weight_decay": "weight_decay",
-            "train_loss": "training loss", "test_loss": "held-out loss",
-            "test_accuracy": "held-out accuracy", "matrix_norm": "matrix norm"}  # fmt: skip
-    cell = {"problem": "`{}`".format, "side": side.get, "weight_decay": "{:g}".format,
-            "train_loss": "{:.4f}".format, "test_loss": "{:.3f}".format,
-            "test_accuracy": "{:.1%}".format, "matrix_norm": "{:.1f}".format}  # fmt: skip
-    rows = [[cell[k](x[k]) for k in head] for x in r["rows"]]
-    setup = f"{r['setup'][:1].upper()}{r['setup'][1:]} ({r['seeds']} seeds, {r['steps']} steps)"
-    return f"{markdown_table(list(head.values()), rows)}\n\n{setup}. {_measured(r)} " + (
-        f"Command: `{r['command']}`."
-    )
-
-
 @section("gossip_step")
 def render_gossip_step(r: dict) -> str:
     header = ["configuration", "ms per step", "vs all-reduce", "vs Decent-DP"]
@@ -259,154 +295,6 @@ def render_gossip_step(r: dict) -> str:
         markdown_table(header, rows)
         + f"\n\n{r['setup']}.{robust} Measured {r['date'][:10]}, {r['machine']}, torch {r['torch']}. "
         f"Command: `{r['command']}`."
-    )
-
-
-@section("gossip_compression")
-def render_gossip_compression(r: dict) -> str:
-    rows, notes = [], []
-    for partition, run in r.items():
-        for name, m in run["runs"].items():
-            gamma, beta = m.get("consensus_step"), m.get("drift_correction")
-            rows.append([
-                partition, name, "-" if gamma is None else f"{gamma:g}",
-                "-" if beta is None else f"{beta:g}",
-                f"{m['averaged_model_train_loss']:.4g}", _x(m["loss_vs_exact"]),
-                f"{m['consensus_distance']:.3g}",
-                f"{m['bytes_per_step']:,.0f}", _x(m["bytes_reduction_x"]),
-            ])  # fmt: skip
-        notes.append(f"{partition}: {run['setup']}, measured {run['date'][:10]}, {run['machine']}")
-    header = ["partition", "exchange", "consensus step", "drift correction",
-              "averaged-model train loss", "vs exact", "consensus distance", "bytes/step",
-              "fewer bytes"]  # fmt: skip
-    goal = next(iter(r.values()))["goal"]
-    return markdown_table(header, rows) + f"\n\nGoal: {goal}. " + "; ".join(notes) + "."
-
-
-def seeds_phrase(seeds: list[int]) -> str:
-    """How a decentralized benchmark's rows were taken over ``seeds``, for a caption."""
-    if len(seeds) == 1:
-        return f"seed {seeds[0]}"
-    return (
-        f"the median over seeds {', '.join(map(str, seeds))} (data split, initialisation "
-        "and batches; baselines tuned per seed)"
-    )
-
-
-@section("heldout_floor")
-@section("gossip_validation_floor")
-@section("heldout_share_every")
-@section("gossip_validation_every")
-@section("gossip_validation_momenta")
-@section("gossip_validation_shared")
-@section("gossip_validation_seeds")
-@section("gossip_validation_stage1")
-@section("gossip_validation")
-def render_gossip_validation(r: dict) -> str:
-    labels = [s["label"] for s in r["sides"]]
-    keys = []
-    for row in r["rows"]:
-        key = (row["task"], row["workers"], row["topology"], row["alpha"])
-        if key not in keys:
-            keys.append(key)
-    speed = {(row["side"], row["task"], row["workers"], row["topology"], row["alpha"]): row
-             for row in r["rows"]}  # fmt: skip
-    table = []
-    for key in keys:
-        first = speed[(labels[0], *key)]
-        best = f"{first['best_baseline']} ({first['baseline_lr']:.3g})"
-        table.append([*key, best] + [_x(speed[(label, *key)]["speedup"]) for label in labels])
-    for stat in ("median", "min", "geomean"):
-        table.append([f"**{stat}**", "", "", "", ""]
-                     + [f"**{_x(r['summary'][label][stat])}**" for label in labels])  # fmt: skip
-    sides = "; ".join(
-        f"`{s['label']}` = `{s['checkpoint']}`"
-        + ("" if not s["fields"] else " with " + ", ".join(f"{k}={v:g}" for k, v in s["fields"].items()))
-        for s in r["sides"]
-    )  # fmt: skip
-    header = ["task", "workers", "topology", "Dirichlet alpha", "best tuned (lr)"]
-    suite = (
-        "the held-out suite's decentralized settings (a confirmation, not a basis for choosing)"
-        if r.get("suite") == "heldout"
-        else "registry tasks only (none held out)"
-    )
-    return (
-        markdown_table(header + [f"`{label}`" for label in labels], table)
-        + f"\n\nStep speedup against the best of D-SGD, D-Adam and DSGT (each Metropolis-mixed"
-        f" and tuned per setting), scored on the averaged model's full training-set loss,"
-        f" {r['horizon']} steps, {seeds_phrase(r.get('seeds', [0]))}; {suite}. Sides: {sides}."
-        f" {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
-        f" `{r['command']}`." + (f" {r['note']}." if r.get("note") else "")
-    )
-
-
-@section("validation_gossip_rule")
-def render_gossip_rule(r: dict) -> str:
-    """The candidates for the rule under gossip, one column each, on the decentralized
-    validation settings."""
-    cands = r["candidates"]
-    first = cands[0]["rows"]
-    table = []
-    for i, row in enumerate(first):
-        cells = []
-        for c in cands:
-            x = c["rows"][i]
-            flag = " (diverged)" if x["diverged"] else (" *" if x["worse_than_dadam"] else "")
-            cells.append(f"{_x(x['speedup'])}{flag}")
-        data = row["partition"] + ("" if row["partition"] == "iid" else f" {row['alpha']:g}")
-        table.append([row["task"].removeprefix("val_"), row["workers"], row["topology"], data]
-                     + cells)  # fmt: skip
-    for key, name in (("median_speedup_decentralized", "median"),
-                      ("min_speedup_decentralized", "lowest")):  # fmt: skip
-        table.append([f"**{name}**", "", "", ""] + [_x(c["summary"][key]) for c in cands])
-    for key, name in (("decentralized_worse_than_dadam", "worse than D-Adam"),
-                      ("divergences_decentralized", "diverged")):  # fmt: skip
-        table.append([f"**{name}**", "", "", ""] + [str(c["summary"][key]) for c in cands])
-    header = ["problem", "ranks", "graph", "data"] + [f"`{c['label']}`" for c in cands]
-    args = "; ".join(f"`{c['label']}`: `{c['arguments']}`" for c in cands)
-    return (
-        markdown_table(header, table)
-        + "\n\nStep speedup of the averaged model against the best of D-SGD, D-Adam and DSGT "
-        "(each Metropolis-mixed and tuned per setting), 200 steps, "
-        f"{seeds_phrase(r['seeds'])}; `*`: the averaged model ended worse than tuned "
-        "D-Adam's at some seed. Ranked by divergences, then settings worse than D-Adam, then "
-        f"the lowest and the median speedup: best `{r['best']}`. Candidates (arguments of "
-        f"`benchmarks.validation`): {args}. {_measured(r)} Wall time "
-        f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`."
-    )
-
-
-@section("registry_sides")
-@section("registry_sides_lr")
-def render_registry_sides(r: dict) -> str:
-    labels = [s["label"] for s in r["sides"]]
-    keys = list(dict.fromkeys((row["task"], row["horizon"]) for row in r["rows"]))
-    speed = {(row["side"], row["task"], row["horizon"]): row for row in r["rows"]}
-    table = [[task, h] + [_x(speed[(label, task, h)]["speedup"]) for label in labels]
-             for task, h in keys]  # fmt: skip
-    for stat, name in (("median_speedup", "median"), ("median_speedup_h200", "median, 200"),
-                       ("median_speedup_h2000", "median, 2000")):  # fmt: skip
-        table.append([f"**{name}**", ""] + [f"**{_x(r['summary'][lb][stat])}**" for lb in labels])
-    table.append(
-        ["**rows below 0.8x**", ""] + [str(r["summary"][lb]["rows_below_0.8"]) for lb in labels]
-    )
-    table.append(  # non-finite or ended above the first loss, over every row and seed
-        ["**diverged runs**", ""] + [str(r["summary"][lb]["diverged_runs"]) for lb in labels]
-    )
-    sides = "; ".join(
-        f"`{s['label']}` = `{s['checkpoint']}`"
-        + ("" if not s["fields"] else " with " + ", ".join(f"{k}={v:g}" for k, v in s["fields"].items()))
-        for s in r["sides"]
-    )  # fmt: skip
-    return (
-        markdown_table(["task", "steps"] + [f"`{label}`" for label in labels], table)
-        + "\n\nStep speedup against the best of Adam, AdamW and SGD+momentum at the rates"
-        f" `benchmarks/quality_single.py` tuned per task and horizon (`{r['tuned_from']}`),"
-        f" single worker, the median over seeds {', '.join(map(str, r['seeds']))} (the baselines"
-        " at the rates tuned on seed 0); registry tasks only (the meta-training"
-        f" family's fixed tasks, none held out: where a change of the rule is chosen). Sides:"
-        f" {sides}. {_measured(r)} Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
-        f" `{r['command']}`."
     )
 
 
@@ -504,8 +392,6 @@ def _local_steps_mark(x: dict) -> str:
 
 
 @section("wallclock_heldout")
-@section("wallclock_heldout_warm")
-@section("wallclock_validation_child10")
 def render_wallclock(r: dict) -> str:
     """Compile-included wall clock: each side trained in a fresh process."""
     header = ["task", "steps", "speedup in steps", "wall-clock, compile included",
@@ -573,217 +459,6 @@ def render_wallclock_headline(r: dict) -> str:
     )
 
 
-@section("wallclock_validation_choice")
-@section("wallclock_validation_thresholds")
-def render_wallclock_compare(r: dict) -> str:
-    """Several runs of ``benchmarks/wallclock.py`` on the same rows, side by side."""
-    runs = r["runs"]
-    header = ["problem", *[x["label"] for x in runs]]
-    keys = list(runs[0]["walls"])
-    rows = [[k, *[_x(x["walls"][k]) if k in x["walls"] else "-" for x in runs]] for k in keys]
-    rows.append(["**median**", *[f"**{_x(x['summary']['median_wall_speedup'])}**" for x in runs]])
-    commands = "; ".join(f"`{x['command']}`" for x in runs)
-    return (
-        markdown_table(header, rows)
-        + "\n\nWall-clock speedup against tuned AdamW with the compile included (see the "
-        f"table below for how it is measured), one column per way of compiling. Commands: {commands}."
-    )
-
-
-def _packed_label(side: str) -> str:
-    """``packed_N``: "packed up to N" (every tensor for a bound of a billion or more)."""
-    bound = int(side.removeprefix("packed_"))
-    return "every tensor packed" if bound >= 10**9 else f"packed up to {bound:,}"
-
-
-@section("eager_step_split")
-@section("eager_step_flat_state")
-@section("eager_step_pack_bound")
-@section("eager_step_pack_bound_validation")
-@section("eager_step_ns4")
-@section("eager_step")
-def render_eager_step(r: dict) -> str:
-    """The eager reference step: masking every step, the mask read on the host, and small
-    tensors packed into one call (and any other packing bounds measured)."""
-    sides = [s for s in r["sides"] if s != "masked"]
-    rows = [
-        [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.2f}", _x(m["x_adamw"]["masked"]),
-         *(_x(m["x_adamw"][s]) for s in sides), _x(m["speedup_vs_masked"]["packed"]),
-         f"{max(m['max_rel_diff_vs_masked'][s] for s in sides):.2g}"]
-        for name, m in r["rows"].items()
-    ]  # fmt: skip
-    names = {"mask_read": "mask read on the host", "packed": "mask read, small tensors packed",
-             "default": "compile=True, before its kernels"}  # fmt: skip
-    header = ["model", "params", "AdamW step ms", "masking every step / AdamW",
-              *(f"{names.get(s) or _packed_label(s)} / AdamW" for s in sides),
-              "packed vs masking", "largest parameter difference"]  # fmt: skip
-    return (
-        markdown_table(header, rows)
-        + "\n\nEager reference step (`compile=False`, and the default optimizer before "
-        "its kernels are built where a column says so), one thread, median of "
-        "the timed rounds, each side on its own copy of the model, taking turns with AdamW "
-        f"(`foreach=True`). Small tensors: at most {r['pack_numel']:,} elements. {_measured(r)} Load average {r['load_average_end']} at the end. "
-        f"Command: `{r['command']}`."
-    )
-
-
-@section("step_ab")
-@section("step_ab_pack_bound")
-@section("step_ab_packs")
-@section("step_ab_groups")
-@section("step_ab_groups_one")
-@section("step_ab_kernel_groups")
-@section("step_ab_kernel_one")
-@section("step_ab_whiten_validation")
-@section("step_ab_whiten_squared")
-@section("step_ab_whiten_sampled")
-@section("step_ab_whiten_sampled_kernel")
-def render_step_ab(r: dict) -> str:
-    """This checkout's step against another revision's, taking turns in one process: the
-    eager reference, or (``path`` ``kernel``) the compiled kernels with the kinds each
-    revision built."""
-    kernel = r.get("path") == "kernel"
-    rows = [
-        [name, f"{m['parameters']:,}", f"{m['ms']['adamw']:.3f}", _x(m["x_adamw"]["base"]),
-         _x(m["x_adamw"]["this"]), _x(m["this_over_base"]), f"{m['max_rel_diff']:.2g}",
-         *([f"{m['kernel_kinds']['base']} / {m['kernel_kinds']['this']}"] if kernel else [])]
-        for name, m in r["rows"].items()
-    ]  # fmt: skip
-    header = ["workload", "params", "AdamW step ms", f"{r['base']} / AdamW",
-              f"{r['this']} / AdamW", "step time, new ÷ old", "largest parameter difference",
-              *(["kernels built, old / new"] if kernel else [])]  # fmt: skip
-    split = ""
-    if r.get("param_groups") == "split":
-        split = (" Every side on two param groups, AdamW's usual split: weight decay 0.1 on "
-                 "the tensors of two or more dimensions, none on the others.")  # fmt: skip
-    what = "Eager reference step (`compile=False`)"
-    if kernel:
-        what = "The compiled kernels' step (each revision's built first, in a child process)"
-    return (
-        markdown_table(header, rows) + f"\n\n{what}, one thread, one fixed gradient; the two "
-        "revisions' rules and AdamW (`foreach=True`) take turns in one process, each on its "
-        f"own copy of the model, {r['rounds']} rounds of {r['steps']} steps, each side's "
-        f"fastest round kept.{split} {_measured(r)} Load average {r['load_average_end']} "
-        f"at the end. Command: `{r['command']}`."
-    )
-
-
-@section("eager_step_malloc_on")
-def render_eager_step_malloc(r: dict) -> str:
-    """The eager step with glibc's thresholds raised (``learned_opt.allocator``) beside the
-    same benchmark run with them left alone (``eager_step_malloc_off.json``)."""
-    from benchmarks.report import RESULTS
-
-    off = json.loads((RESULTS / "eager_step_malloc_off.json").read_text())
-    rows = []
-    for name, on in r["rows"].items():
-        before = off["rows"][name]
-        rows.append([
-            name, f"{on['parameters']:,}",
-            f"{before['ms']['packed']:.2f} / {on['ms']['packed']:.2f}",
-            f"{before['ms']['adamw']:.2f} / {on['ms']['adamw']:.2f}",
-            f"{_x(before['x_adamw']['packed'])} / {_x(on['x_adamw']['packed'])}",
-            _x(before["ms"]["packed"] / on["ms"]["packed"]),
-        ])  # fmt: skip
-    header = ["model", "params", "rule step ms, defaults / raised", "AdamW step ms",
-              "rule / AdamW", "rule's step time, defaults ÷ raised"]  # fmt: skip
-    return (
-        markdown_table(header, rows)
-        + "\n\nEager reference step (the default packing), one thread, each side on its own "
-        "copy of the model taking turns with AdamW; the first of each pair with glibc's "
-        "allocator defaults (`LEARNED_OPT_TUNE_MALLOC=0`), the second with its thresholds "
-        f"raised for every side, as `LearnedOptimizer` sets them on CPU. {_measured(r)} "
-        f"Load average {off['load_average_end']} and {r['load_average_end']} at the ends. "
-        f"Commands: `LEARNED_OPT_TUNE_MALLOC=0 {off['command']}` and `{r['command']}`."
-    )
-
-
-@section("kernel_call")
-def render_kernel_call(r: dict) -> str:
-    """One call of a loaded kernel by how its inputs are handed over, beside AdamW's step."""
-    routes = ("flat_loader", "flat_package_call", "nested_package_call")
-    rows = [
-        [name, f"{m['parameters']:,} ({m['tensors']})", f"{m['ms']['adamw_step']:.3f}",
-         *(f"{m['ms'][k]:.3f} ({_x(m['vs_adamw'][k])})" for k in routes)]
-        for name, m in r["rows"].items()
-    ]  # fmt: skip
-    header = ["model", "params (tensors)", "AdamW step ms", "flat list, loader (the optimizer's)",
-              "flat list, package call", "structured arguments, package call (before)"]  # fmt: skip
-    return (
-        markdown_table(header, rows)
-        + f"\n\nms of one kernel call (ratio to AdamW's `step()` on the same model), "
-        f"{r['setup']}. {_measured(r)} Command: `{r['command']}`."
-    )
-
-
-@section("build_race")
-def render_build_race(r: dict) -> str:
-    """Steps done over time while the kernel builds, with and without yielding a thread."""
-    marks = sorted({int(m) for run in r["runs"].values() for m in run["steps_at"]})
-    header = ["setting", "kernel ready", *(f"steps at {m} s" for m in marks)]
-    rows = []
-    for name, run in r["runs"].items():
-        ready = run["kernel_ready"]
-        cell = f"{ready['seconds']:.0f} s (step {ready['step']})" if ready else "not in the run"
-        rows.append([name, cell, *(run["steps_at"].get(str(m), "-") for m in marks)])
-    return (
-        markdown_table(header, rows)
-        + f"\n\n{r['workload']} at {r['threads']} threads, trained for {r['seconds']:.0f} s "
-        "in a new process with an empty compile cache, one process at a time (load "
-        f"average {r['load_average_before']:.1f} before). {_measured(r)} Command: "
-        f"`{r['command']}`."
-    )
-
-
-@section("build_anatomy")
-def render_build_anatomy(r: dict) -> str:
-    """Where a kernel build's seconds go, for each variant of the build."""
-    phases = [
-        ("export", "torch.export"), ("inductor_python", "inductor (Python)"),
-        ("isa_probes", "vector-ISA probes"), ("wrapper", "C++ wrapper"),
-        ("kernels", "C++ kernels"), ("link_and_other", "linking and other"),
-    ]  # fmt: skip
-    rows = []
-    for name, v in r["variants"].items():
-        total = v["total"]
-        packages = " + ".join(str(b["tensors"]) for b in v["builds"])
-        rows.append([name, packages, f"{total['seconds']:.1f}",
-                     *(f"{total.get(k, 0.0):.1f}" for k, _ in phases)])  # fmt: skip
-    return (
-        markdown_table(
-            ["variant", "tensors per package", "build s", *(h + " s" for _, h in phases)], rows
-        )
-        + f"\n\nThe packages of {r['workload']}'s kinds of bucket, built in turn in a new process "
-        f"with an empty compile cache, at {r['threads']} threads and normal priority, one variant "
-        f"at a time (load average {r['load_average_before']:.1f} before). {_measured(r)} "
-        f"Command: `{r['command']}`."
-    )
-
-
-@section("ns_precision")
-def render_ns_precision(r: dict) -> str:
-    ms = {(tuple(t["shape"]), t["path"], t["dtype"]): t["ms"] for t in r["timings"]}
-    shapes = list(dict.fromkeys(tuple(t["shape"]) for t in r["timings"]))
-    rows = [
-        [f"{s[0]} x {s[1]}"]
-        + [f"{ms[(s, p, d)]:.2f}" for p in ("plain", "gram") for d in ("float32", "bfloat16")]
-        for s in shapes
-    ]
-    timing = markdown_table(
-        ["matrix", "plain float32 ms", "plain bfloat16 ms", "Gram float32 ms", "Gram bfloat16 ms"],
-        rows,
-    )
-    quality = markdown_table(
-        ["input (256 x 1024)", "path", "dtype", "singular values", "distance to float32"],
-        [
-            [q["input"], q["path"], q["dtype"], f"{q['sv_min']:.3g} to {q['sv_max']:.3g}",
-             f"{q['rel_to_float32']:.3g}"]
-            for q in r["quality"]
-        ],
-    )  # fmt: skip
-    return f"{timing}\n\n{quality}\n\n{_measured(r)} Command: `{r['command'].strip()}`."
-
-
 @section("meta_throughput")
 def render_meta_throughput(r: dict) -> str:
     """Meta-training's speed with the single-worker gradient by autograd and by vmap."""
@@ -797,4 +472,496 @@ def render_meta_throughput(r: dict) -> str:
         f"{r['meta_steps_per_side']} meta-steps per side of `{r['config']}`, the sides taking "
         f"turns (load average {r['load_average_before'][0]:.1f} before). {_measured(r)} "
         f"Command: `{r['command']}`."
+    )
+
+
+# Robust mixing (``benchmarks/robust_gossip.py``)
+
+ROBUST_ATTACKS = ("scaled", "sign_flip", "random", "alie_drift", "alie_drift_fast")
+
+
+def _loss_cell(loss: float | None, vs_clean: float | None = None) -> str:
+    if loss is None:
+        return "diverged"
+    return f"{loss:.4g}" + ("" if vs_clean is None else f" ({vs_clean:.3g}x)")
+
+
+@section("robust_gossip")
+def render_robust_gossip(r: dict) -> str:
+    """The docs table of ``results/robust_gossip.json``: per topology and attack, the honest
+    ranks' loss with plain and robust mixing against the clean run's, then the overhead."""
+    rows = []
+    for topo, t in r["results"].items():
+        rows.append(
+            [topo, "none (clean run)", _loss_cell(t["clean"]), _loss_cell(t["clean_robust"]), "-"]
+        )
+        for attack in ROBUST_ATTACKS:
+            a = t[attack]
+            rows.append([topo, attack, _loss_cell(a["plain"], a["plain_vs_clean"]),
+                         _loss_cell(a["robust"], a["robust_vs_clean"]),
+                         "yes" if a["met"] else "no"])  # fmt: skip
+    table = markdown_table(
+        ["topology", "attack", "plain gossip", f"robust={r['default']!r}", "within 10%"], rows
+    )
+    refs = ", ".join(f"{topo} {_loss_cell(t['excluded'])}" for topo, t in r["results"].items())
+    cost = "; ".join(
+        f"{topo}: {kind} {t['plain_ms']:.3g} ms, +{100 * t['overhead']:.0f}%"
+        for topo, kinds in r["overhead_no_attack"].items()
+        for kind, t in kinds.items()
+    )
+    return (
+        f"{table}\n\nLoss: the honest ranks' averaged model on their own shards; in brackets, "
+        f"against the clean run. Leaving the bad rank out altogether (as a NaN sender is): "
+        f"{refs}. Step time without an attacker, plain, and what robust mixing adds (CPU "
+        f"time; `simulator`: all 8 workers, `worker`: one rank less the network, `worker_1m`: "
+        f"the same on a 1.07M-parameter MLP): {cost}. {r['setup']}; measured "
+        f"{r['date'][:10]}, {r['machine']}."
+    )
+
+
+# The validation family
+
+
+def _cell(run: dict | None) -> str:
+    if run is None:
+        return "-"
+    return _x(run["speedup"]) + (" (diverged)" if run.get("diverged") else "")
+
+
+def _single(r: dict) -> str:
+    anchors = [a for a in ANCHORS if any(a in row.get("anchors", {}) for row in r["single"])]
+    rows = [
+        [row["task"], row["horizon"], row["kind"], _cell(row["learned"]),
+         _x(row["learned"].get("wall_speedup"))]
+        + [_cell(row.get("anchors", {}).get(a)) for a in anchors]
+        for row in r["single"]
+    ]  # fmt: skip
+    s = r["summary"]
+    rows.append(
+        ["**median**", "", "", f"**{_x(s['median_speedup'])}**", _x(s["median_wall_speedup"])]
+        + [_x(s["anchors_median_speedup"].get(a)) for a in anchors]
+    )
+    header = ["problem", "steps", "kind", "rule", "rule, wall-clock"] + [f"`{a}`" for a in anchors]
+    return markdown_table(header, rows)
+
+
+def _decentralized(r: dict) -> str:
+    rows = [
+        [row["task"], row["workers"], row["topology"], row["partition"], row["alpha"],
+         row["best_baseline"], _cell(row), _x(row["speedup_vs"].get("D-Adam")),
+         "yes" if row["worse_than_dadam"] else "no"]
+        for row in r["decentralized"]
+    ]  # fmt: skip
+    header = ["problem", "ranks", "graph", "data", "alpha", "best baseline", "rule",
+              "rule vs D-Adam", "final worse than D-Adam"]  # fmt: skip
+    return markdown_table(header, rows)
+
+
+#: How a rule's table says which schedule its multiplier ran under (constant: nothing).
+SCHEDULE_PHRASES = {
+    "cosine": ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run",
+    "wsd": ", its learning rate held, then decayed linearly to 0 over the last fifth of each run",
+    "wsd_half": ", its learning rate held, then decayed linearly to 0 over the last half of each run",
+}
+
+
+@section("validation_handset_now")
+def render_validation(r: dict) -> str:
+    s = r["summary"]
+    side = r["side"]
+    fields = ", ".join(f"{k}={v}" for k, v in (side.get("fields") or {}).items())
+    parts = [_single(r)]
+    if r.get("decentralized"):
+        parts.append(_decentralized(r))
+    summary = (
+        f"Small problems (at most 300 steps): median {_x(s['median_speedup_short'])}; runs of"
+        f" 1000 steps or more: median {_x(s['median_speedup_long'])}; lowest row"
+        f" {_x(s['min_speedup'])}; rows below 0.9x: {', '.join(s['rows_below_0.9']) or 'none'};"
+        f" divergences: {s['divergences']}."
+    )
+    if r.get("decentralized"):
+        summary += (
+            f" Decentralized: median {_x(s['median_speedup_decentralized'])} against the best"
+            f" tuned baseline, {s['divergences_decentralized']} diverged,"
+            f" {s['decentralized_worse_than_dadam']} of {s['decentralized_rows']} ending above"
+            " tuned D-Adam."
+        )
+        if r.get("gossip_bounds"):
+            b = r["gossip_bounds"]
+            summary += (
+                f" Gossip bounds of the rule: ceiling e^{b['lr_adapt_max_gossip']:g}, floor"
+                f" e^{b['lr_adapt_min_gossip']:g}, rate {b['lr_adapt_rate_gossip']},"
+                f" signal-to-noise exponent {b['ortho_snr_gossip']}."
+            )
+    parts.append(
+        summary + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
+        f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
+        f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
+        f" Rule: `{side.get('checkpoint', side.get('label'))}`"
+        + (f" with {fields}" if fields else "")
+        + SCHEDULE_PHRASES.get(r.get("schedule", "constant"), "")
+        + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
+        f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
+        f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
+    )
+    return "\n\n".join(parts)
+
+
+@section("meta_training_stages")
+def render_meta_stages(r: dict) -> str:
+    """The meta-training stages against the hand-set rule (``benchmarks/meta_stages.py``)."""
+
+    def pairs(row: dict) -> str:
+        p = row.get("paired") or {}
+        if row is r["rows"][0] or not p.get("pairs"):
+            return "-"
+        return f"{p['geomean']:.2f} ({p['ahead']} / {p['behind']} of {p['pairs']})"
+
+    rows = [
+        [f"`{row['rule']}`", row["date"], f"**{_x(row['median'])}**",
+         f"{row['times_reference']:.2f}", pairs(row), _x(row["median_short"]),
+         _x(row["median_long"]), _x(row["lowest"]), ", ".join(row["below_0.9"]) or "none"]
+        for row in r["rows"]
+    ]  # fmt: skip
+    header = ["rule", "validated", "median", "times the hand-set rule",
+              "row by row (ahead / behind)", "small problems", "runs of 1000+ steps",
+              "lowest row", "rows below 0.9x"]  # fmt: skip
+    verdict = "meets" if r["target_met"] else "does not meet"
+    return (
+        markdown_table(header, rows)
+        + f"\n\nSingle-worker validation family, step speedup against tuned AdamW (the first"
+        f" row is the hand-set rule, `{r['reference']}.json`; each stage was validated against"
+        f" it at the same code). The best stage, `{r['best_stage']}`, reaches"
+        f" {r['best_times_reference']:.2f} times the hand-set rule's median, and so"
+        f" {verdict} the {r['target_times_reference']:.2f} times a meta-trained checkpoint"
+        f" must reach before it may ship. Row by row: the geometric mean of the stage's"
+        f" step speedup over the hand-set rule's on every problem and seed both ran, and on"
+        f" how many the stage was ahead and behind. Generated from the records by"
+        f" `{r['command']}`."
+    )
+
+
+# The held-out suite
+
+
+def _pair(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    wall = row.get("wall_speedup")
+    flag = " (diverged)" if row.get("diverged") else ""
+    seeds = row.get("speedup_by_seed", [])
+    each = f" ({', '.join(f'{x:.2f}' for x in seeds)})" if len(seeds) > 1 else ""
+    return f"{_x(row['speedup'])} / {_x(wall) if wall is not None else '-'}{each}{flag}"
+
+
+def _mult(row: dict, m: str) -> str:
+    r = row["lr_mult"].get(m)
+    if r is None:
+        return "-"
+    return "diverged" if r["diverged"] else _x(r["speedup"])
+
+
+def _single_table(r: dict) -> str:
+    sides = r["sides"]
+    by = {(x["task"], x["horizon"], x["side"]): x for x in r["single"]}
+    keys = sorted({(x["task"], x["horizon"]) for x in r["single"]}, key=lambda k: (k[0], k[1]))
+    header = ["task", "params", "steps", "tuned AdamW (lr, schedule)", "final loss ours / AdamW"]
+    header += [f"`{s}` speedup steps / wall" for s in sides]
+    header += [f"`{sides[0]}` at lr x0.3", "at lr x3"]
+    rows = []
+    for task, h in keys:
+        first = by.get((task, h, sides[0])) or next(by[(task, h, s)] for s in sides
+                                                    if (task, h, s) in by)  # fmt: skip
+        a = first["adamw"]
+        rows.append(
+            [task.removeprefix("heldout_"), f"{first['num_params']:,}", h,
+             f"{a['lr']:g}, {a['schedule']}", f"{_f(first['learned_final'])} / {_f(a['final'])}"]
+            + [_pair(by.get((task, h, s))) for s in sides]
+            + [_mult(first, "0.3"), _mult(first, "3")]
+        )  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def _decentralized_table(r: dict) -> str:
+    sides = [s for s in r["sides"] if any(x["side"] == s for x in r["decentralized"])]
+    groups: dict = {}
+    for x in r["decentralized"]:
+        key = (x["task"], x["workers"], x["topology"], x["alpha"], x["horizon"])
+        groups.setdefault(key, {})[x["side"]] = x
+    header = ["task", "workers", "topology", "Dirichlet alpha", "steps", "best tuned (lr)",
+              "avg-model loss ours / best"] + [f"`{s}` speedup steps / wall" for s in sides]  # fmt: skip
+    rows = []
+    for (task, w, topo, alpha, h), per in groups.items():
+        first = per.get(sides[0]) or next(iter(per.values()))
+        best = first["best_baseline"]
+        b = first["baselines"][best]
+        rows.append(
+            [task.removeprefix("heldout_"), w, topo, alpha, h, f"{best} ({b['lr']:g})",
+             f"{_f(first['learned_final'])} / {_f(b['final'])}"]
+            + [_pair(per.get(s)) for s in sides]
+        )  # fmt: skip
+    return markdown_table(header, rows)
+
+
+def _summary_line(side: str, s: dict) -> str:
+    def num(v):
+        return "-" if v is None else _x(v)
+
+    below = ", ".join(s["rows_below_0.8"]) or "none"
+    if "rule" in s:  # the headline: the shipped default
+        side = (
+            f"**The shipped default** (`LearnedOptimizer()`: `{s['rule']}`, alone and under gossip)"
+        )
+    else:
+        side = f"`{side}`"
+    return (
+        f"{side}: median speedup **{num(s['median_speedup_single'])}** single-worker "
+        f"(wall clock {num(s['median_wall_speedup_single'])}), "
+        f"**{num(s['median_speedup_decentralized'])}** decentralized (wall clock "
+        f"{num(s['median_wall_speedup_decentralized'])}); minimum {num(s['min_speedup'])} "
+        f"(rows below 0.8x: {below}); divergences {s['divergences']}; lr multipliers 0.3 and "
+        f"3 within 2x of the default's speedup: {s['lr_mult_within_2x']}."
+    )
+
+
+@section("quality_heldout")
+def render_quality_heldout(r: dict) -> str:
+    return _render(r, "quality_heldout")
+
+
+@section("quality_heldout_wsd_half")
+def render_quality_heldout_wsd_half(r: dict) -> str:
+    return _render(r, "quality_heldout_wsd_half")
+
+
+def _seeds(r: dict) -> str:
+    """How the rows were taken over seeds: every row over ``seeds`` (a result of before
+    single-worker rows had seeds: those at ``seed``, decentralized ones at
+    ``decentralized_seeds``)."""
+    if "seeds" in r:
+        alone = dec = r["seeds"]
+    else:
+        alone, dec = [r["seed"]], r.get("decentralized_seeds", [r["seed"]])
+    if alone == dec and len(dec) == 1:
+        return f"Seed {dec[0]}."
+    first = "; the loss and best-tuned columns are the first seed's."
+    if alone == dec:
+        return (
+            f"Every row, single-worker and decentralized: {seeds_phrase(dec)}, each seed's "
+            "step speedup in brackets (the lr-multiplier columns: medians too; the step "
+            f"times behind the wall-clock speedups: seed {r.get('timing_seed', 0)}'s){first}"
+        )
+    return (
+        f"Single-worker rows: {seeds_phrase(alone)}. Decentralized rows: {seeds_phrase(dec)}, "
+        f"each seed's step speedup in brackets{first}"
+    )
+
+
+def _render(r: dict, name: str) -> str:
+    """The held-out suite's tables and summary of ``results/NAME.json``."""
+    partial = ""
+    if not r["complete"]:
+        exp = r["expected_rows"]
+        partial = (
+            f"**Partial run: {len(r['single'])} of {exp['single']} single-worker and "
+            f"{len(r['decentralized'])} of {exp['decentralized']} decentralized rows measured; "
+            "the run was stopped before the rest were measured.** "
+        )
+    t = r["targets"]
+    load = ""
+    if "load_average" in r:
+        load = (
+            f" Mean load average while measuring: {r['load_average']:g} (shared machine: the "
+            "step times behind the wall-clock speedups are noisy)."
+        )
+    lines = [_summary_line(side, s) for side, s in r["summaries"].items()]
+    if "rule" in r["summary"] and len(r["summaries"]) > 1:
+        lines.insert(0, _summary_line(r["summary"]["side"], r["summary"]))
+    summaries = "\n".join(f"- {line}" for line in lines)
+    decentralized = ""
+    if r["decentralized"] or r["expected_rows"]["decentralized"]:  # none: factories alone
+        decentralized = (
+            "\n\nDecentralized (simulated workers, label-skewed data), learned optimizer with "
+            "learned mixing against the best of D-SGD, D-Adam and DSGT, each Metropolis-mixed "
+            "and tuned per setting; scored on the averaged model's loss on the whole training "
+            "set:\n\n" + _decentralized_table(r)
+        )
+    return (
+        "Single worker, against AdamW tuned per task and horizon:\n\n"
+        + _single_table(r)
+        + decentralized
+        + f"\n\n{summaries}\n\n{partial}Targets: median {t['median_speedup_single']} single "
+        f"and {t['median_speedup_decentralized']} decentralized, minimum "
+        f"{t['min_speedup']}, {t['divergences']} divergences. Speedup = steps the tuned "
+        "baseline needs to reach a loss level / steps ours needs, at the worse of the two "
+        "best smoothed levels (below 1: slower); wall = that times the ratio of step times "
+        "(forward, backward and optimizer; for the decentralized rows one simulated step of "
+        "all workers in one process, learned mixing included), measured side by side. AdamW "
+        f"grid {', '.join(f'{x:g}' for x in r['adamw_grid'])} (extended at an edge), each "
+        "constant and cosine; ours untuned (lr multiplier 1; the x0.3 and x3 columns are its "
+        f"step speedups at those multipliers)"
+        f"{SCHEDULE_PHRASES.get(r.get('schedule', 'constant'), '')}. A run diverged if its loss went non-finite or "
+        f"ended above its start. {_seeds(r)} {_measured(r)}{load} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min (runs found in the caches not counted). Command: "
+        f"`{r['command']}`. Plot: "
+        f"`benchmarks/results/{name}.png`."
+    )
+
+
+def _step_costs(single: list[dict], dec: list[dict]) -> str:
+    """The median time of the learned training step over the baselines' (AdamW's; under
+    gossip the best baseline's), from the rows' step times, as a sentence."""
+    import statistics
+
+    def median(rows, base) -> float | None:
+        ratios = [x["ms_per_step"]["learned"] / x["ms_per_step"][base(x)]
+                  for x in rows if x.get("ms_per_step")]  # fmt: skip
+        return statistics.median(ratios) if ratios else None
+
+    parts = []
+    if (one := median(single, lambda x: "adamw")) is not None:
+        parts.append(f"{one:.2f} times AdamW's on one worker")
+    if (gossip := median(dec, lambda x: x["best_baseline"])) is not None:
+        parts.append(f"{gossip:.2f} times the best baseline's under gossip")
+    if not parts:
+        return ""
+    return f"The learned training step took a median {' and '.join(parts)}. "
+
+
+@section("quality_heldout:headline")
+def render_headline(r: dict) -> str:
+    """The front page's one table: the shipped default against what users would pick (a
+    run of one side only: that side, alone and under gossip)."""
+    s = r["summary"]
+    rule = s.get("rule", s["side"])
+
+    def lowest(rows: list[dict]) -> str:
+        return _x(min(x["speedup"] for x in rows)) if rows else "-"
+
+    single = [x for x in r["single"] if x["side"] == rule]
+    dec = [x for x in r["decentralized"] if x["side"] == rule]
+    header = ["shipped rule", "compared with", "settings", "median speedup in steps",
+              "median speedup in wall-clock time", "lowest setting (steps)"]  # fmt: skip
+    rows = [
+        [f"one worker (`{rule}`)", "AdamW, lr and schedule tuned per task",
+         len(single), f"**{_x(s['median_speedup_single'])}**",
+         _x(s["median_wall_speedup_single"]), lowest(single)],
+        [f"gossip workers (`{rule}`)",
+         "best of D-SGD, D-Adam, DSGT, each tuned", len(dec),
+         f"**{_x(s['median_speedup_decentralized'])}**",
+         _x(s["median_wall_speedup_decentralized"]), lowest(dec)],
+    ]  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + f"\n\nFive held-out tasks never seen in meta-training, {seeds_phrase(r['seeds'])}; "
+        f"divergences: {s['divergences']}. Speedup: steps the tuned baseline needs to reach "
+        "a loss level divided by the steps ours needs (above 1: faster). Wall-clock time "
+        "counts each side's whole training step once the kernel is compiled, so the compile, "
+        "and the eager steps before it, are left out (the next line counts them). "
+        f"{_step_costs(single, dec)}Measured on "
+        f"{r['machine']}, torch {r['torch']}."
+    )
+
+
+@section("quality_heldout_wsd_half:headline")
+def render_wsd_headline(r: dict) -> str:
+    """One line under the headline: the single-worker rule paired with its schedule."""
+    s = r["summary"]
+    return (
+        f"With `wsd_schedule` (as in the quick start), the single-worker rows: median "
+        f"**{_x(s['median_speedup_single'])}** in steps, {_x(s['median_wall_speedup_single'])} "
+        f"in wall-clock time, lowest setting {_x(s['min_speedup'])}, divergences "
+        f"{s['divergences']} ([table](docs/results.md#the-single-worker-rule-with-wsd_schedule))."
+    )
+
+
+@section("quality_heldout:card")
+def render_card_rows(r: dict, side: str) -> str:
+    """One checkpoint's rows of the held-out suite, for its model card."""
+    single = [x for x in r["single"] if x["side"] == side]
+    dec = [x for x in r["decentralized"] if x["side"] == side]
+    out = []
+    if single:
+        header = ["task", "steps", "speedup steps / wall (per seed)", "at lr x0.3", "at lr x3"]
+        rows = [[x["task"].removeprefix("heldout_"), x["horizon"], _pair(x),
+                 _mult(x, "0.3"), _mult(x, "3")] for x in single]  # fmt: skip
+        out.append("One worker, against AdamW tuned per task and horizon:\n\n"
+                   + markdown_table(header, rows))  # fmt: skip
+    if dec:
+        header = ["task", "workers", "topology", "Dirichlet alpha", "best tuned baseline",
+                  "speedup steps / wall (per seed)"]  # fmt: skip
+        rows = [[x["task"].removeprefix("heldout_"), x["workers"], x["topology"], x["alpha"],
+                 x["best_baseline"], _pair(x)] for x in dec]  # fmt: skip
+        out.append("Gossip workers (learned mixing), against the best tuned of D-SGD, D-Adam "
+                   "and DSGT:\n\n" + markdown_table(header, rows))  # fmt: skip
+    out.append(_summary_line(side, r["summaries"][side]))
+    out.append(f"{_seeds(r)} {_measured(r)}")
+    return "\n\n".join(out)
+
+
+ANCHOR_NAMES = {
+    "schedulefree_adamw": "schedule-free AdamW",
+    "prodigy_constant": "Prodigy",
+    "prodigy_cosine": "Prodigy with cosine",
+    "muon_adamw": "Muon + AdamW",
+}
+
+
+def _current_rule(r: dict) -> dict:
+    """``r`` (``heldout_anchors.json``) with the rule's column read afresh from
+    ``quality_heldout.json``: the anchors do not change when the rule does, so the
+    table shows the rule's latest held-out measurement (its date in ``rule_date``)."""
+    path = RESULTS / "quality_heldout.json"
+    side = r["summary"]["learned_side"]
+    if not path.exists():
+        return {**r, "rule_date": r.get("date", "?")}
+    suite = json.loads(path.read_text())
+    learned = {(x["task"], x["horizon"]): x["speedup"] for x in suite["single"]
+               if x["side"] == side}  # fmt: skip
+    rows = [{**x, "learned": learned.get((x["task"], x["horizon"]))} for x in r["rows"]]
+    mine = [x["learned"] for x in rows if x["learned"] is not None]
+    median = round(statistics.median(mine), 4) if mine else None
+    summary = {**r["summary"], "learned_median_speedup": median}
+    return {**r, "rows": rows, "summary": summary, "rule_date": suite.get("date", "?")}
+
+
+@section("heldout_anchors")
+def render_heldout_anchors(r: dict) -> str:
+    """The anchors' step speedups on the held-out single-worker rows, beside the rule's."""
+    r = _current_rule(r)
+    names = list(r["summary"]["median_speedup"])
+    side = r["summary"]["learned_side"]
+    header = ["task", "steps", f"`{side}`", *(ANCHOR_NAMES.get(a, a) for a in names)]
+    rows = [
+        [x["task"].removeprefix("heldout_"), x["horizon"],
+         "?" if x["learned"] is None else _x(x["learned"]),
+         *(_x(x["anchors"][a]) for a in names)]
+        for x in r["rows"]
+    ]  # fmt: skip
+    learned = r["summary"]["learned_median_speedup"]
+    rows.append(
+        ["**median**", "", "?" if learned is None else f"**{_x(learned)}**",
+         *(_x(r["summary"]["median_speedup"][a]) for a in names)]
+    )  # fmt: skip
+    return (
+        markdown_table(header, rows)
+        + "\n\nStep speedup against AdamW tuned per task, horizon and seed (the held-out "
+        f"suite's grid), {seeds_phrase(r['seeds'])}. Anchors untuned, at their "
+        "documentation's settings (`benchmarks/validation_anchors.py`); the rule's column, the median "
+        f"over that suite's seeds, from `quality_heldout.json` (measured {r['rule_date']}). "
+        f"Anchors: {_measured(r)} Wall time "
+        f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`."
+    )
+
+
+@section("heldout_anchors:headline")
+def render_anchors_headline(r: dict) -> str:
+    """One line under the headline: the rule against the anchors, in steps."""
+    s = _current_rule(r)["summary"]
+    others = ", ".join(f"{ANCHOR_NAMES.get(a, a)} {_x(v)}" for a, v in s["median_speedup"].items())
+    return (
+        f"The optimizers a user would otherwise pick, untuned at their recommended settings, "
+        f"on the same single-worker rows (median step speedup against tuned AdamW): {others}; "
+        f"`{s['learned_side']}` {_x(s['learned_median_speedup'])} "
+        "([table](docs/results.md#zero-tuning-anchors-on-the-held-out-suite))."
     )

@@ -59,11 +59,8 @@ from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_traject
 from learned_opt.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
-from benchmarks.report import markdown_table, render, section  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "robust_gossip.json"
-#: The page with the generated ``<!-- results:robust_gossip -->`` section.
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "guide" / "distributed.md"
 WORKERS = 8
 MALICIOUS = 0
 ATTACKS = ("scaled", "sign_flip", "random", "alie_drift", "alie_drift_fast")
@@ -283,52 +280,6 @@ def report(tables: dict, timing: dict) -> None:
                   f"robust, overhead {100 * t['overhead']:.1f}%")  # fmt: skip
 
 
-def _cell(loss: float | None, vs_clean: float | None = None) -> str:
-    if loss is None:
-        return "diverged"
-    return f"{loss:.4g}" + ("" if vs_clean is None else f" ({vs_clean:.3g}x)")
-
-
-@section("robust_gossip")
-def render_robust_gossip(r: dict) -> str:
-    """The docs table of ``results/robust_gossip.json``: per topology and attack, the honest
-    ranks' loss with plain and robust mixing against the clean run's, then the overhead."""
-    rows = []
-    for topo, t in r["results"].items():
-        rows.append([topo, "none (clean run)", _cell(t["clean"]), _cell(t["clean_robust"]), "-"])
-        for attack in ATTACKS:
-            a = t[attack]
-            rows.append([topo, attack, _cell(a["plain"], a["plain_vs_clean"]),
-                         _cell(a["robust"], a["robust_vs_clean"]),
-                         "yes" if a["met"] else "no"])  # fmt: skip
-    table = markdown_table(
-        ["topology", "attack", "plain gossip", f"robust={r['default']!r}", "within 10%"], rows
-    )
-    refs = ", ".join(f"{topo} {_cell(t[EXCLUDED])}" for topo, t in r["results"].items())
-    cost = "; ".join(
-        f"{topo}: {kind} {t['plain_ms']:.3g} ms, +{100 * t['overhead']:.0f}%"
-        for topo, kinds in r["overhead_no_attack"].items()
-        for kind, t in kinds.items()
-    )
-    return (
-        f"{table}\n\nLoss: the honest ranks' averaged model on their own shards; in brackets, "
-        f"against the clean run. Leaving the bad rank out altogether (as a NaN sender is): "
-        f"{refs}. Step time without an attacker, plain, and what robust mixing adds (CPU "
-        f"time; `simulator`: all 8 workers, `worker`: one rank less the network, `worker_1m`: "
-        f"the same on a 1.07M-parameter MLP): {cost}. {r['setup']}; measured "
-        f"{r['date'][:10]}, {r['machine']}."
-    )
-
-
-def write_docs() -> None:
-    """Render the robust_gossip section of :data:`PAGE` from :data:`RESULTS`."""
-    text = PAGE.read_text()
-    rendered = render(text, RESULTS.parent)
-    if rendered != text:
-        PAGE.write_text(rendered)
-        print(f"updated {PAGE}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="digits_mlp")
@@ -339,10 +290,7 @@ def main() -> None:
         help="clipping multiples C to compare (robust='clip:C'); the default's is reported",
     )  # fmt: skip
     parser.add_argument("--timing-steps", type=int, default=100)
-    parser.add_argument("--docs-only", action="store_true", help="render the docs from the JSON")
     args = parser.parse_args()
-    if args.docs_only:
-        return write_docs()
     torch.set_num_threads(1)
     task, opt = get_task(args.task), InnerOptimizer("adam", args.lr)
     default = f"clip:{CLIP_MULTIPLE:g}"
@@ -392,8 +340,7 @@ def main() -> None:
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
-    write_docs()
+    print(f"wrote {RESULTS}; python benchmarks/report.py renders it")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,7 @@ training-set loss, learned mixing, tuned D-SGD, D-Adam and DSGT).
 
 The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
 label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` or
-:class:`~learned_opt.config.MixingConfig` fields replaced (as in
-:mod:`benchmarks.registry_sides`; a value is a number, or a name for a field that takes
+:class:`~learned_opt.config.MixingConfig` fields replaced (a value is a number, or a name for a field that takes
 one, such as ``output=adam``). Tuned baselines and anchor runs are cached in
 ``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
 Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
@@ -41,7 +40,6 @@ from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
 from benchmarks.common import RESULTS, command_line, machine, write_json
-from benchmarks.gossip_validation import WORKER_FIELDS, learned_run, parse_side
 from benchmarks.job_queue import run_jobs
 from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
 from learned_opt import LearnedOptimizer, load_checkpoint
@@ -58,7 +56,7 @@ MAX_EXTENSIONS = 2
 def side_factory(checkpoint: str, fields: dict) -> single.Factory:
     """The rule as a factory ``(params, lr_mult) -> LearnedOptimizer``: the checkpoint, its
     config's ``fields`` replaced (the simulated workers' fields have no effect here)."""
-    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
+    config = {k: v for k, v in fields.items() if k not in dec.WORKER_FIELDS}
     if not config:
         return single.resolve_side(checkpoint)
     replaced = with_config(load_checkpoint(checkpoint)[0], config)
@@ -104,7 +102,7 @@ def timing_job(task: str, side: tuple, steps: int) -> dict:
 
 
 def dec_learned_job(setting: dict, side: tuple) -> dict:
-    return learned_run(setting, side[1], side[2])
+    return dec.learned_run(setting, side[1], side[2])
 
 
 def adamw_key(task, schedule, lr, steps, seed) -> str:
@@ -333,7 +331,7 @@ def gossip_bounds(checkpoint: str, fields: dict) -> dict:
     """The rule's own gossip bounds (its :class:`~learned_opt.config.MixingConfig` with
     ``fields`` applied), which the decentralized settings run with: a checkpoint carries
     its own, and they need not be the shipped rule's."""
-    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
+    config = {k: v for k, v in fields.items() if k not in dec.WORKER_FIELDS}
     mixing = with_config(load_checkpoint(checkpoint)[0], config).mixing.to_dict()
     return {k: v for k, v in mixing.items() if k != "edge_width"}
 
@@ -342,7 +340,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rule = parser.add_mutually_exclusive_group(required=True)
     rule.add_argument("--checkpoint", help="a shipped checkpoint name or a path")
-    rule.add_argument("--side", type=parse_side, help="label=checkpoint:field=value,...")
+    rule.add_argument("--side", type=dec.parse_side, help="label=checkpoint:field=value,...")
     parser.add_argument("--quick", action="store_true",
                         help="problems of up to 500 steps, 3 AdamW rates, one seed, two "
                         "decentralized settings")  # fmt: skip

@@ -18,7 +18,7 @@ from .checkpoint import (
 )
 from .config import MixingConfig, NetConfig
 from .network import LearnedOptimizerNet
-from .optimizer import LearnedOptimizer
+from .optimizer import LearnedOptimizer, StalledError
 from .schedules import wsd_schedule
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "LearnedOptimizerNet",
     "MixingConfig",
     "NetConfig",
+    "StalledError",
     "list_pretrained",
     "load_checkpoint",
     "save_checkpoint",

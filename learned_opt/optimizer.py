@@ -93,8 +93,13 @@ def has_empty_rows(grad: Tensor) -> bool:
     return 2 * int((grad == 0).all(dim=1).sum()) >= grad.shape[0]
 
 
+class StalledError(RuntimeError):
+    """Training has stalled: on :attr:`LearnedOptimizer.stall_steps` steps in a row, every
+    tensor's update was skipped because its gradient or the parameter held NaN or Inf."""
+
+
 class LearnedOptimizer(Optimizer):
-    """A meta-trained optimizer, used like any ``torch.optim`` optimizer.
+    """A learned optimizer, used like any ``torch.optim`` optimizer.
 
     Everything after ``params`` is keyword-only: ``LearnedOptimizer(params, 1e-3)`` raises a
     ``TypeError`` (``lr`` is a multiplier, not Adam's learning rate).
@@ -150,7 +155,9 @@ class LearnedOptimizer(Optimizer):
     ``nonfinite_skips``: how many steps this tensor's update was skipped
     because its gradient or the parameter itself held NaN or Inf. Such a gradient never
     reaches the parameter or the state, and a non-finite parameter never spreads to the
-    rest of its tensor; a parameter that holds NaN or Inf warns once, naming it.
+    rest of its tensor; a parameter that holds NaN or Inf warns once, naming it. After
+    :attr:`stall_steps` steps in a row on which every tensor was skipped, ``step()`` raises
+    :class:`StalledError`, naming the cause and the parameters (nothing has changed then).
     ``group["step"]`` counts the group's steps. Theta lives in ``self.net``, not in
     ``state_dict()``.
 
@@ -169,6 +176,11 @@ class LearnedOptimizer(Optimizer):
     ``copy.deepcopy`` and ``pickle`` carry theta, the card and the settings along with
     torch's defaults, state and param groups, so a copy steps exactly like the original.
     """
+
+    #: Steps in a row on which every tensor's update is skipped (its gradient or the
+    #: parameter held NaN or Inf) before ``step()`` raises :class:`StalledError`; ``None``
+    #: never raises. A class attribute: set it on an instance to change one optimizer.
+    stall_steps: int | None = 5
 
     def __init__(
         self,
@@ -200,6 +212,7 @@ class LearnedOptimizer(Optimizer):
         self._parts: Parts | None = None
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
+        self._stalled = 0  # steps in a row on which every tensor was skipped
         self._building = True  # add_param_group's warnings name the caller of the constructor
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, step=0))
         del self._building
@@ -269,6 +282,7 @@ class LearnedOptimizer(Optimizer):
             "_theta_cache": {},
             "_parts": None,
             "_warned": set(),
+            "_stalled": 0,
         }
         for name, default in defaults.items():
             self.__dict__.setdefault(name, default)
@@ -384,15 +398,50 @@ class LearnedOptimizer(Optimizer):
             for kind, kind_items in kinds.items():
                 params, grads, states = zip(*kind_items)
                 by_kind.setdefault(kind, []).append((index, Group(rule, params, grads, states, lr)))
+        stepped = skipped = 0
         for (device, dtype), groups in by_kind.items():
             flags = self._kernels.step_groups(
                 self.theta(device, dtype), parts, [g for _, g in groups]
             )
             for (index, g), oks in zip(groups, flags):
                 for p, state, ok in zip(g.params, g.states, oks):
-                    if not ok:
+                    if ok:
+                        stepped += 1
+                    else:
+                        skipped += 1
                         self._skipped(index, self.param_groups[index], p, state)
+        if skipped or stepped:
+            self._stalled = 0 if stepped else self._stalled + 1
+            if self.stall_steps is not None and self._stalled >= self.stall_steps:
+                raise StalledError(self._stall_message())
         return closure_loss
+
+    def _stall_message(self) -> str:
+        """Why every update was skipped: the parameters that hold NaN or Inf, named, or
+        else the gradients."""
+        bad = []
+        for index, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for position, p in enumerate(group["params"]):
+                if p.grad is not None and not bool(torch.isfinite(p).all()):
+                    name = names[position] if names else f"parameter {position}"
+                    bad.append(f"{name} of param group {index} (shape {tuple(p.shape)})")
+        steps = f"on the last {self._stalled} steps"
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            return (
+                f"LearnedOptimizer: training has stalled: every update was skipped {steps}, "
+                f"because parameters hold NaN or Inf: {', '.join(bad[:3])}{more}. A parameter "
+                "that holds NaN or Inf makes the loss and every gradient non-finite, so no "
+                "later step can recover: restart from a checkpoint saved before it, with a "
+                "lower lr multiplier, or check the data and the loss"
+            )
+        return (
+            f"LearnedOptimizer: training has stalled: every update was skipped {steps}, "
+            "because every gradient held NaN or Inf (the parameters are finite): check the "
+            "loss and the data; with mixed precision, torch.amp.GradScaler skips such steps "
+            "before they reach the optimizer"
+        )
 
     def _skipped(self, index: int, group: dict, p: Tensor, state: dict) -> None:
         """Count a skipped update, and warn once per parameter that itself holds NaN or Inf

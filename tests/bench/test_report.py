@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import report  # noqa: E402
+from benchmarks import report, report_sections  # noqa: E402
 
 OLD_ROW = {
     "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
@@ -32,23 +32,29 @@ def _result(row: dict, **extra) -> dict:
 
 
 def test_step_tables_read_both_result_layouts():
-    old = report.render_step_overhead(
+    old = report_sections.render_step_overhead(
         _result(OLD_ROW, cold_compile={"seconds": 47.5, "threads": 2})
     )
     assert "shipped rule: step / AdamW" in old and "eager reference" not in old
     assert "the first step took 47.5 s" in old and "learned_eager" not in old  # private names
-    new = report.render_step_overhead(_result(NEW_ROW, cold_start={"first_step_seconds": 0.4}))
+    new = report_sections.render_step_overhead(
+        _result(NEW_ROW, cold_start={"first_step_seconds": 0.4})
+    )
     assert "eager reference: step / AdamW" in new and "shipped rule" not in new
     # the brief table of the shipped rule: learned_shipped where measured, else the default
-    assert "| w | 10 | 1 | 8.0x | 2.00x |" in report.render_step_overhead_brief(_result(OLD_ROW))
-    assert "| w | 10 | 1 | 4.0x | 1.50x |" in report.render_step_overhead_brief(_result(NEW_ROW))
+    assert "| w | 10 | 1 | 8.0x | 2.00x |" in report_sections.render_step_overhead_brief(
+        _result(OLD_ROW)
+    )
+    assert "| w | 10 | 1 | 4.0x | 1.50x |" in report_sections.render_step_overhead_brief(
+        _result(NEW_ROW)
+    )
 
 
 def test_a_row_appended_later_and_the_cold_start_say_when_and_what():
     later = {**NEW_ROW, "workload": "big", "date": "2026-12-06T02:15:52+00:00"}
     same_day = {**NEW_ROW, "date": "2026-12-01T09:00:00+00:00"}
     cold = {"first_step_seconds": 0.04, "note": "Another run took longer."}
-    text = report.render_step_overhead(
+    text = report_sections.render_step_overhead(
         {**_result(NEW_ROW, cold_start=cold), "rows": [NEW_ROW, same_day, later]}
     )
     assert "Measured 2026-12-01; big on 2026-12-06 on x86_64" in text  # only the later row
@@ -81,6 +87,5 @@ def test_a_section_that_nothing_renders_is_reported(tmp_path, monkeypatch):
 
 
 def test_every_page_section_is_served():
-    report._load_sections()
     for page in report.pages():
         assert report.unserved(page.read_text()) == [], page

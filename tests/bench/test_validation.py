@@ -137,41 +137,6 @@ def test_the_rule_under_an_annealing_schedule_takes_smaller_late_steps():
     assert cosine != const and late(cosine) < late(const) and late(wsd) < late(const)
 
 
-def test_the_gossip_rule_choice_ranks_divergences_then_worse_rows_then_speed():
-    from benchmarks.gossip_rule_choice import rank_key
-
-    def s(div, worse, low, med):
-        return {"divergences_decentralized": div, "decentralized_worse_than_dadam": worse,
-                "min_speedup_decentralized": low, "median_speedup_decentralized": med}  # fmt: skip
-
-    ranked = sorted([s(1, 0, 2.0, 3.0), s(0, 2, 1.0, 2.0), s(0, 1, 0.5, 1.0),
-                     s(0, 1, 0.7, 0.9)], key=rank_key)  # fmt: skip
-    assert ranked == [s(0, 1, 0.7, 0.9), s(0, 1, 0.5, 1.0), s(0, 2, 1.0, 2.0), s(1, 0, 2.0, 3.0)]
-
-
-def test_the_gossip_rule_choice_runs_only_the_decentralized_settings(tmp_path, monkeypatch):
-    from benchmarks import gossip_rule_choice as choice
-
-    setting = dict(task="val_blobs_softmax", workers=4, topology="ring", partition="iid",
-                   alpha=1.0, horizon=6, every=1, seed=0)  # fmt: skip
-    monkeypatch.setattr(val, "DECENTRALIZED_PROBLEMS", [setting])
-    monkeypatch.setattr(val, "SEEDS", (0,))
-    monkeypatch.setattr(val, "CACHE", tmp_path / "cache.json")
-    monkeypatch.setattr(common, "RESULTS", tmp_path)
-    monkeypatch.setattr(choice, "CANDIDATES", [
-        ("tiny ceiling", ["--side", "c=adapt_init_2x:lr_adapt_max_gossip=0.5"]),
-        ("shipped", ["--checkpoint", "adapt_init_2x"]),
-    ])  # fmt: skip
-    assert choice.main(["--jobs", "1"]) == 0
-    out = json.loads((tmp_path / "validation_gossip_rule.json").read_text())
-    assert [c["label"] for c in out["candidates"]] == ["tiny ceiling", "shipped"]
-    for c in out["candidates"]:
-        assert c["summary"]["decentralized_rows"] == 1 and len(c["rows"]) == 1
-        assert "median_speedup" not in c["summary"]  # no single-worker problem ran
-    ranked = sorted(out["candidates"], key=lambda c: choice.rank_key(c["summary"]))
-    assert out["best"] == ranked[0]["label"]
-
-
 def test_sampled_ranks_are_scored_on_their_own_samples_and_partitions_on_the_whole_set():
     """The decentralized objective at the averaged model: on the ranks' samples together
     (repeats counted) where each drew its own, on the whole training set where the shards

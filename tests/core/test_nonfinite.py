@@ -191,3 +191,86 @@ def test_a_bad_parameter_in_a_later_group_is_named_by_its_own_group():
     assert [opt.state[p]["nonfinite_skips"] for p in params] == [0, 0, 1] + [0] * (len(params) - 3)
     assert _same(params[2], before[2])
     assert not torch.equal(params[0], before[0]) and not torch.equal(params[1], before[1])
+
+
+def _stalled_model():
+    """A small model whose first weight holds one NaN: the loss and every gradient are NaN
+    from then on, so every tensor's update is skipped."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight[2, 3] = float("nan")
+    return model
+
+
+def _train_step(model, opt):
+    x, y = torch.randn(4, 6), torch.randn(4, 2)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_a_stalled_run_raises_naming_the_parameter():
+    """One NaN weight: one warning at once, then, on the ``stall_steps``-th step in a row on
+    which every update was skipped, a ``StalledError`` naming the cause and the parameter;
+    nothing moved."""
+    from learned_opt import StalledError
+
+    model = _stalled_model()
+    opt = LearnedOptimizer(model.named_parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="holds NaN or Inf"):
+        _train_step(model, opt)
+    for _ in range(opt.stall_steps - 2):
+        _train_step(model, opt)  # counted, not raised yet
+    with pytest.raises(StalledError) as info:
+        _train_step(model, opt)
+    message = str(info.value)
+    assert f"every update was skipped on the last {opt.stall_steps} steps" in message
+    assert "0.weight of param group 0 (shape (8, 6))" in message
+    assert "0.bias" not in message and "2.weight" not in message  # finite, named only if bad
+    assert "\n" not in message
+    for p, b in zip(model.parameters(), before):
+        assert _same(p, b)
+    assert opt.nonfinite_skips == opt.stall_steps * len(before)
+
+
+def test_stall_over_gradients_alone_says_the_parameters_are_finite():
+    from learned_opt import StalledError
+
+    params = make_params()
+    opt = LearnedOptimizer(params, net=perturbed_net())
+    opt.stall_steps = 3
+    for k in range(2):
+        fixed_grads(params, k)
+        for p in params:
+            p.grad.fill_(float("nan"))
+        opt.step()
+    fixed_grads(params, 2)
+    params[0].grad[0] = float("inf")
+    for p in params[1:]:
+        p.grad.fill_(float("nan"))
+    with pytest.raises(StalledError, match=r"every gradient held NaN or Inf \(the parameters"):
+        opt.step()
+
+
+def test_one_tensor_stepped_or_stall_steps_none_keeps_a_run_going():
+    """A step on which any tensor stepped resets the count; ``stall_steps=None`` never
+    raises."""
+    params = make_params()
+    opt = LearnedOptimizer(params, net=perturbed_net())
+    for k in range(3 * opt.stall_steps):
+        fixed_grads(params, k)
+        last = k % opt.stall_steps == opt.stall_steps - 1
+        for p in params[1:] if last else params:  # every tensor skipped, but on every
+            p.grad.fill_(float("nan"))  # stall_steps-th step, where the first one steps
+        opt.step()
+    assert opt.nonfinite_skips == 3 * (opt.stall_steps * len(params) - 1)
+    model = _stalled_model()
+    opt = LearnedOptimizer(model.parameters())
+    opt.stall_steps = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for _ in range(10):
+            _train_step(model, opt)
+    assert opt.nonfinite_skips == 10 * len(list(model.parameters()))
