@@ -141,8 +141,9 @@ def _job(seed: int, side: str) -> dict:
     return rules.run(draw(seed), side)
 
 
-def decide(a: str, b: str, seeds: list[int], jobs: int, log=print) -> list[dict]:
-    """Both sides' runs of every seed, scored; progress on ``log``."""
+def decide(a: str, b: str, seeds: list[int], jobs: int, log=print, partial=None) -> list[dict]:
+    """Both sides' runs of every seed, scored; progress on ``log``, and the rows so far to
+    ``partial(rows)`` after every tenth draw (a stopped decision keeps what it measured)."""
     for side in (a, b):  # a bad side fails here, once, not in every worker
         rules.factory(side, 1)
     rows, pending = {}, {}
@@ -161,6 +162,8 @@ def decide(a: str, b: str, seeds: list[int], jobs: int, log=print) -> list[dict]
             done = list(rows.values())
             log(f"[{len(done)}/{len(seeds)}] seed {seed} {spec.kind} ({spec.horizon} steps): "
                 f"{rows[seed]['step']:.2f}x; geometric mean so far {geomean(r['step'] for r in done):.3f}")  # fmt: skip
+            if partial and len(done) % 10 == 0:
+                partial(done)
     return [rows[s] for s in seeds]
 
 
@@ -193,7 +196,14 @@ def main(argv=None) -> dict:
         flush=True,
     )
     start = time.perf_counter()
-    rows = decide(args.a, args.b, seeds, args.jobs, log=lambda s: print(s, flush=True))
+    rows = decide(
+        args.a,
+        args.b,
+        seeds,
+        args.jobs,
+        log=lambda s: print(s, flush=True),
+        partial=lambda done: write_json(f"{args.out}.partial", {**entry, "rows": done}, quiet=True),
+    )
     summary = {"steps": summarise(rows, "step"), "time": summarise(rows, "time"),
                "divergences": {"a": sum(r["a_diverged"] for r in rows),
                                "b": sum(r["b_diverged"] for r in rows)},
