@@ -51,7 +51,8 @@ from .topology import get_topology, list_topologies
 
 #: What a core-only install (no ``[tasks]`` extra) prints instead of a traceback per rank.
 TASKS_EXTRA = (
-    "learned-opt train needs the tasks extra ({} is missing): pip install 'learned-opt[tasks]'"
+    "learned-opt train needs the tasks extra ({} is missing): "
+    "pip install -e '.[tasks]' in the learned-opt checkout"
 )
 
 

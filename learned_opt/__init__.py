@@ -1,4 +1,5 @@
-"""learned-opt: meta-trained learned optimizers for PyTorch, deployed on gossip workers.
+"""learned-opt: a learned optimizer for PyTorch, meta-trainable and deployed on gossip workers
+(the shipped rule is hand-set, not meta-trained).
 
 Public API::
 

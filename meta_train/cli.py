@@ -42,7 +42,7 @@ def meta_extra(command: str):
             raise
         print(
             f"{command} needs the meta extra ({exc.name} is missing): "
-            "pip install 'learned-opt[meta]'",
+            "pip install -e '.[meta]' in the learned-opt checkout",
             file=sys.stderr,
         )
         raise SystemExit(1) from None

@@ -47,7 +47,7 @@ def test_core_only_install_gets_one_line_naming_the_extra(tmp_path, hidden, name
     assert run.returncode == 1, run.stderr[-2000:]
     assert run.stderr.strip().splitlines() == [
         f"learned-opt train needs the tasks extra ({named} is missing): "
-        "pip install 'learned-opt[tasks]'"
+        "pip install -e '.[tasks]' in the learned-opt checkout"
     ]
 
 

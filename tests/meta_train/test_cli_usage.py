@@ -150,7 +150,7 @@ def test_missing_meta_extra_is_one_line_naming_it(tmp_path, hidden, call, comman
     )  # fmt: skip
     assert run.returncode == 1, run.stderr[-2000:]
     assert run.stderr.strip().splitlines() == [
-        f"{command} needs the meta extra ({hidden} is missing): pip install 'learned-opt[meta]'"
+        f"{command} needs the meta extra ({hidden} is missing): pip install -e '.[meta]' in the learned-opt checkout"
     ]
 
 
