@@ -1,4 +1,4 @@
-"""Shared pieces of the quality benchmarks: tuning at two horizons, seeds, plots, JSON."""
+"""Shared pieces of the benchmarks: where and how a result was measured, JSON, plots."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -15,11 +14,9 @@ from pathlib import Path
 import torch
 
 from learned_opt.allocator import tune_malloc
-from learned_opt.meta_train.evaluation import final_loss, smooth, speedup, tune_baseline
-from learned_opt.meta_train.inner import InnerOptimizer
+from learned_opt.meta_train.evaluation import smooth
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SEEDS = (0, 1, 2)
 
 
 def machine() -> dict:
@@ -31,49 +28,6 @@ def machine() -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "malloc_tuned": tune_malloc(),  # set already for every side (benchmarks/__init__)
     }
-
-
-def tuned_at_horizons(kind: str, mixing: str, run, horizons: list[int]) -> dict:
-    """Tune ``kind`` once over its grid on seed 0 at the longest horizon, then pick the best
-    rate per horizon from the same curves (a curve's first ``h`` steps are the ``h``-step run)."""
-    tuned = tune_baseline(kind, mixing, run)
-    best = {}
-    for h in horizons:
-        best[h] = min(tuned["curves"], key=lambda lr: final_loss(tuned["curves"][lr][:h]))
-    return {"best_lr": best, "curves": tuned["curves"], "grid": tuned["grid"]}
-
-
-def seed_curves(kind: str, mixing: str, lr: float, run_seed, seed0_curve: list[float]) -> list:
-    """Curves of ``kind`` at ``lr`` for every seed (seed 0 reuses the tuning curve)."""
-    return [
-        seed0_curve if s == 0 else run_seed(InnerOptimizer(kind, lr, mixing), s)["curve"]
-        for s in SEEDS
-    ]
-
-
-def compare_at(learned: list[list[float]], baselines: dict, h: int) -> dict:
-    """Per-seed speedup of the learned curves over the best baseline (by final loss) at h."""
-    speedups, finals, best_names = [], {}, []
-    for s, lc in enumerate(learned):
-        per = {name: curves[s][:h] for name, curves in baselines.items()}
-        best = min(per, key=lambda n: final_loss(per[n]))
-        best_names.append(best)
-        speedups.append(speedup(lc[:h], per[best]))
-        for name, c in per.items():
-            finals.setdefault(name, []).append(final_loss(c))
-        finals.setdefault("learned", []).append(final_loss(lc[:h]))
-    return {
-        "speedup_median": statistics.median(speedups),
-        "speedups": speedups,
-        "best_baseline": best_names,
-        "final_loss_mean": {k: _mean(v) for k, v in finals.items()},
-        "learned_diverged": sum(not math.isfinite(final_loss(lc[:h])) for lc in learned),
-    }
-
-
-def _mean(xs: list[float]) -> float:
-    finite = [x for x in xs if math.isfinite(x)]
-    return statistics.fmean(finite) if len(finite) == len(xs) else math.inf
 
 
 def compile_env(cache: str, threads: int) -> dict[str, str]:

@@ -50,8 +50,7 @@ def _load_cell(r: dict) -> str:
     return f"2 busy processes beside (median of {len(blocks)} blocks: {each})"
 
 
-#: Step-cost columns: (header, key of a row); a column no row has is left out, so results
-#: written before and after a benchmark change both render.
+#: Step-cost columns: (header, key of a row); a column no row has is left out.
 STEP_COLUMNS = (
     ("optimizer step / AdamW", "learned_default_step_ratio"),
     ("training step / AdamW", "learned_default_train_ratio"),
@@ -61,29 +60,18 @@ STEP_COLUMNS = (
     ("no orthogonalisation: training step / AdamW", "learned_no_ortho_train_ratio"),
     ("Newton-Schulz every step: step / AdamW", "learned_ns_every_step_step_ratio"),
     ("Newton-Schulz every step: training step / AdamW", "learned_ns_every_step_train_ratio"),
-    ("gossip rule: step / AdamW", "learned_gossip_rule_step_ratio"),
-    ("gossip rule: training step / AdamW", "learned_gossip_rule_train_ratio"),
-    ("shipped rule: step / AdamW", "learned_shipped_step_ratio"),
-    ("shipped rule: training step / AdamW", "learned_shipped_train_ratio"),
     ("Muon + AdamW: step / AdamW", "muon_adamw_step_ratio"),
     ("Muon + AdamW: training step / AdamW", "muon_adamw_train_ratio"),
 )
 
 
-def _shipped_prefix(result: dict) -> str:
-    """The row-key prefix of the shipped single-worker rule: ``learned_shipped`` in results
-    that measured it beside another build, else ``learned_default`` (``LearnedOptimizer(params)``)."""
-    shipped = any("learned_shipped_step_ratio" in r for r in result["rows"])
-    return "learned_shipped" if shipped else "learned_default"
-
-
 def _first_steps(result: dict) -> str:
     """What the result says about the first steps of a new process (the compile)."""
-    cold = result.get("cold_start") or result.get("cold_compile")
+    cold = result.get("cold_start")
     if not cold:
         return ""
     parts = []
-    first = cold.get("first_step_seconds", cold.get("seconds"))
+    first = cold.get("first_step_seconds")
     if first is not None:
         digits = 2 if first < 0.1 else 1  # 0.04 s, not 0.0 s
         parts.append(f"the first step took {first:.{digits}f} s")
@@ -105,18 +93,6 @@ def _first_steps(result: dict) -> str:
             f"({cold['warm_steps_until_ready']} steps)."
         )
     text += f" {cold['note']}" if cold.get("note") else ""
-    probes = result.get("cold_start_isa_probes")
-    if probes:
-        t, p = probes["medians"]["trusted"], probes["medians"]["probed"]
-        text += (
-            f" With inductor trusting the CPU's flags for its vector instruction set (as "
-            f"shipped) against probing them, {probes['rounds']} cold starts each taking "
-            f"turns (`{probes['command']}`, {probes['date'][:10]}), medians: the first kernel "
-            f"after {t['first_kernel_seconds']:.0f} s against {p['first_kernel_seconds']:.0f} s, "
-            f"the last after {t['kernel_ready_seconds']:.0f} s against "
-            f"{p['kernel_ready_seconds']:.0f} s, and in a second process "
-            f"{t['warm_kernel_ready_seconds']:.1f} s against {p['warm_kernel_ready_seconds']:.1f} s."
-        )
     return text
 
 
@@ -178,7 +154,7 @@ def _samples(result: dict) -> str:
 def render_step_overhead_brief(result: dict) -> str:
     """The shipped single-worker rule's step cost against AdamW, one row per workload
     measured as is (no competing processes)."""
-    prefix = _shipped_prefix(result)
+    prefix = "learned_default"
     rows = [
         [
             r["workload"],

@@ -25,11 +25,10 @@ plain mixing and with ``robust="clip:C"`` for each ``C`` of ``--multiples``; the
 (no attacker, all 8 honest) runs with both. The score is the loss of the honest ranks'
 averaged model on the whole training set at the end (``inf`` once a loss turns non-finite),
 and each attacked run's ratio to the clean run's. The step-time overhead of robust mixing
-without an attacker is measured twice, in CPU time, plain and robust taking turns: one
-simulated step of all 8 workers, and one rank's step as a real worker takes it without
-the network (local step, then the in-place mix with its neighbours' copies), on the task
-and on the 1.07M-parameter MLP of ``benchmarks/gossip_step.py`` (``worker_1m``). Goal (issue 33): honest ranks within 10% of the clean run where plain
-gossip diverges or degrades; overhead at most 5% of step time.
+without an attacker is measured in CPU time, plain and robust taking turns, on one
+simulated step of all 8 workers (on real workers: ``gossip_step``). Goal (issue 33): honest
+ranks within 10% of the clean run where plain gossip diverges or degrades; overhead at
+most 5% of step time.
 """
 
 from __future__ import annotations
@@ -47,12 +46,9 @@ from pathlib import Path
 
 import torch
 
-from learned_opt.distributed import get_topology, mix
 from learned_opt.distributed.mixing import (
     CLIP_MULTIPLE,
     REDESCEND,
-    parse_robust,
-    robust_weight_lists,
 )
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_trajectory
@@ -178,64 +174,6 @@ def step_times(task, opt, topology: str, robust: str, steps: int, warmup: int = 
     return {"plain_ms": plain, "robust_ms": clipped, "overhead": clipped / plain - 1}
 
 
-def task_rank(task):
-    """A builder of rank 1's module of ``task`` and its next-batch loss."""
-
-    def build():
-        module = task.module(torch.Generator().manual_seed(0))
-        data = task.batches(worker=1, num_workers=WORKERS, partition="iid", seed=0)
-        return module, lambda: task.module_loss(module, next(data))
-
-    return build
-
-
-def step_benchmark_rank():
-    """A builder of the module of ``benchmarks/gossip_step.py`` (MLP 784-1024-256-10, 1.07M
-    parameters, batch 64 of random data) and its loss."""
-    from benchmarks.gossip_step import BATCH, _model
-
-    def build():
-        module, gen = _model(0), torch.Generator().manual_seed(1)
-        x, y = torch.randn(BATCH, 784, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
-        return module, lambda: torch.nn.functional.cross_entropy(module(x), y)
-
-    return build
-
-
-def worker_step_times(build, lr: float, topology: str, robust: str, steps: int) -> dict:
-    """Median ms (CPU time) of one rank's step as a real worker takes it, less the network:
-    forward, backward and Adam step of the module ``build()`` makes, then the in-place mix
-    of every parameter with its neighbours' copies, clipped as the real workers clip.
-    Plain and ``robust`` take turns on two copies of the module."""
-    degree = len(get_topology(topology, WORKERS).neighbors(1, 0))
-    weight, gen = 1.0 / (1 + degree), torch.Generator().manual_seed(0)
-    ranks = {}
-    for r in (None, robust):
-        module, next_loss = build()
-        params = list(module.parameters())
-        copies = [[p.detach() + 1e-3 * torch.randn(p.shape, generator=gen) for p in params]
-                  for _ in range(degree)]  # fmt: skip
-        ranks[r] = (next_loss, params, torch.optim.Adam(params, lr=lr), copies)
-    times: dict = {r: [] for r in ranks}
-    for i in range(steps + 3):
-        for r, (next_loss, params, adam, copies) in ranks.items():
-            t0 = time.process_time()
-            adam.zero_grad()
-            next_loss().backward()
-            adam.step()
-            with torch.no_grad():  # as ProcessGroupCommunicator.finish_mix mixes
-                neighbours = [[c[t] for c in copies] for t in range(len(params))]
-                weights = [[weight] * degree for _ in params]
-                if r is not None:
-                    weights = robust_weight_lists(params, neighbours, weights, parse_robust(r))
-                for p, nb, w in zip(params, neighbours, weights):
-                    mix(p, nb, w, out=p)
-            if i >= 3:
-                times[r].append(time.process_time() - t0)
-    plain, clipped = (1000 * statistics.median(times[r]) for r in (None, robust))
-    return {"plain_ms": plain, "robust_ms": clipped, "overhead": clipped / plain - 1}
-
-
 def ratio(x: float | None, clean: float) -> float | None:
     """``x / clean``, ``None`` (diverged) when ``x`` is."""
     return None if x is None else round(x / clean, 4)
@@ -305,14 +243,8 @@ def main() -> None:
                 runs[topo][name][robust] = out = run(task, opt, topo, attack, robust, args.steps)
                 print(topo, name, robust, out, flush=True)
     tables = {spec: summarise(runs, spec) for spec in specs}
-    timing = {
-        t: {"simulator": step_times(task, opt, t, default, args.timing_steps),
-            "worker": worker_step_times(task_rank(task), args.lr, t, default,
-                                        args.timing_steps),
-            "worker_1m": worker_step_times(step_benchmark_rank(), args.lr, t, default,
-                                           args.timing_steps // 4)}
-        for t in TOPOLOGIES
-    }  # fmt: skip
+    timing = {t: {"simulator": step_times(task, opt, t, default, args.timing_steps)}
+              for t in TOPOLOGIES}  # fmt: skip
     report(tables, timing)
     command = "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py"
     result = {

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from learned_opt import LearnedOptimizer
-from learned_opt.kernel import COMPILE_AFTER, ISA_ENV, compile_after_seconds
+from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
 from learned_opt.orthogonal import is_matrix
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
@@ -407,30 +407,6 @@ def cold_start(threads: int, env: dict[str, str] | None = None) -> dict:
     return result
 
 
-#: The environment of a start whose inductor probes the CPU's vector instruction sets, as
-#: before the optimizer trusted the CPU's flags (set, the variable stands, and empty it
-#: leaves inductor's default): :func:`compare_isa_probes`.
-PROBED_ENV = {ISA_ENV: ""}
-
-
-def compare_isa_probes(threads: int, rounds: int) -> dict:
-    """:func:`cold_start` ``rounds`` times each, taking turns, as shipped (``trusted``: the
-    CPU's flags name the vector instruction set) and with inductor probing it
-    (``probed``, :data:`PROBED_ENV`), and the medians of each side's seconds until the
-    first and the last kernel, cold and warm."""
-    runs: dict[str, list] = {"trusted": [], "probed": []}
-    for i in range(rounds):
-        for side in runs:
-            runs[side].append(cold_start(threads, PROBED_ENV if side == "probed" else None))
-            print(f"round {i + 1} {side}: {runs[side][-1]}", flush=True)
-    keys = ("first_kernel_seconds", "kernel_ready_seconds", "warm_kernel_ready_seconds")
-    medians = {
-        side: {k: statistics.median(r[k] for r in rows) for k in keys}
-        for side, rows in runs.items()
-    }
-    return {"rounds": rounds, "medians": medians, "runs": runs}
-
-
 def machine_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -489,15 +465,8 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only time the start with an empty inductor cache and record it in --out",
     )
-    ap.add_argument(
-        "--isa-probe-rounds", type=int, default=0, metavar="R",
-        help="with --cold-start-only: R cold starts each, taking turns, as shipped and with "
-        "inductor probing the vector instruction sets (recorded as cold_start_isa_probes)",
-    )  # fmt: skip
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.isa_probe_rounds and not args.cold_start_only:
-        ap.error("--isa-probe-rounds needs --cold-start-only")
     if args.cold_start_only:
         result = json.loads(args.out.read_text())
         load = list(os.getloadavg())
@@ -506,15 +475,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         stamp = {"load_average_before": load, "command": command,
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
-        if args.isa_probe_rounds:
-            result["cold_start_isa_probes"] = {
-                **compare_isa_probes(args.threads, args.isa_probe_rounds),
-                **stamp,
-            }
-            print(f"medians: {result['cold_start_isa_probes']['medians']}")
-        else:
-            result["cold_start"] = {**cold_start(args.threads), **stamp}
-            print(f"cold start: {result['cold_start']}")
+        result["cold_start"] = {**cold_start(args.threads), **stamp}
+        print(f"cold start: {result['cold_start']}")
         if not args.no_write:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
         return

@@ -1,5 +1,4 @@
-"""The generated pages: markers with views and arguments, and step-cost tables that render
-results written before and after the step benchmark changed its columns."""
+"""The generated pages: markers with views and arguments, and the step-cost tables."""
 
 from __future__ import annotations
 
@@ -13,12 +12,6 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not in
 
 from benchmarks import report, report_sections  # noqa: E402
 
-OLD_ROW = {
-    "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
-    "adamw_foreach_step_ms": 1.0, "learned_default_step_ratio": 3.0,
-    "learned_default_train_ratio": 1.2, "learned_eager_step_ratio": 9.0,
-    "learned_shipped_step_ratio": 8.0, "learned_shipped_train_ratio": 2.0,
-}  # fmt: skip
 NEW_ROW = {
     "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
     "adamw_foreach_step_ms": 1.0, "learned_default_step_ratio": 4.0,
@@ -31,23 +24,14 @@ def _result(row: dict, **extra) -> dict:
     return {"rows": [row], "machine": MACHINE, "date": "2026-12-01", "command": "c", **extra}
 
 
-def test_step_tables_read_both_result_layouts():
-    old = report_sections.render_step_overhead(
-        _result(OLD_ROW, cold_compile={"seconds": 47.5, "threads": 2})
-    )
-    assert "shipped rule: step / AdamW" in old and "eager reference" not in old
-    assert "the first step took 47.5 s" in old and "learned_eager" not in old  # private names
+def test_step_tables_name_their_columns_and_the_first_steps():
     new = report_sections.render_step_overhead(
         _result(NEW_ROW, cold_start={"first_step_seconds": 0.4})
     )
-    assert "eager reference: step / AdamW" in new and "shipped rule" not in new
-    # the brief table of the shipped rule: learned_shipped where measured, else the default
-    assert "| w | 10 | 1 | 8.0x | 2.00x |" in report_sections.render_step_overhead_brief(
-        _result(OLD_ROW)
-    )
-    assert "| w | 10 | 1 | 4.0x | 1.50x |" in report_sections.render_step_overhead_brief(
-        _result(NEW_ROW)
-    )
+    assert "eager reference: step / AdamW" in new and "the first step took 0.4 s" in new
+    assert "learned_reference" not in new  # private names
+    brief = report_sections.render_step_overhead_brief(_result(NEW_ROW))
+    assert "| w | 10 | 1 | 4.0x | 1.50x |" in brief
 
 
 def test_a_row_appended_later_and_the_cold_start_say_when_and_what():

@@ -78,26 +78,3 @@ def test_a_sample_is_the_mean_of_a_period_of_steps():
     steps = {"alternating": lambda: {"step": next(times)}}
     got = so.time_turns(steps, warmup=1, repeats=5)["alternating"]["step"]
     assert so.PERIOD == 2 and got == pytest.approx(2.0)
-
-
-def test_the_isa_probe_comparison_takes_turns_and_takes_medians(monkeypatch):
-    """Each round starts the shipped side, then the one whose inductor probes (its
-    environment says so); each side's medians are over its own rounds."""
-    calls = []
-
-    def fake(threads, env=None):
-        calls.append(env)
-        n = len(calls)
-        return {"first_kernel_seconds": n, "kernel_ready_seconds": 10 * n,
-                "warm_kernel_ready_seconds": 0.5 * n}  # fmt: skip
-
-    monkeypatch.setattr(so, "cold_start", fake)
-    out = so.compare_isa_probes(2, 3)
-    assert calls == [None, so.PROBED_ENV] * 3
-    assert out["medians"]["trusted"] == {
-        "first_kernel_seconds": 3,
-        "kernel_ready_seconds": 30,
-        "warm_kernel_ready_seconds": 1.5,
-    }  # rounds 1, 3, 5
-    assert out["medians"]["probed"]["kernel_ready_seconds"] == 40  # rounds 2, 4, 6
-    assert len(out["runs"]["probed"]) == 3
