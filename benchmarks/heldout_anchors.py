@@ -23,10 +23,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
-from benchmarks.common import RESULTS, command_line, machine, write_json
+from benchmarks.common import RESULTS, Cache, command_line, machine, write_json
 from benchmarks.quality_heldout import CACHE, DEC_SEEDS, DEFAULT_LONG, LONG, SHORT
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.meta_train.evaluation import BaselineCache, speedup
+from learned_opt.meta_train.evaluation import speedup
 from learned_opt.tasks import list_heldout_tasks
 
 
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     if not suite.exists() or not CACHE.exists():
         parser.error(f"{suite.name} and {CACHE.name} are missing: run the suite first "
                      "(python -m benchmarks.quality_heldout)")  # fmt: skip
-    cache = BaselineCache(CACHE).data
+    cache = Cache(CACHE).data
     learned = {
         (r["task"], r["horizon"]): r["speedup"]
         for r in json.loads(suite.read_text())["single"]

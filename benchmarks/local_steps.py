@@ -42,14 +42,13 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 
 from benchmarks import heldout_decentralized as dec
-from benchmarks.common import RESULTS, command_line, machine, write_json
+from benchmarks.common import RESULTS, Cache, command_line, machine, write_json
 from benchmarks.quality_heldout import CACHE as HELDOUT_CACHE
 from benchmarks.quality_heldout import DEC_FULL
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.distributed.local_steps import SimulatedLocalSteps, nesterov
 from learned_opt.distributed.topology import get_topology
-from learned_opt.meta_train.evaluation import BaselineCache
 from learned_opt.meta_train.inner import (
     InnerOptimizer,
     consensus_distance,
@@ -70,7 +69,7 @@ VALIDATION = [
     )
 ]  # fmt: skip
 #: Tuned D-Adam runs of the validation settings (the inner rate of each).
-VALIDATION_CACHE = RESULTS / "local_steps_baselines.json"
+VALIDATION_CACHE = RESULTS / "local_steps_baselines.json.gz"
 #: The choice grid: local steps, top-k density, outer Nesterov lr, outer learned
 #: multiplier; and the local steps of the plain outer rule, SGD at lr 1 (the anchor moves
 #: by the tracked mean pseudo-gradient: the ranks' average, as FedAvg's; at ``H = 1``
@@ -85,7 +84,7 @@ FRONTIER = (5.0, 10.0, 30.0, 100.0)
 FALLBACK_LR = 0.03
 
 
-def inner_lr(setting: dict, cache: BaselineCache) -> float:
+def inner_lr(setting: dict, cache: Cache) -> float:
     """The setting's tuned D-Adam rate (or :data:`FALLBACK_LR`)."""
     entry = cache.data.get(dec.setting_key(setting))
     return float(entry["D-Adam"]["lr"]) if entry else FALLBACK_LR
@@ -166,7 +165,7 @@ def compare(setting: dict, exact: dict, v: dict, got: dict) -> dict:
     }  # fmt: skip
 
 
-def sweep(pool, settings: list[dict], cache: BaselineCache, variants: list[dict]) -> list[dict]:
+def sweep(pool, settings: list[dict], cache: Cache, variants: list[dict]) -> list[dict]:
     """Exact run and every variant on every setting; one row per (setting, variant)."""
     jobs = {}
     for i, s in enumerate(settings):
@@ -263,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         **machine(),
     }
     with ProcessPoolExecutor(args.jobs) as pool:
-        rows = sweep(pool, validation, BaselineCache(VALIDATION_CACHE), variants_of(grid))
+        rows = sweep(pool, validation, Cache(VALIDATION_CACHE), variants_of(grid))
         chosen, tables = {}, []
         for outer in OUTERS:
             best, table = choose(rows, outer)
@@ -282,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             v = f["best"] and variant(f["best"])
             if v and v not in picked + extra:
                 extra.append(v)
-        held = sweep(pool, heldout, BaselineCache(HELDOUT_CACHE), picked + extra)
+        held = sweep(pool, heldout, Cache(HELDOUT_CACHE), picked + extra)
     for row in held:
         row["chosen"] = variant(row) in picked
         row["frontier"] = [f["min_bytes_reduction_x"] for f in front

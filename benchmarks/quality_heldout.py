@@ -12,7 +12,7 @@ and 3, and divergences. Every row, single-worker and decentralized, is run at ev
 baselines tuned afresh per seed) and scored by the median over the seeds of its speedups;
 the step times behind the wall-clock speedups are measured at seed 0 only.
 
-Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json``,
+Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json.gz``,
 so evaluating a new checkpoint only runs the learned side. Writes
 ``benchmarks/results/quality_heldout.json`` (``--quick``: ``quality_heldout_quick.json``)
 and a PNG of loss curves beside it.
@@ -39,11 +39,11 @@ import torch
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
-from benchmarks.common import RESULTS, command_line, curves_png, machine, write_json
+from benchmarks.common import RESULTS, Cache, command_line, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
 from benchmarks.job_queue import JobQueue, run_jobs
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.meta_train.evaluation import BaselineCache, final_loss
+from learned_opt.meta_train.evaluation import final_loss
 from learned_opt.tasks import list_heldout_tasks
 
 SHORT = 200
@@ -55,11 +55,11 @@ COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 
         "heldout_wide_mlp": 3, "heldout_char_lm": 4}  # fmt: skip
 #: Bumped whenever what a cached baseline run measures changes.
 CACHE_VERSION = 1
-CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json"
+CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json.gz"
 #: Learned-side runs of checkpoints, keyed by the checkpoint's content and the code's hash,
 #: so a rerun of the same command (say, after a change to the report) only assembles. Not
 #: committed: it is valid only for the code that wrote it.
-LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json"
+LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json.gz"
 
 
 def _setting(task, workers, topology, alpha, horizon, every=1) -> dict:
@@ -86,7 +86,7 @@ class Suite:
 
     def __init__(self, args):
         self.args = args
-        self.cache = BaselineCache(CACHE)
+        self.cache = Cache(CACHE)
         self.tasks = args.tasks or list_heldout_tasks()
         self.sides = list(args.checkpoint) + list(args.factory)
         self.checkpoints = list(args.checkpoint)
@@ -103,7 +103,7 @@ class Suite:
         scored = self.checkpoints and args.schedule == "constant"
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
                          for seed in self.seeds] if scored else []  # fmt: skip
-        self.learned_cache = BaselineCache(LEARNED_CACHE)
+        self.learned_cache = Cache(LEARNED_CACHE)
         # a schedule makes other runs than the constant multiplier's: cached apart
         suffix = "" if args.schedule == "constant" else f"@{args.schedule}"
         self.side_ids = {

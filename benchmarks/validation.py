@@ -18,7 +18,7 @@ The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
 label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` or
 :class:`~learned_opt.config.MixingConfig` fields replaced (a value is a number, or a name for a field that takes
 one, such as ``output=adam``). Tuned baselines and anchor runs are cached in
-``benchmarks/results/validation_baselines.json``, so a rerun only runs the rule.
+``benchmarks/results/validation_baselines.json.gz``, so a rerun only runs the rule.
 Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
 rewritten as results come in.
 
@@ -39,15 +39,14 @@ import torch
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks import validation_anchors as anchors
-from benchmarks.common import RESULTS, command_line, machine, write_json
+from benchmarks.common import RESULTS, Cache, command_line, machine, write_json
 from benchmarks.job_queue import run_jobs
 from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
 from learned_opt import LearnedOptimizer, load_checkpoint
-from learned_opt.meta_train.evaluation import BaselineCache
 from learned_opt.network import with_config
 from learned_opt.tasks.validation import DECENTRALIZED_PROBLEMS, SINGLE_PROBLEMS
 
-CACHE = RESULTS / "validation_baselines.json"
+CACHE = RESULTS / "validation_baselines.json.gz"
 SEEDS = (0, 1, 2)  # a row is the median over them; one seed moved rows by up to 10x
 MAX_EXTENSIONS = 2
 
@@ -129,7 +128,7 @@ class Run:
 
     def __init__(self, args, side: tuple):
         self.args, self.side = args, side
-        self.cache = BaselineCache(CACHE)
+        self.cache = Cache(CACHE)
         wanted = lambda task: not args.problems or task in args.problems  # noqa: E731
         self.problems = (
             []

@@ -26,10 +26,9 @@ on both sides: what a cheaper step could reach with these step counts, and no mo
 
     python -m benchmarks.wallclock --suite heldout            # quality_heldout.json's rows
     python -m benchmarks.wallclock --suite heldout --repeats 3  # each side's median of 3
-    python -m benchmarks.wallclock --suite validation         # validation_final.json's rows
+    python -m benchmarks.wallclock --suite validation   # validation_handset_now.json's rows
     python -m benchmarks.wallclock --suite heldout --tasks heldout_autoencoder
     python -m benchmarks.wallclock --suite validation --compile-after-seconds 10 --out X
-    python -m benchmarks.wallclock --compare X="after 10 s" Y="after 2 s" --out X_vs_Y
 
 Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine: the
 processes run one at a time, at one thread each (as the suites time their steps), and
@@ -50,7 +49,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS, command_line, compile_env, machine, write_json
 
 #: The recorded suites whose rows are timed, and the seed their step times are taken at.
-SUITES = {"heldout": "quality_heldout.json", "validation": "validation_final.json"}
+SUITES = {"heldout": "quality_heldout.json", "validation": "validation_handset_now.json"}
 TIMING_SEED = 0
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -239,19 +238,6 @@ def summarise(scored: list[dict]) -> dict:
             "rows": len(scored)}  # fmt: skip
 
 
-def compare(named: list[str]) -> dict:
-    """A table of several runs of this benchmark on the same rows (``NAME=LABEL``: the
-    result ``NAME.json`` under the label ``LABEL``), to choose a compile policy by."""
-    runs = []
-    for item in named:
-        name, _, label = item.partition("=")
-        r = json.loads((RESULTS / f"{name}.json").read_text())
-        walls = {f"{x['task']}@{x['horizon']}": x["wall_speedup"] for x in r["rows"]}
-        runs.append({"name": name, "label": label or name, "summary": r["summary"],
-                     "walls": walls, "command": r["command"], "date": r["date"]})  # fmt: skip
-    return {"benchmark": "wallclock_compare", "runs": runs}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", choices=sorted(SUITES), default="heldout")
@@ -273,21 +259,10 @@ def main(argv: list[str] | None = None) -> int:
         help="run every side N times, taking turns, and time it by the median (default 1)",
     )  # fmt: skip
     parser.add_argument("--out", help="result name (default: wallclock_<suite>)")
-    parser.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="NAME=LABEL",
-        help="write the table of these earlier results (to --out) and exit",
-    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
-        return 0
-    if args.compare:
-        if not args.out:
-            parser.error("--compare needs --out")
-        write_json(args.out, compare(args.compare))
         return 0
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
