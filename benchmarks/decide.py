@@ -95,15 +95,19 @@ def diverged(curve: list[float]) -> bool:
 
 
 def score_draw(a: dict, b: dict) -> dict:
-    """A's step and time speedups over B on one draw."""
+    """A's step and time speedups over B on one draw. A run that diverged where the other
+    did not scores the clip (the common level alone would credit its first steps)."""
+    a_div, b_div = diverged(a["curve"]), diverged(b["curve"])
+    if a_div != b_div:
+        step = 1 / CLIP if a_div else CLIP
+        return {"step": step, "time": step, "a_diverged": a_div, "b_diverged": b_div}
     step = clipped(speedup(a["curve"], b["curve"]))
     steps = steps_to_common_level(a["curve"], b["curve"])
     time_score = step
     if steps is not None and steps[0] and steps[1]:
         per_a, per_b = a["seconds"] / len(a["curve"]), b["seconds"] / len(b["curve"])
         time_score = clipped(steps[1] * per_b / (steps[0] * per_a))
-    return {"step": step, "time": time_score, "a_diverged": diverged(a["curve"]),
-            "b_diverged": diverged(b["curve"])}  # fmt: skip
+    return {"step": step, "time": time_score, "a_diverged": a_div, "b_diverged": b_div}
 
 
 def geomean(xs) -> float:
@@ -185,11 +189,10 @@ def main(argv=None) -> dict:
         raise SystemExit("decide: --draws must be at least 2")
     entry = {"a": args.a, "b": args.b, "note": args.note,
              "commit": rules.resolve_commit("HEAD"), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
-    for side in (args.a, args.b):
-        if not side.startswith(("adamw:", *rules.ANCHORS)) and parse_side_ref(side) != ".":
-            entry[f"{'a' if side == args.a else 'b'}_commit"] = rules.resolve_commit(
-                parse_side_ref(side)
-            )
+    for name, side in (("a", args.a), ("b", args.b)):
+        if not side.startswith(("adamw:", *rules.ANCHORS)):  # a learned side: its commit
+            ref = rules.parse_side(side)[0]
+            entry[f"{name}_commit"] = rules.resolve_commit("HEAD" if ref == "." else ref)
     seeds = reserve(args.draws, entry, args.ledger)
     print(
         f"decide: {args.a} against {args.b} on seeds {seeds[0]}-{seeds[-1]}, {args.jobs} jobs",
@@ -217,10 +220,6 @@ def main(argv=None) -> dict:
           f"kinds below {KIND_FLOOR}: {s['kinds_below_floor'] or 'none'} -> "
           f"{'SHIPS' if s['ships'] else 'does not ship'}; time: {summary['time']['geomean']}x")  # fmt: skip
     return payload
-
-
-def parse_side_ref(side: str) -> str:
-    return rules.parse_side(side)[0]
 
 
 if __name__ == "__main__":
