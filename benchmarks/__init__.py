@@ -1,6 +1,6 @@
 """Benchmarks: scripts that measure and write JSON (and PNG) under ``benchmarks/results``.
 
-Run from the repository root, e.g. ``python -m benchmarks.quality_single``.
+Run from the repository root: ``python -m benchmarks --list`` names the entry points.
 
 Every benchmark process sets the allocator as :class:`~learned_opt.LearnedOptimizer`
 does on CPU (:func:`learned_opt.allocator.tune_malloc`) before it times anything, so that

@@ -585,7 +585,8 @@ def render_validation(r: dict) -> str:
 
 @section("meta_training_stages")
 def render_meta_stages(r: dict) -> str:
-    """The meta-training stages against the hand-set rule (``benchmarks/meta_stages.py``)."""
+    """The meta-training stages against the hand-set rule (written by ``benchmarks/meta_stages.py``,
+    in git at ``c2adf13``, from the stages' validation records)."""
 
     def pairs(row: dict) -> str:
         p = row.get("paired") or {}

@@ -1,7 +1,7 @@
 """This checkout's optimizer step against another revision's, side by side in one process.
 
 On the shared 2-core machine a step's time moves by a third from run to run, more than most
-changes to the step: two runs of ``eager_step.py``, before and after, cannot tell a 15%
+changes to the step: two runs of a step benchmark, before and after, cannot tell a 15%
 gain from the noise. Timed in turns within one process, their ratio holds. The other
 revision's ``learned_opt`` is taken from git (``git archive``) into a temporary folder and
 imported under another name (its modules import one another relatively).
