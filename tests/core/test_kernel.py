@@ -23,7 +23,8 @@ from test_golden import check_recorded
 
 from learned_opt import LearnedOptimizer, kernel
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV
+from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV, export, kernels
+from learned_opt.kernel import worker as kernel_worker
 from learned_opt.step import active_parts, moment_rows
 
 #: generous: a cold build of the golden tensors takes tens of seconds on a loaded machine
@@ -74,13 +75,13 @@ def compiled(tmp_path_factory):
     mp.setattr(kernel, "COMPILE_AFTER_SECONDS", 0.0)  # tiny tensors: compile them anyway
     mp.setattr(kernel, "CHILD_NICE", 0)  # on a busy test machine a niced child waits long
     builds, children = [], []  # the packages a child process built; the children started
-    build = kernel._Worker._build_in_child
+    build = kernel_worker._Worker._build_in_child
 
     def counted(self, jobs, built=lambda i: None, recipe=None):
         children.append(len(jobs))
         build(self, jobs, lambda i: built(i) or builds.append(jobs[i][1]), recipe)
 
-    mp.setattr(kernel._Worker, "_build_in_child", counted)
+    mp.setattr(kernel_worker._Worker, "_build_in_child", counted)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the tests run (conftest): a kernel is built per count
     try:
@@ -173,20 +174,28 @@ def test_the_flat_call_steps_as_the_package_s_own_call(compiled, monkeypatch):
         other.step()
     finally:
         torch.set_num_threads(threads)
-    assert loaded and sum(r.calls for r in loaded) == len(loaded), "the package's call was not used"
+    stepped = sum(
+        entry is not None for _, entry, _ in next(iter(other._kernels._plans.values())).tensors
+    )
+    assert loaded and sum(r.calls for r in loaded) == stepped, "the package's call was not used"
     for p, q in zip(params, other_params):
         assert torch.equal(p.detach(), q.detach())
         for key in kernel.STATE_KEYS:
             assert torch.equal(opt.state[p][key], other.state[q][key]), key
 
 
-def _job_args():
+def _job_args(shape=(3,), dtype=torch.float32, cfg=None):
+    """A step build's arguments for a tensor of ``shape`` and ``dtype`` (a flat kind, or a
+    matrix under a config that orthogonalises)."""
     from learned_opt.config import NetConfig
     from learned_opt.step import Parts
 
-    p = torch.zeros(3)
-    state = {"m": torch.zeros(3, 3), "v": torch.zeros(3), "step": torch.zeros(())}
-    return {}, NetConfig(), Parts(), [p], [p.clone()], [state], torch.ones(1), torch.zeros(1)
+    cfg = NetConfig() if cfg is None else cfg
+    p = torch.zeros(shape, dtype=dtype)
+    state = {"m": torch.zeros(3, *shape), "v": torch.zeros(shape), "log_lr": torch.zeros(()),
+             "step": torch.zeros(())}  # fmt: skip
+    kind = kernel.tensor_kind(cfg, p, p, state)
+    return export.step_args({}, cfg, Parts(), kind, p, p.clone(), state)
 
 
 @pytest.mark.parametrize(
@@ -198,10 +207,10 @@ def test_a_child_that_fails_says_why_in_one_line(monkeypatch, tmp_path, child, w
     """A child that exits with an error, or cannot start, raises a ``RuntimeError`` with
     its last line of error output (the worker turns it into one warning)."""
     if child is None:
-        monkeypatch.setattr(kernel.sys, "executable", "/nonexistent/python")
+        monkeypatch.setattr(kernel_worker.sys, "executable", "/nonexistent/python")
     else:
         monkeypatch.setattr(kernel, "_CHILD", child)
-    worker = kernel._Worker()
+    worker = kernel_worker._Worker()
     with pytest.raises(RuntimeError, match=why):
         worker._build_in_child([(_job_args(), tmp_path / "k.pt2")])
     assert worker.child is None and not (tmp_path / "k.pt2").exists()
@@ -216,7 +225,7 @@ def test_a_child_hands_over_each_package_as_it_is_built(monkeypatch, tmp_path):
         "open(job['builds'][0]['out'], 'wb').write(b'k'); time.sleep(1); "
         "sys.exit('the second kind failed')"
     ))  # fmt: skip
-    worker, seen = kernel._Worker(), []
+    worker, seen = kernel_worker._Worker(), []
     paths = [tmp_path / "first.pt2", tmp_path / "second.pt2"]
     with pytest.raises(RuntimeError, match="the second kind failed"):
         worker._build_in_child([(_job_args(), path) for path in paths], seen.append)
@@ -240,7 +249,7 @@ def test_a_child_that_fails_trusting_the_cpu_flags_is_followed_by_one_that_probe
         "[open(o, 'wb').write(b'k') for o in (outs[:1] if trusted else outs)]; "
         "sys.exit('unknown flag -mamx-tile') if trusted else None"
     ))  # fmt: skip
-    worker, seen = kernel._Worker(), []
+    worker, seen = kernel_worker._Worker(), []
     paths = [tmp_path / "first.pt2", tmp_path / "second.pt2", tmp_path / "third.pt2"]
     worker._build_in_child([(_job_args(), path) for path in paths], seen.append)
     assert seen == [0, 1, 2] and all(path.is_file() for path in paths)
@@ -263,15 +272,15 @@ def test_loading_a_package_trusts_the_cpu_flags_unless_the_user_chose(monkeypatc
 
     before = config.cpp.vec_isa_ok
     monkeypatch.delenv(kernel.ISA_ENV, raising=False)
-    with kernel._cpu_flags_trusted():
+    with kernel_worker.cpu_flags_trusted():
         assert config.cpp.vec_isa_ok is True
     assert config.cpp.vec_isa_ok == before
     monkeypatch.setenv(kernel.ISA_ENV, "0")
-    with kernel._cpu_flags_trusted():
+    with kernel_worker.cpu_flags_trusted():
         assert config.cpp.vec_isa_ok == before
     monkeypatch.delenv(kernel.ISA_ENV)
     monkeypatch.setattr(kernel, "ISA_OPTION", ("cpp", "an_option_a_later_torch_dropped"))
-    with kernel._cpu_flags_trusted():  # no such option: the load goes on as inductor decides
+    with kernel_worker.cpu_flags_trusted():  # no such option: the load goes on as inductor decides
         assert config.cpp.vec_isa_ok == before
 
 
@@ -288,14 +297,14 @@ def test_the_queued_kinds_are_built_by_one_child_and_loaded_each(monkeypatch, tm
             path.write_bytes(b"stand-in")
             built(i)
 
-    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
-    monkeypatch.setattr(kernel, "load_package", lambda path: loaded.append(path.name) or len)
-    args = [_job_args(), _job_args(), _job_args(), _job_args()]
-    args[1][3][0] = torch.zeros(5)  # another shape: another package
-    args[2][3][0] = torch.zeros(7)
-    args[3][3][0] = torch.zeros(5)  # another optimizer's kind of the same package as 1
+    monkeypatch.setattr(kernel_worker._Worker, "_build_in_child", build)
+    monkeypatch.setattr(export, "load_package", lambda path: loaded.append(path.name) or len)
+    args = [_job_args(), _job_args(dtype=torch.float64), _job_args(dtype=torch.bfloat16),
+            _job_args((5,), torch.float64)]  # fmt: skip
+    # 1 and 2: other dtypes, other packages; 3: another optimizer's tensor of another
+    # size, the same package as 1
     kernel.package_path(args[0]).write_bytes(b"built before")  # found, not built
-    worker, entries = kernel._Worker(), [kernel._Entry() for _ in args]
+    worker, entries = kernel_worker._Worker(), [kernel_worker.Entry() for _ in args]
     entries[2].eager_seconds = 1.0  # the costliest in eager steps: built first
     for entry, a in zip(entries, args):
         worker.jobs.put((weakref.ref(entry), kernel.STEP, a))
@@ -331,7 +340,7 @@ def test_a_package_that_does_not_load_is_removed_for_the_next_run(monkeypatch, t
     bad = tmp_path / "bad.pt2"
     bad.write_bytes(b"not a package")
     bad.chmod(0o600)
-    monkeypatch.setattr(kernel, "package_path", lambda args: bad)
+    monkeypatch.setattr(export, "package_path", lambda args: bad)
     _, _, opt = _golden_optimizer()
     with pytest.warns(RuntimeWarning, match="compiling the step kernel failed"):
         for _ in range(COMPILE_AFTER):
@@ -375,9 +384,9 @@ def test_a_new_build_prunes_the_longest_unused_packages(monkeypatch, tmp_path):
             os.utime(path, (1.0, 1.0))  # older than all: kept all the same
             built(i)
 
-    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
-    monkeypatch.setattr(kernel, "package_path", lambda args: built)
-    monkeypatch.setattr(kernel, "load_package", lambda path: kernel.step_tensors)
+    monkeypatch.setattr(kernel_worker._Worker, "_build_in_child", build)
+    monkeypatch.setattr(export, "package_path", lambda args: built)
+    monkeypatch.setattr(export, "load_package", lambda path: kernel.step_tensors)
     _, _, opt = _golden_optimizer()
     for _ in range(COMPILE_AFTER):
         opt.step()
@@ -405,24 +414,29 @@ def test_a_kernel_folder_others_may_write_is_refused(monkeypatch, tmp_path):
 
 
 def test_the_package_name_changes_with_what_the_kernel_depends_on(monkeypatch, tmp_path):
+    """A package serves every tensor of its kind, whatever its size: its name changes with
+    the dtypes, the kind, the config and the thread count, never with the sizes."""
+    from learned_opt.config import NetConfig
+
     monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
-    theta, cfg, parts, params, grads, states, lr, decay = _job_args()
     base = kernel.package_path(_job_args())
-    assert kernel.package_path(_job_args()) == base and base.parent == tmp_path
-    wider = (theta, cfg, parts, [torch.zeros(4)], [torch.zeros(4)],
-             [{**states[0], "v": torch.zeros(4)}], lr, decay)  # fmt: skip
-    strided = (theta, cfg, parts, params, [torch.zeros(6)[::2]], states, lr, decay)
-    doubled = (theta, cfg, parts, [p.double() for p in params], grads, states, lr, decay)
-    # the values of lr and decay are inputs: another value, the same package
-    assert kernel.package_path((*_job_args()[:6], lr + 1, decay + 0.1)) == base
+    assert base.parent == tmp_path
+    assert kernel.package_path(_job_args((1000,))) == base
+    assert kernel.package_path(_job_args((7, 3, 5))) == base  # any tensor that is not a matrix
+    ortho = NetConfig(output="ortho", ortho_min_dim=4)
+    wide = kernel.package_path(_job_args((8, 12), cfg=ortho))
+    assert kernel.package_path(_job_args((20, 30), cfg=ortho)) == wide  # wide, no Gram path
+    tall = kernel.package_path(_job_args((12, 8), cfg=ortho))
+    gram = kernel.package_path(_job_args((8, 40), cfg=ortho))  # at least GRAM_RATIO wider
+    doubled = kernel.package_path(_job_args(dtype=torch.float64))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
         other_threads = kernel.package_path(_job_args())
     finally:
         torch.set_num_threads(threads)
-    names = {kernel.package_path(a) for a in (wider, strided, doubled)} | {other_threads}
-    assert base not in names and len(names) == 4
+    names = {base, wide, tall, gram, doubled, other_threads}
+    assert len(names) == 6
 
 
 def test_kernel_gives_the_recorded_updates(compiled, monkeypatch):
@@ -516,7 +530,7 @@ def test_another_thread_count_steps_eagerly_until_its_own_kernel(compiled, monke
 
 def test_compile_thread_exits_when_its_queue_is_empty(compiled):
     """Once the kernels are loaded, no compile thread is left (see
-    :class:`learned_opt.kernel._Worker`)."""
+    :class:`learned_opt.worker._Worker`)."""
     import threading
 
     *_, ready = compiled
@@ -574,9 +588,9 @@ def submissions(monkeypatch, tmp_path) -> _Submissions:
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setenv(KERNEL_DIR_ENV, str(tmp_path))
     worker = _Submissions()
-    monkeypatch.setattr(kernel, "_worker", lambda: worker)
+    monkeypatch.setattr(kernel_worker, "_worker", lambda: worker)
     ticks = iter(range(10**6))
-    monkeypatch.setattr(kernel, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    monkeypatch.setattr(kernels, "time", SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
     return worker
 
 
@@ -613,10 +627,10 @@ def test_the_kinds_of_bucket_compile_together_on_the_optimizer_s_eager_seconds(s
 
 
 def test_a_closed_worker_queues_nothing_and_releases_its_waiters():
-    worker = kernel._Worker()
+    worker = kernel_worker._Worker()
     worker.close()
-    entry = kernel._Entry()
-    worker.submit(entry, (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0)))
+    entry = kernel_worker.Entry()
+    worker.submit(entry, _job_args())
     assert entry.done.is_set() and worker.jobs.empty() and worker.thread is None
 
 
@@ -628,7 +642,7 @@ def test_a_compile_process_ends_when_its_parent_is_killed(tmp_path):
     script = (
         "import os, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import sys, time; "
-        "from learned_opt import kernel; kernel._exit_with_parent(int(sys.argv[1]), 0.05); "
+        "from learned_opt.kernel import worker; worker._exit_with_parent(int(sys.argv[1]), 0.05); "
         "time.sleep(60)', str(os.getpid())])\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(60)\n"
@@ -653,27 +667,27 @@ def test_a_compile_process_ends_when_its_parent_is_killed(tmp_path):
     pytest.fail("the compile process outlived its parent by 30 s")
 
 
-def test_a_bucket_plan_is_kept_until_a_tensor_changes_layout():
-    """The buckets and their kernels' entries are worked out once per layout of the
-    tensors; a gradient of other strides (the kernel checks none) gets an entry of its own,
-    and going back finds the first one again."""
+def test_a_plan_is_kept_until_a_tensor_changes_layout():
+    """Each tensor's kind and entry are worked out once per layout of the tensors; a
+    gradient of other strides (a kernel takes contiguous tensors) is left to the reference,
+    and going back finds the first plan again. Tensors of one kind share an entry."""
     _, params, opt = _golden_optimizer()
     opt.step()  # creates the state
-    kernels = kernel.Kernels()
+    cache = kernel.Kernels()
     states = [opt.state[p] for p in params]
     grads = [p.grad for p in params]
-    first = kernels._plan(opt.config, opt.parts, params, grads, states)
-    assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
-    matrix = next(i for i, p in enumerate(params) if p.dim() == 2 and p.shape[0] != p.shape[1])
+    first = cache._plan(opt.config, opt.parts, params, grads, states)
+    assert cache._plan(opt.config, opt.parts, params, grads, states) is first
+    kinds = [kind for kind, _, _ in first.tensors]
+    assert kinds[0] == kinds[1] == kinds[2] and kinds[0][0] == "flat"  # 13 x 17, 13 x 17, 5
+    assert first.tensors[0][1] is first.tensors[2][1]
+    assert kinds[3] is None  # one element: the reference steps it
+    matrix = next(i for i, p in enumerate(params) if p.dim() == 2 and kinds[i][0] == "matrix")
     strided = list(grads)
     strided[matrix] = grads[matrix].t().contiguous().t()  # same values, other strides
-    other = kernels._plan(opt.config, opt.parts, params, strided, states)
-
-    def entry_of(plan, i):
-        return next(entry for index, entry in plan.buckets if i in index)
-
-    assert entry_of(other, matrix) is not entry_of(first, matrix)
-    assert kernels._plan(opt.config, opt.parts, params, grads, states) is first
+    other = cache._plan(opt.config, opt.parts, params, strided, states)
+    assert other.tensors[matrix][:2] == (None, None)
+    assert cache._plan(opt.config, opt.parts, params, grads, states) is first
 
 
 def test_a_cpu_training_yields_a_thread_to_a_build_and_takes_it_back(monkeypatch, tmp_path):
@@ -694,8 +708,8 @@ def test_a_cpu_training_yields_a_thread_to_a_build_and_takes_it_back(monkeypatch
             path.write_bytes(b"stand-in")
             built(i)
 
-    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
-    monkeypatch.setattr(kernel, "load_package", lambda path: kernel.step_tensors)
+    monkeypatch.setattr(kernel_worker._Worker, "_build_in_child", build)
+    monkeypatch.setattr(export, "load_package", lambda path: kernel.step_tensors)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -721,31 +735,31 @@ def test_a_thread_count_the_program_sets_while_a_build_runs_stands():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        kernel._yield_threads(True)
+        kernel_worker._yield_threads(True)
         assert torch.get_num_threads() == 2 and kernel.kernel_threads() == 3
-        kernel._yield_threads(True)  # still building: yielded once, not twice
+        kernel_worker._yield_threads(True)  # still building: yielded once, not twice
         assert torch.get_num_threads() == 2
         torch.set_num_threads(4)  # the program's own choice
-        kernel._yield_threads(False)
+        kernel_worker._yield_threads(False)
         assert torch.get_num_threads() == 4 and kernel.kernel_threads() == 4
         torch.set_num_threads(1)
-        kernel._yield_threads(True)  # one thread: nothing to yield
+        kernel_worker._yield_threads(True)  # one thread: nothing to yield
         assert torch.get_num_threads() == 1 and kernel.kernel_threads() == 1
     finally:
-        kernel._yield_threads(False)
+        kernel_worker._yield_threads(False)
         torch.set_num_threads(threads)
 
 
-def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
-    """Before their kernels exist, a model's buckets (here 40 tensors: three of at most
-    ``BUCKET``) step in one call of the reference, which packs across them, and each
-    bucket's share of that call's seconds (by its elements) adds up to the optimizer's."""
+def test_the_tensors_without_a_kernel_step_in_one_reference_call(monkeypatch):
+    """Before their kernels exist, a model's tensors (here 40 of one kind) step in one
+    call of the reference, which packs across them, and each kind's share of that call's
+    seconds (by its elements) adds up to the optimizer's."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
-    monkeypatch.setattr(kernel, "_is_built", lambda recipe, args: False)
+    monkeypatch.setattr(kernels, "_is_built", lambda recipe, args: False)
     calls = []
-    step = kernel.step_tensors
-    monkeypatch.setattr(kernel, "step_tensors", lambda *a: calls.append(len(a[3])) or step(*a))
+    step = kernels.step_tensors
+    monkeypatch.setattr(kernels, "step_tensors", lambda *a: calls.append(len(a[3])) or step(*a))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
     opt = LearnedOptimizer(model.parameters())
@@ -754,26 +768,26 @@ def test_the_buckets_without_a_kernel_step_in_one_reference_call(monkeypatch):
             p.grad = torch.randn(p.shape)
         opt.step()
     entries = list(opt._kernels._entries.values())
-    assert len(entries) == 3 and calls == [40, 40, 40]
+    assert len(entries) == 1 and calls == [40, 40, 40]  # 8 x 8 is not orthogonalised
     assert all(e.eager_steps == 3 and e.fn is None and not e.queued for e in entries)
     shares = sum(e.eager_seconds for e in entries)
     assert shares == pytest.approx(opt._kernels.eager_seconds) and shares > 0
 
 
 def test_a_kernel_takes_each_tensor_s_lr_and_decay_from_its_group(monkeypatch):
-    """Param groups on one device and dtype share buckets: a bucket whose kernel is ready
+    """Param groups on one device and dtype share kernels: a kind whose kernel is ready
     runs it with each tensor's ``lr`` and decay from its group (one kernel for the usual
-    decay and no-decay split); the buckets without one step in one reference call."""
+    decay and no-decay split); the tensors without one step in one reference call."""
     monkeypatch.setenv(COMPILE_ENV, "1")
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
-    monkeypatch.setattr(kernel, "_is_built", lambda recipe, args: False)
+    monkeypatch.setattr(kernels, "_is_built", lambda recipe, args: False)
     calls = []
-    step = kernel.step_tensors
+    step = kernels.step_tensors
     monkeypatch.setattr(
-        kernel, "step_tensors", lambda *a: calls.append((len(a[3]), a[8] is not None)) or step(*a)
+        kernels, "step_tensors", lambda *a: calls.append((len(a[3]), a[8] is not None)) or step(*a)
     )
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(20)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)], torch.nn.Linear(8, 1))
     matrices = [layer.weight for layer in model]
     vectors = [layer.bias for layer in model]
     opt = LearnedOptimizer(
@@ -786,27 +800,63 @@ def test_a_kernel_takes_each_tensor_s_lr_and_decay_from_its_group(monkeypatch):
 
     grads()
     opt.step()
-    assert calls == [(40, True)]  # both groups, each tensor's decay handed over
-    buckets = opt._kernels._plans[next(iter(opt._kernels._plans))].buckets
-    assert [len(index) for index, _ in buckets] == [16, 16, 8]  # 20 vectors, then matrices
-    mixed = buckets[1][1]  # 4 vectors and 12 matrices
+    assert calls == [(10, True)]  # both groups, each tensor's decay handed over
+    (flat,) = opt._kernels._entries.values()  # every tensor but the last bias
     seen = []
 
-    def fake(theta, cfg, parts, params, grads, states, lr, decay):
-        seen.append(
-            (
-                cfg.weight_decay,
-                [(p.dim(), float(a), round(float(b), 6)) for p, a, b in zip(params, lr, decay)],
-            )
-        )
-        return torch.ones(len(params), dtype=torch.bool)
+    def fake(inputs, refresh=None):
+        seen.append((inputs[-9].dim(), float(inputs[-3]), round(float(inputs[-2]), 6)))
+        return torch.ones(1, dtype=torch.bool)
 
-    mixed.fn = fake
+    flat.fn = fake
     before = [p.detach().clone() for p in model.parameters()]
     grads()
     opt.step()
-    assert seen == [(0.0, [(1, 1.0, 0.0)] * 4 + [(2, 0.5, 0.1)] * 12)]
-    assert calls[1:] == [(24, True)]  # the other two buckets, in one call
+    assert seen == [(1, 0.5, 0.1)] * 5 + [(1, 1.0, 0.0)] * 4
+    assert calls[1:] == [(1, False)]  # the last bias, one element: the reference
     moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), before)]
-    kernel_stepped = {id(p) for p in vectors[16:] + matrices[:12]}
-    assert moved == [id(p) not in kernel_stepped for p in model.parameters()]
+    assert moved == [p is vectors[-1] for p in model.parameters()]
+
+
+#: A model whose tensors have none of the golden tensors' shapes, and their kinds: vectors
+#: and a small tall matrix (flat and Newton-Schulz on the transpose) and a tall matrix that
+#: keeps its Gram polynomial (two packages: iterating and not).
+OTHER_SHAPES = ((40, 24), (40,), (100, 72), (100,), (3, 7, 2))
+
+
+def test_a_new_model_of_other_shapes_steps_its_kernels_from_its_fifth_step(compiled, monkeypatch):
+    """On a machine that has built the kernels once (the golden tensors' kinds), a model of
+    other sizes loads them at its ``COMPILE_AFTER``-th step, without a build and without
+    waiting for ``COMPILE_AFTER_SECONDS``: its fifth step runs kernels only, and steps as
+    the reference does."""
+    _, _, first, *_ = compiled
+    builds = len(first.builds)
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setenv(KERNEL_DIR_ENV, str(first.builds[0].parent))
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(0.05 * torch.randn(s, generator=gen)) for s in OTHER_SHAPES]
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = LearnedOptimizer(params, lr=LR)
+    reference = LearnedOptimizer(ref_params, lr=LR, compile=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the count the kernels were built for
+    try:
+        for step in range(1, 6):
+            if step == 5:
+                entries = list(opt._kernels._entries.values())
+                assert len(entries) == 3 and all(e.fn is not None for e in entries)
+                eager_steps = [e.eager_steps for e in entries]
+            for p, q in zip(params, ref_params):
+                p.grad = 1e-2 * torch.randn(p.shape, generator=gen)
+                q.grad = p.grad.clone()
+            opt.step()
+            reference.step()
+    finally:
+        torch.set_num_threads(threads)
+    assert [e.eager_steps for e in entries] == eager_steps, "a tensor ran the reference"
+    assert len(first.builds) == builds, "a package was built for the new shapes"
+    for p, q in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
+        for key in ("m", "v"):
+            torch.testing.assert_close(opt.state[p][key], reference.state[q][key])

@@ -16,6 +16,7 @@ from torch import nn
 
 from learned_opt import LearnedOptimizer, kernel, load_checkpoint
 from learned_opt.distributed.local import gossip_local
+from learned_opt.kernel import eager
 from learned_opt.step import Parts, active_parts
 
 
@@ -59,7 +60,7 @@ def _grads(model, step: int) -> None:
         model.emb2_twin.weight.grad[(step + 1) % 2 :: 2] = 0
 
 
-_STACK_KEY = kernel._stack_key
+_STACK_KEY = eager._stack_key
 
 
 def _run(
@@ -71,7 +72,7 @@ def _run(
     stacked. Without either, every tensor steps in a call of its own."""
     monkeypatch.setattr(kernel, "PACK_NUMEL", kernel.PACK_NUMEL if pack else 0)
     stack = pack if stack is None else stack
-    monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if stack else lambda p, g, s: id(p))
+    monkeypatch.setattr(eager, "_stack_key", _STACK_KEY if stack else lambda p, g, s: id(p))
     opt = LearnedOptimizer(model.parameters(), net=net, compile=False)
     for step in range(steps):
         _grads(model, step)
@@ -138,9 +139,9 @@ def test_stacked_tensors_of_one_shape_take_their_own_step(monkeypatch, case, rul
     one_by_one = copy.deepcopy(model)
     single_opt = _run(one_by_one, monkeypatch, False, net=net, **case)
     stacks = []
-    stack = kernel._step_stacked
+    stack = eager._step_stacked
     monkeypatch.setattr(
-        kernel, "_step_stacked", lambda *a, **k: stacks.append(len(a[3])) or stack(*a, **k)
+        eager, "_step_stacked", lambda *a, **k: stacks.append(len(a[3])) or stack(*a, **k)
     )
     if where == "traced":
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
@@ -292,7 +293,7 @@ def test_a_pack_keeps_its_state_flat_and_reads_entries_replaced_from_outside(mon
         for pack, net, opt in ((True, model, packed), (False, one_by_one, single)):
             monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
             key = _STACK_KEY if pack else lambda p, g, s: id(p)
-            monkeypatch.setattr(kernel, "_stack_key", key)
+            monkeypatch.setattr(eager, "_stack_key", key)
             _grads(net, step)
             opt.step()
     _assert_same(model, packed, one_by_one, single)
@@ -333,9 +334,9 @@ def test_row_sparse_tables_and_other_tensors_step_in_one_call(monkeypatch, table
     their state flat between steps (views of one buffer); a table's momenta stay its
     own, two rows, copied in and out around the step, and read where a test replaces them."""
     numel, counted = kernel.PACK_NUMEL, []
-    flat_step = kernel.flat_step
+    flat_step = eager.flat_step
     monkeypatch.setattr(
-        kernel, "flat_step", lambda *a, **k: counted.append(1) or flat_step(*a, **k)
+        eager, "flat_step", lambda *a, **k: counted.append(1) or flat_step(*a, **k)
     )  # fmt: skip
 
     def model():
@@ -351,7 +352,7 @@ def test_row_sparse_tables_and_other_tensors_step_in_one_call(monkeypatch, table
     def run(pack: bool):
         net = model()
         monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
-        monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
+        monkeypatch.setattr(eager, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
         opt = LearnedOptimizer(net.parameters(), compile=False)
         for step in range(4):
             gen = torch.Generator().manual_seed(step)
@@ -376,7 +377,7 @@ def test_row_sparse_tables_and_other_tensors_step_in_one_call(monkeypatch, table
     assert len(flat) == 2 and not flat & table_m  # the others' m and v: two buffers
     for pack, opt, net in ((True, packed, packed_net), (False, single, single_net)):
         monkeypatch.setattr(kernel, "PACK_NUMEL", numel if pack else 0)
-        monkeypatch.setattr(kernel, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
+        monkeypatch.setattr(eager, "_stack_key", _STACK_KEY if pack else lambda p, g, s: id(p))
         opt.state[net.embs[0].weight]["m"] = 0.5 * opt.state[net.embs[0].weight]["m"]
         gen = torch.Generator().manual_seed(9)
         for p in net.parameters():

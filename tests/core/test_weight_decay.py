@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from learned_opt import LearnedOptimizer, kernel
-from learned_opt.kernel import _Step, flat_inputs, package_path, state_keys, theta_inputs
+from learned_opt.kernel import (
+    StepModule,
+    kernel_inputs,
+    kernels,
+    package_path,
+    state_keys,
+    theta_inputs,
+)
+from learned_opt.kernel.export import step_args, tensor_stats
 
 #: A vector, a small matrix that takes the Adam form and one that is orthogonalised.
 SHAPES = [(8,), (3, 5), (32, 64)]
@@ -85,7 +93,7 @@ def test_decay_follows_the_lr_multiplier():
 
 
 def test_the_kernel_s_traced_step_decays_as_the_reference(tmp_path, monkeypatch):
-    """The compiled kernel is the exported step with each tensor's decay an input: run
+    """The compiled kernel is the exported step of one tensor with its decay an input: run
     eagerly (no compile here), it steps as the reference, and the decayed group's tensors
     use the package of the undecayed ones."""
     params = _params()
@@ -95,20 +103,27 @@ def test_the_kernel_s_traced_step_decays_as_the_reference(tmp_path, monkeypatch)
     _grads(params, 1)
     rule = replace(opt.config, weight_decay=0.0)
     theta = opt.theta(torch.device("cpu"), torch.float32)
-    states = [kernel.kernel_state(opt.state[p]) for p in params]
-    copies = [{k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in states]
-    ps, gs = [p.detach().clone() for p in params], [p.grad.clone() for p in params]
-    lr, decay = torch.ones(3), torch.full((3,), 0.1)
-    module = _Step(rule, opt.parts, sorted(theta), [False] * 3, [state_keys(s) for s in copies])
-    inputs = flat_inputs(theta_inputs(theta), ps, gs, copies, lr, decay)
-    program = torch.export.export(module, (inputs,))
-    program.module()(flat_inputs(theta_inputs(theta), ps, gs, copies, lr, decay))
+    traced = []
+    lr, decay = torch.tensor(1.0), torch.tensor(0.1)
+    for p in params:
+        state = kernel.kernel_state(opt.state[p])
+        copy = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        kind = kernel.tensor_kind(rule, p, p.grad, copy)
+        module = StepModule(rule, opt.parts, sorted(theta), kind, state_keys(copy))
+        args = [p.detach().clone(), p.grad.clone(), copy, lr, decay, tensor_stats(rule, p, copy)]
+        inputs = kernel_inputs(theta_inputs(theta), kind, *args)
+        program = torch.export.export(module, (inputs,))
+        program.module()(kernel_inputs(theta_inputs(theta), kind, *args))
+        traced.append(args[0])
     opt.step()
-    for p, traced in zip(params, ps):
-        torch.testing.assert_close(traced, p.detach(), atol=1e-6, rtol=1e-5)
+    for p, new in zip(params, traced):
+        torch.testing.assert_close(new, p.detach(), atol=1e-6, rtol=1e-5)
     monkeypatch.setenv(kernel.KERNEL_DIR_ENV, str(tmp_path))
-    args = (theta, rule, opt.parts, ps, gs, copies, lr, decay)
-    assert package_path(args) == package_path((*args[:7], torch.zeros(3)))
+    p, state = params[0], opt.state[params[0]]
+    kind = kernel.tensor_kind(rule, p, p.grad, state)
+    assert package_path(step_args(theta, rule, opt.parts, kind, p, p.grad, state)) == package_path(
+        step_args(theta, replace(rule, weight_decay=0.0), opt.parts, kind, p, p.grad, state)
+    )
 
 
 @pytest.mark.parametrize("bad", [-0.1, math.nan, math.inf, "0.1", True])
@@ -178,7 +193,7 @@ def test_param_groups_step_in_one_reference_call_as_they_would_apart(monkeypatch
     calls = []
     step_tensors = kernel.step_tensors
     monkeypatch.setattr(
-        kernel, "step_tensors", lambda *a, **k: calls.append(len(a[3])) or step_tensors(*a, **k)
+        kernels, "step_tensors", lambda *a, **k: calls.append(len(a[3])) or step_tensors(*a, **k)
     )
 
     def params_of():  # and two matrices too large to pack (stepped as rows of one call)

@@ -14,10 +14,13 @@ import pytest
 import torch
 
 from learned_opt import kernel
+from learned_opt.config import NetConfig
 from learned_opt.distributed import distance_kernel, get_topology, launch_local
 from learned_opt.distributed.distance_kernel import DISTANCES, Distances
 from learned_opt.distributed.mixing import distance_lists, mix
-from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV
+from learned_opt.kernel import COMPILE_AFTER, COMPILE_ENV, KERNEL_DIR_ENV, export
+from learned_opt.kernel import worker as kernel_worker
+from learned_opt.step import Parts
 
 COMPILE_TIMEOUT = 600  # a cold build on a loaded machine
 
@@ -103,7 +106,7 @@ def test_the_distances_compile_once_their_eager_calls_took_long_enough(compiling
     and the communicator's eager distances have taken ``COMPILE_AFTER_SECONDS``; each
     kind (here: another number of neighbours) on its own; never where compiling is off."""
     recorder = _Recorder()
-    monkeypatch.setattr(kernel, "_worker", lambda: recorder)
+    monkeypatch.setattr(kernel_worker, "_worker", lambda: recorder)
     monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", 3600.0)
     xs, nbs = _tensors()
     distances = Distances()
@@ -139,9 +142,13 @@ def test_a_failed_distance_build_warns_and_the_eager_distances_go_on(compiling, 
 def _queue_of_both(folder, monkeypatch):
     """A worker with a step job and a distances job queued, and their two entries (the
     step's package named in ``folder``)."""
-    step_args = (None, None, None, [], [], [], torch.zeros(0), torch.zeros(0))
-    monkeypatch.setattr(kernel, "package_path", lambda args: folder / "step.pt2")
-    worker, entries = kernel._Worker(), [kernel._Entry(), kernel._Entry()]
+    p = torch.zeros(3)
+    state = {"m": torch.zeros(1, 3), "v": torch.zeros(3), "log_lr": torch.zeros(()),
+             "step": torch.zeros(())}  # fmt: skip
+    cfg, parts = NetConfig(), Parts()
+    step_args = export.step_args({}, cfg, parts, kernel.tensor_kind(cfg, p, p, state), p, p, state)
+    monkeypatch.setattr(export, "package_path", lambda args: folder / "step.pt2")
+    worker, entries = kernel_worker._Worker(), [kernel_worker.Entry(), kernel_worker.Entry()]
     worker.jobs.put((weakref.ref(entries[0]), kernel.STEP, step_args))
     worker.jobs.put((weakref.ref(entries[1]), DISTANCES, _tensors()))
     return worker, entries
@@ -161,8 +168,8 @@ def test_one_queue_of_steps_and_distances_builds_each_recipe_in_a_child_of_its_o
             path.write_bytes(b"stand-in")
             built(i)
 
-    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
-    monkeypatch.setattr(kernel, "load_package", lambda path: "step kernel")
+    monkeypatch.setattr(kernel_worker._Worker, "_build_in_child", build)
+    monkeypatch.setattr(export, "load_package", lambda path: "step kernel")
     monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
     worker, entries = _queue_of_both(compiling, monkeypatch)
     worker._run()  # on this thread: both are queued before it looks
@@ -181,7 +188,7 @@ def test_a_recipe_whose_child_fails_leaves_the_other_recipes_builds(compiling, m
             path.write_bytes(b"stand-in")
             built(i)
 
-    monkeypatch.setattr(kernel._Worker, "_build_in_child", build)
+    monkeypatch.setattr(kernel_worker._Worker, "_build_in_child", build)
     monkeypatch.setattr(distance_kernel, "load_runner", lambda path: lambda flat: ["ran"])
     worker, entries = _queue_of_both(compiling, monkeypatch)
     with pytest.warns(RuntimeWarning, match="compiling the step kernel failed") as caught:
