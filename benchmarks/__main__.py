@@ -38,6 +38,13 @@ ENTRIES = {
         "about 13 min with the committed baseline cache, 2 h cold; --anchors 25 min",
         ("--anchors", "heldout_anchors", None),
     ),
+    "decide": Entry(
+        "decide",
+        "Does rule A beat rule B? Both train the same freshly drawn jobs of the task "
+        "distribution (seeds from the ledger, never drawn twice); the verdict reads the "
+        "geometric mean's bootstrap interval, overall and per kind.",
+        "grows with --draws: each draw trains both rules once",
+    ),
     "validation": Entry(
         "validation",
         "How does a rule (--checkpoint, or --side with fields replaced) do on the validation "
