@@ -179,7 +179,7 @@ class LearnedOptimizer(Optimizer):
 
     #: Steps in a row on which every tensor's update is skipped (its gradient or the
     #: parameter held NaN or Inf) before ``step()`` raises :class:`StalledError`; ``None``
-    #: never raises. A class attribute: set it on an instance to change one optimizer.
+    #: never raises. Set it on an instance to change one optimizer (copies carry it).
     stall_steps: int | None = 5
 
     def __init__(
@@ -213,6 +213,7 @@ class LearnedOptimizer(Optimizer):
         self._kernels = Kernels(compile)
         self._warned: set[tuple[int, int]] = set()  # (group, position) warned as non-finite
         self._stalled = 0  # steps in a row on which every tensor was skipped
+        self.stall_steps = type(self).stall_steps  # an instance's own, carried by copies
         self._building = True  # add_param_group's warnings name the caller of the constructor
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, step=0))
         del self._building
@@ -227,6 +228,7 @@ class LearnedOptimizer(Optimizer):
         "checkpoint_path",
         "compile",
         "config_transform",
+        "stall_steps",
     )
 
     def add_param_group(self, param_group: dict) -> None:
@@ -283,6 +285,7 @@ class LearnedOptimizer(Optimizer):
             "_parts": None,
             "_warned": set(),
             "_stalled": 0,
+            "stall_steps": type(self).stall_steps,  # pickled before it was a setting
         }
         for name, default in defaults.items():
             self.__dict__.setdefault(name, default)

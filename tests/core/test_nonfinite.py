@@ -274,3 +274,14 @@ def test_one_tensor_stepped_or_stall_steps_none_keeps_a_run_going():
         for _ in range(10):
             _train_step(model, opt)
     assert opt.nonfinite_skips == 10 * len(list(model.parameters()))
+
+
+def test_stall_steps_travels_with_a_copy():
+    import copy
+    import pickle
+
+    opt = LearnedOptimizer(make_params(), net=perturbed_net())
+    opt.stall_steps = None
+    assert copy.deepcopy(opt).stall_steps is None
+    assert pickle.loads(pickle.dumps(opt)).stall_steps is None
+    assert LearnedOptimizer(make_params()).stall_steps == 5
