@@ -60,7 +60,7 @@ def table(name: str, rng: np.random.Generator, noise: float = 0.0):
 
     state = int(rng.integers(2**31))
     if name == "synthetic":
-        d = int(rng.integers(8, 64))
+        d = int(rng.integers(8, 40))
         classes, clusters = int(rng.integers(2, 11)), int(rng.integers(1, 3))
         informative = max(int(d * rng.uniform(0.2, 0.8)), int(np.ceil(np.log2(classes * clusters))))
         x, y = datasets.make_classification(
@@ -83,7 +83,7 @@ def table(name: str, rng: np.random.Generator, noise: float = 0.0):
             x, y = _sklearn(name)
         elif name == "low_rank":
             x, y = datasets.make_regression(
-                n_samples=n, n_features=int(rng.integers(10, 80)), n_informative=10,
+                n_samples=n, n_features=int(rng.integers(10, 40)), n_informative=10,
                 effective_rank=int(rng.integers(3, 20)), noise=0.0, random_state=state,
             )  # fmt: skip
         else:
@@ -102,7 +102,7 @@ def images(name: str, rng: np.random.Generator, noise: float = 0.0):
         x, y = _sklearn("digits")
         x = torch.as_tensor(x / 16.0, dtype=torch.float32).reshape(-1, 1, 8, 8)
         return x, torch.as_tensor(y, dtype=torch.long), 10
-    size, c = int(rng.choice([8, 12, 16])), int(rng.choice([1, 3]))
+    size, c = int(rng.choice([8, 12])), int(rng.choice([1, 3]))
     classes, n = int(rng.integers(3, 11)), int(rng.integers(800, 3000))
     grid = np.linspace(-1, 1, size)
     templates = np.zeros((classes, c, size, size))

@@ -72,8 +72,8 @@ def _fit(classes: int, opts: dict):
     return lambda out, y: reg(out[:, 0], y)
 
 
-def _table_options(rng):
-    name = rng.choice(data.CLASSIFICATION + data.REGRESSION)
+def _table_options(rng, exclude=()):
+    name = rng.choice([n for n in data.CLASSIFICATION + data.REGRESSION if n not in exclude])
     opts = {"data": name, "noise": _noise(rng, 0.3)}
     if name in data.CLASSIFICATION:
         opts["smoothing"] = rng.choice([0.0, 0.0, 0.1])
@@ -96,8 +96,8 @@ def make_mlp(opts, r):
 
 def sample_convnet(rng):
     opts = {"data": rng.choice(["digits", "blobs"]), "noise": _noise(rng, 0.5),
-            "channels": _widths(rng, (2, 4), 8, 48), "norm": rng.choice(["batch", "group"])}  # fmt: skip
-    return opts, _batch(rng, 0.0, (16, 32, 64, 128))
+            "channels": _widths(rng, (2, 4), 8, 32), "norm": rng.choice(["batch", "group"])}  # fmt: skip
+    return opts, _batch(rng, 0.0, (16, 32, 64))
 
 
 def make_convnet(opts, r):
@@ -111,11 +111,11 @@ def make_convnet(opts, r):
 
 def sample_resnet(rng):
     conv = rng.random() < 0.5
-    opts = {"conv": conv, "blocks": rng.randint(1, 4), "noise": _noise(rng, 0.3),
-            "width": int(log_uniform(rng, 8, 32) if conv else log_uniform(rng, 32, 256)),
+    opts = {"conv": conv, "blocks": rng.randint(1, 3), "noise": _noise(rng, 0.3),
+            "width": int(log_uniform(rng, 8, 16) if conv else log_uniform(rng, 32, 256)),
             "norm": rng.choice(["batch", "group"] if conv else ["layer", "none"])}  # fmt: skip
     opts["data"] = rng.choice(["digits", "blobs"]) if conv else rng.choice(data.CLASSIFICATION)
-    return opts, _batch(rng, 0.0 if conv else 0.15, (16, 32, 64, 128))
+    return opts, _batch(rng, 0.0 if conv else 0.15, (16, 32, 64) if conv else BATCHES)
 
 
 def make_resnet(opts, r):
@@ -131,10 +131,10 @@ def lm_loss(model, batch):
 
 
 def sample_rnn(rng):
-    opts = {"cell": rng.choice(["gru", "lstm"]), "embed": int(log_uniform(rng, 16, 64)),
-            "hidden": int(log_uniform(rng, 32, 160)), "layers": rng.randint(1, 2),
-            "length": rng.choice([16, 32, 48, 64])}  # fmt: skip
-    return opts, rng.choice([16, 32, 64])
+    opts = {"cell": rng.choice(["gru", "lstm"]), "embed": int(log_uniform(rng, 16, 48)),
+            "hidden": int(log_uniform(rng, 32, 96)), "layers": rng.randint(1, 2),
+            "length": rng.choice([16, 32])}  # fmt: skip
+    return opts, rng.choice([16, 32])
 
 
 def make_rnn(opts, r):
@@ -150,7 +150,7 @@ def _attention(rng, dims=(32, 48, 64)):
 
 
 def sample_text_transformer(rng):
-    return _attention(rng) | {"length": rng.choice([16, 32, 48])}, rng.choice([16, 32])
+    return _attention(rng, (32, 48)) | {"length": rng.choice([16, 32])}, rng.choice([16, 32])
 
 
 def make_text_transformer(opts, r):
@@ -161,20 +161,20 @@ def make_text_transformer(opts, r):
 
 def sample_image_transformer(rng):
     opts = _attention(rng, (32, 48)) | {"data": rng.choice(["digits", "blobs"]),
-                                        "noise": _noise(rng, 0.5), "patch": rng.choice([2, 4])}  # fmt: skip
+                                        "noise": _noise(rng, 0.5), "patch": 4}  # fmt: skip
     return opts, rng.choice([32, 64])
 
 
 def make_image_transformer(opts, r):
     x, y, classes = data.images(opts["data"], r, opts["noise"])
-    patch = opts["patch"] if x.shape[-1] % opts["patch"] == 0 else 2
+    patch = opts["patch"] if x.shape[-1] > 8 else 2  # 16 tokens at most
     model = m.VisionTransformer(x.shape[1], x.shape[-1], patch, opts["dim"], opts["heads"],
                                 opts["layers"], classes, opts["pre_norm"])  # fmt: skip
     return model, _classify, data.Rows(x, y)
 
 
 def sample_tab_transformer(rng):
-    opts = _table_options(rng) | _attention(rng, (16, 32))
+    opts = _table_options(rng, exclude=("digits",)) | _attention(rng, (16, 32))  # 64 tokens
     return opts, rng.choice([16, 32, 64])
 
 
@@ -270,9 +270,9 @@ def make_graph(opts, r):
 
 
 def sample_moe(rng):
-    opts = _table_options(rng) | {"width": int(log_uniform(rng, 16, 96)),
-            "experts": rng.randint(2, 8), "k": rng.choice([1, 2]), "balance": 0.01}  # fmt: skip
-    return opts, _batch(rng, 0.1, (32, 64, 128, 256))
+    opts = _table_options(rng) | {"width": int(log_uniform(rng, 16, 64)),
+            "experts": rng.randint(2, 6), "k": rng.choice([1, 2]), "balance": 0.01}  # fmt: skip
+    return opts, rng.choice([32, 64, 128])
 
 
 def make_moe(opts, r):
