@@ -21,8 +21,6 @@ FENCE = re.compile(
     r"^```(?P<lang>\w*)\n(?P<code>.*?)^```$",
     re.M | re.S,
 )
-#: Pages whose blocks are a record, not instructions (written as ``text`` blocks).
-RECORD_PAGES = ("docs/history.md",)
 
 
 @dataclass(frozen=True)
