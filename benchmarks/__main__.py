@@ -38,6 +38,14 @@ ENTRIES = {
         "about 13 min with the committed baseline cache, 2 h cold; --anchors 25 min",
         ("--anchors", "heldout_anchors", None),
     ),
+    "report_draw": Entry(
+        "report_draw",
+        "How does the shipped rule do against tuned AdamW and the zero-tuning anchors on a "
+        "fixed reporting draw of the task distribution, overall and per kind of job (seeds "
+        "that never chose anything)?",
+        "grows with --draws (150 by default); tuned AdamW and the anchors are cached per "
+        "draw, so a new rule runs only its own side",
+    ),
     "decide": Entry(
         "decide",
         "Does rule A beat rule B? Both train the same freshly drawn jobs of the task "
@@ -110,6 +118,7 @@ SUITE = (
     ["heldout", "--checkpoint", "adapt_init_2x", "--schedule", "wsd_half",
      "--out", "quality_heldout_wsd_half"],
     ["heldout", "--anchors"],
+    ["report_draw"],
     ["validation", "--side", "handset=adapt_init_2x", "--no-decentralized",
      "--out", "validation_handset_now"],
     ["cold_start", "--suite", "heldout", "--repeats", "3"],
