@@ -119,12 +119,7 @@ def compile_after_seconds(seconds: float):
         COMPILE_AFTER_SECONDS = previous
 
 
-from .cache import (  # noqa: E402 - the settings above come first: the modules read them
-    kernel_dir,
-    package_file,
-    prune_packages,
-    source_digest,
-)
+from .cache import kernel_dir, package_file, prune_packages, source_digest  # noqa: E402
 from .eager import step_tensors  # noqa: E402
 from .export import (  # noqa: E402
     STATE_KEYS,
@@ -140,43 +135,16 @@ from .export import (  # noqa: E402
     state_keys,
     tensor_kind,
     theta_inputs,
-)
+)  # fmt: skip
 from .kernels import Group, KernelCache, Kernels, compiling_enabled  # noqa: E402
 from .worker import Recipe, compile_job, kernel_threads, register  # noqa: E402
 
 __all__ = [
-    "COMPILE_AFTER",
-    "COMPILE_AFTER_SECONDS",
-    "COMPILE_ENV",
-    "ISA_ENV",
-    "KERNEL_DEVICES",
-    "KERNEL_DIR_ENV",
-    "STATE_KEYS",
-    "STEP",
-    "YIELD_THREADS",
-    "Group",
-    "KernelCache",
-    "Kernels",
-    "Recipe",
-    "StepModule",
-    "build_package",
-    "compile_after_seconds",
-    "compile_job",
-    "compiling_enabled",
-    "export_package",
-    "kernel_dir",
-    "kernel_inputs",
-    "kernel_state",
-    "kernel_threads",
-    "load_package",
-    "load_runner",
-    "package_file",
-    "package_path",
-    "prune_packages",
-    "register",
-    "source_digest",
-    "state_keys",
-    "step_tensors",
-    "tensor_kind",
+    "COMPILE_AFTER", "COMPILE_AFTER_SECONDS", "COMPILE_ENV", "ISA_ENV", "KERNEL_DEVICES",
+    "KERNEL_DIR_ENV", "STATE_KEYS", "STEP", "YIELD_THREADS", "Group", "KernelCache", "Kernels",
+    "Recipe", "StepModule", "build_package", "compile_after_seconds", "compile_job",
+    "compiling_enabled", "export_package", "kernel_dir", "kernel_inputs", "kernel_state",
+    "kernel_threads", "load_package", "load_runner", "package_file", "package_path",
+    "prune_packages", "register", "source_digest", "state_keys", "step_tensors", "tensor_kind",
     "theta_inputs",
-]
+]  # fmt: skip

@@ -77,9 +77,10 @@ def theta_inputs(theta) -> list[Tensor]:
 
 def tensor_kind(cfg: NetConfig, p: Tensor, g: Tensor, state: dict) -> tuple | None:
     """The kind of kernel that steps ``p`` under ``cfg`` (see the module): ``("flat",
-    dtypes, sparse_rows, momenta)`` or ``("matrix", dtypes, momenta, wide, keeps_q,
-    wide_matrix, gram_path)``, plain values that name a package; None where the reference
-    steps it (a tensor of fewer than 2 elements, one that is not contiguous)."""
+    dtypes, sparse_rows, momenta, device)`` or ``("matrix", dtypes, momenta, r <= c,
+    keeps_q, wide_matrix, gram_path, device)``, plain values that name a package; None
+    where the reference steps it (a tensor of fewer than 2 elements, one that is not
+    contiguous)."""
     tensors = [p, g] + [state[k] for k in state_keys(state)]
     if p.numel() < 2 or not all(t.is_contiguous() for t in tensors):
         return None
@@ -88,11 +89,12 @@ def tensor_kind(cfg: NetConfig, p: Tensor, g: Tensor, state: dict) -> tuple | No
     rows = state["m"].shape[0]
     shape = tuple(p.shape)
     if sparse or not is_matrix(shape, cfg):
-        return ("flat", *dtypes, sparse, rows)
+        return ("flat", *dtypes, sparse, rows, p.device.type)
     r, c = shape
     keeps = "q" in state
     gram = not keeps and max(r, c) >= GRAM_RATIO * min(r, c)
-    return ("matrix", *dtypes, rows, r <= c, keeps, is_wide_matrix(shape, cfg), gram)
+    wide = is_wide_matrix(shape, cfg)
+    return ("matrix", *dtypes, rows, r <= c, keeps, wide, gram, p.device.type)
 
 
 def refresh_of(cfg: NetConfig, kind: tuple, state: dict) -> bool | None:
