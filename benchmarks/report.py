@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
+import benchmarks.report_choices  # noqa: E402, F401  (registers the decisions' sections)
 from benchmarks.report_sections import RENDERERS, RESULTS, markdown_table, section  # noqa: E402, F401
 
 README = ROOT / "README.md"

@@ -1,0 +1,73 @@
+"""Renderers of the decision procedure's and the reporting draw's sections (see ``report.py``):
+``decide`` (the latest decision, overall and per kind), ``decide:ledger`` (every decision of
+the ledger), ``report_draw`` (the shipped rule and the anchors per kind) and
+``report_draw:headline``."""
+
+from __future__ import annotations
+
+from benchmarks.decide import KIND_FLOOR, read_ledger
+from benchmarks.report_sections import markdown_table, section
+from benchmarks.rules import ANCHORS
+
+ANCHOR_NAMES = {"sfadamw": "schedule-free AdamW", "prodigy": "Prodigy (cosine)",
+                "muon": "Muon + AdamW"}  # fmt: skip
+
+
+def _interval(s: dict) -> str:
+    low, high = s["interval"]
+    return f"{s['geomean']:.3f}x [{low:.3f}, {high:.3f}]"
+
+
+@section("decide")
+def decide_table(r: dict) -> str:
+    s, t = r["summary"]["steps"], r["summary"]["time"]
+    verdict = "ships" if s["ships"] else "does not ship"
+    head = (f"`{r['a']}` against `{r['b']}` on {s['n']} fresh draws (seeds {r['first_seed']}-"
+            f"{r['first_seed'] + s['n'] - 1}): geometric mean in steps **{_interval(s)}** "
+            f"(95 % bootstrap interval), median {s['median']:.2f}x, {s['won']:.0%} of draws won; in "
+            f"time {_interval(t)}; divergences {r['summary']['divergences']['a']} against "
+            f"{r['summary']['divergences']['b']}. Verdict: **{verdict}** (kinds below "
+            f"{KIND_FLOOR}: {', '.join(s['kinds_below_floor']) or 'none'}).")  # fmt: skip
+    rows = [[k, v["n"], f"{v['geomean']:.2f}x", f"{t['kinds'][k]['geomean']:.2f}x"]
+            for k, v in s["kinds"].items()]  # fmt: skip
+    return head + "\n\n" + markdown_table(["kind", "draws", "steps", "time"], rows)
+
+
+@section("decide:ledger")
+def ledger_table(_: dict) -> str:
+    rows = []
+    for e in read_ledger():
+        s = e.get("steps")
+        outcome = (f"{_interval(s)}; {'ships' if s['ships'] else 'does not ship'}"
+                   if s else e["status"])  # fmt: skip
+        rows.append([e["date"], f"`{e['a']}`", f"`{e['b']}`",
+                     f"{e['first_seed']}-{e['first_seed'] + e['draws'] - 1}", outcome])  # fmt: skip
+    return markdown_table(
+        ["date", "A", "B", "seeds", "A over B in steps (interval); verdict"], rows
+    )
+
+
+@section("report_draw")
+def report_draw_table(r: dict) -> str:
+    s = r["summary"]
+    names = ("rule", *ANCHORS)
+    header = ["kind", "draws", "shipped rule", *(ANCHOR_NAMES[a] for a in ANCHORS)]
+    rows = [[k, v["n"], *(f"{v[n]:.2f}x" for n in names)] for k, v in s["kinds"].items()]
+    rows.append(["**all**", s["n"], *(f"**{s['geomean'][n]:.2f}x**" for n in names)])
+    return markdown_table(header, rows) + (
+        "\n\nGeometric mean of the step speedup over AdamW tuned per draw (6 learning rates x "
+        "constant or cosine), clipped to [1/20, 20]; a diverged run counts 1/20."
+    )
+
+
+@section("report_draw:headline")
+def report_draw_headline(r: dict) -> str:
+    s = r["summary"]
+    anchors = ", ".join(f"{ANCHOR_NAMES[a]} {s['geomean'][a]:.2f}x" for a in ANCHORS)
+    return (f"On the reporting draw ({s['n']} jobs of 14 kinds drawn from the task distribution, "
+            f"never used for a choice), the shipped rule, untuned, needs a geometric mean of "
+            f"**{s['geomean']['rule']:.2f}x** fewer steps than AdamW tuned per job; it is level or "
+            f"ahead on {s['won']:.0%} of the jobs, its worst kind is {s['worst_kind']} "
+            f"({s['kinds'][s['worst_kind']]['rule']:.2f}x), divergences {s['divergences']}. "
+            f"Untuned anchors: {anchors} "
+            f"([per kind](docs/results.md#the-reporting-draw)).")  # fmt: skip
