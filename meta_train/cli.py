@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -111,6 +112,18 @@ def card_summary(card: dict) -> str:
     """One paragraph saying how a meta-trained checkpoint was made and what it measured."""
     v = card.get("validation", {})
     setting = v.get("setting", {})
+    if "es_geomean_speedup" in v:  # the es estimator: the constants against the base rule
+        measured = (
+            f" Validation ({setting.get('draws')} draws of {setting.get('family')!r} from seed "
+            f"{setting.get('first_seed')}, runs capped at {setting.get('horizon_cap')} steps): "
+            f"geometric mean step speedup {v['es_geomean_speedup']:.3f}x over the base rule, "
+            f"final loss {1 / v.get('es_geomean_final_ratio', math.nan):.3f} of its; "
+            f"{v.get('diverged', 0)} diverged."
+        )
+        return (
+            f"Meta-trained by `{card.get('command')}`: {card.get('meta_steps')} meta-steps, "
+            f"{card.get('wall_time_s')} s of training.{measured}"
+        )
     measured = (
         f" Validation ({setting.get('horizon', '?')} steps, held-in tasks "
         f"{[r['task'] for r in v.get('single', [])]}): median speedup "
@@ -168,6 +181,8 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
 
         module = MetaTrainModule(**hp)
         module.net.load_state_dict(theta)
+        if "theta_c" in ckpt["state_dict"]:  # the es estimator's constants
+            module.theta_c.data.copy_(ckpt["state_dict"]["theta_c"])
         print("measuring validation on the exported optimizer ...", flush=True)
         validation, _, _ = module.run_validation()
         validation["global_step"] = int(ckpt.get("global_step", 0))
@@ -176,7 +191,12 @@ def export(lightning_ckpt: str, out: str, validate: bool = True) -> Path:
         "trained": True,
         "command": state.get("command", "unknown"),
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in hp.items()},
-        "data": f"task family {hp.get('family')!r} from learned_opt.tasks (offline data only)",
+        "data": (
+            f"whole runs of jobs drawn from {hp.get('family')!r}, evolution strategies over "
+            f"the rule's constants {list(hp.get('es_constants', []))}"
+            if hp.get("estimator") == "es"
+            else f"task family {hp.get('family')!r} from learned_opt.tasks (offline data only)"
+        ),
         "meta_steps": int(ckpt.get("global_step", 0)),
         "wall_time_s": round(float(state.get("train_seconds", 0.0)), 1),
         "skipped_outer_steps": int(state.get("skipped_steps", 0)),

@@ -187,10 +187,11 @@ class MetaCLI(LightningCLI):
         where the run's logs and checkpoints are."""
         trainer = self.trainer
         trainer.fit(model, **{**kwargs, "weights_only": True})
+        log_dir = trainer.log_dir  # a collective in a data-parallel run: every rank asks
         if trainer.is_global_zero:
             last = getattr(trainer.checkpoint_callback, "last_model_path", "") or ""
             print(
-                f"learned-opt-meta: {trainer.global_step} meta-steps; logs in {trainer.log_dir}"
+                f"learned-opt-meta: {trainer.global_step} meta-steps; logs in {log_dir}"
                 + (f"; export with: learned-opt export {last} out.pt" if last else ""),
                 flush=True,
             )

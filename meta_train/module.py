@@ -5,6 +5,12 @@ Each training step takes the task-sampling seeds of one meta-step, keeps
 a topology, a data partition, a log-uniform length), advances each by one truncation of
 ``unroll_length`` inner steps with the estimator, and takes one clipped outer Adam step.
 Validation compares against learning-rate-tuned Adam and D-Adam/Metropolis.
+
+With ``estimator: es`` theta is the rule's constants (``theta_c``, :mod:`.rule_space`)
+instead: each meta-step scores an antithetic population on whole training runs of jobs
+drawn from the task distribution or a user's family (:mod:`.es`), its runs split across
+the ranks of a data-parallel run and gathered, and takes one outer Adam step on
+``theta_c``; validation scores the current constants against the base rule on fixed draws.
 """
 
 from __future__ import annotations
@@ -15,16 +21,20 @@ import time
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
-from learned_opt.checkpoint import load_checkpoint
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT, load_checkpoint
 from learned_opt.config import NetConfig
 from learned_opt.network import LearnedOptimizerNet, with_config
 from learned_opt.step import Parts, active_parts
 from learned_opt.tasks import get_family, get_task
 
+from . import es
 from .estimators import ESTIMATORS, is_finite, make_estimator
 from .evaluation import BaselineCache, compare
+from .families import resolve_family
 from .inner import make_inner_optimizer
+from .rule_space import DEFAULT_NAMES, apply_theta, base_fields, rule_fields
 from .settings import PART_MODULES, validate_settings
 from .slots import SlotSampler, restore_slots, serialise_slots
 
@@ -34,7 +44,9 @@ class MetaTrainModule(L.LightningModule):
 
     Args (each is a field of the YAML ``model:`` section):
         width: per-element MLP width (8, 16 or 32).
-        family: task family to sample inner tasks from (``learned_opt.tasks.list_families()``).
+        family: task family to sample inner tasks from (``learned_opt.tasks.list_families()``);
+            with ``estimator: es``, ``"distribution"`` (the task distribution) or a family
+            a user writes, by class path (``my_pkg.tasks:MyFamily``; see :mod:`.families`).
         tasks_per_step: persistent inner trajectories advanced per meta-step.
         unroll_length: inner steps per truncation (K).
         min_length, max_length: trajectory lengths are log-uniform in this range.
@@ -44,7 +56,19 @@ class MetaTrainModule(L.LightningModule):
         decentralized_score: how a decentralized trajectory's meta-loss scores it:
             "next_worker" (each worker on the next worker's batch) or "average" (the
             workers' averaged model on every worker's batch; see ``inner.SCORES``).
-        estimator: "tbptt" or "pes"; pes_sigma, pes_pairs: PES perturbation scale and pairs.
+        estimator: "tbptt", "pes" or "es"; pes_sigma, pes_pairs: PES perturbation scale
+            and pairs. "es" meta-trains the rule's constants on whole runs (:mod:`.es`):
+        es_constants: the constants it trains (names of ``rule_space.SPACE``).
+        es_pairs, es_sigma: antithetic pairs per meta-step and the perturbation scale.
+        es_draws: jobs drawn per meta-step; every member and the base rule train each.
+        es_horizon: the cap on a run's steps (a drawn job's own horizon when shorter).
+        es_clip: a draw's speedup is clipped to [1/es_clip, es_clip] (its final-loss ratio
+            alike).
+        es_final_weight: the weight of the log final-loss ratio in a draw's score, beside
+            the log step speedup (0: steps alone).
+        es_kinds: the distribution's kinds to draw from (None: every kind).
+        es_first_seed: the first job seed (meta-training draws from 10,000,000 on).
+        es_val_draws: fixed draws that validation scores the constants on.
         meta_objective: "log_mean" (log of the mean loss ratio of a truncation),
             "mean_log" (mean of the log ratios) or "tail_log" (that mean weighted by where
             the truncation lies in its trajectory, the end counting most; see
@@ -64,7 +88,8 @@ class MetaTrainModule(L.LightningModule):
         loss_clip: clip of L/L0 in the meta-loss (inner divergence).
         outer_lr, grad_clip: outer Adam learning rate and meta-gradient norm clip.
         val_*: validation tasks, horizon and the decentralized validation setting.
-        init_checkpoint: start from a saved learned-optimizer checkpoint.
+        init_checkpoint: start from a saved learned-optimizer checkpoint (with the es
+            estimator, None is the shipped rule, ``adapt_init_2x``).
         init_config: fields of the starting network's ``NetConfig`` or ``MixingConfig``
             to replace, e.g. ``{"lr_adapt_min": -6.0}`` to train on a floor chosen after
             that checkpoint was saved (the exported checkpoint keeps them).
@@ -107,12 +132,22 @@ class MetaTrainModule(L.LightningModule):
         init_config: dict | None = None,
         baseline_cache: str | None = "runs/meta/baseline_cache.json",
         histogram_every: int = 50,
+        es_constants: list[str] = DEFAULT_NAMES,
+        es_pairs: int = 4,
+        es_sigma: float = 0.1,
+        es_draws: int = 4,
+        es_horizon: int = 300,
+        es_clip: float = 20.0,
+        es_final_weight: float = 1.0,
+        es_kinds: list[str] | None = None,
+        es_first_seed: int = es.META_SEEDS,
+        es_val_draws: int = 8,
     ):
         super().__init__()
         self.save_hyperparameters()
         self.settings = validate_settings(dict(self.hparams))
-        if init_checkpoint:
-            self.net, _ = load_checkpoint(init_checkpoint)
+        if init_checkpoint or estimator == "es":  # es: the shipped rule is theta_c = 0
+            self.net, _ = load_checkpoint(init_checkpoint or DEFAULT_CHECKPOINT)
             if self.net.config.width != width:
                 raise ValueError(
                     f"width: {width} differs from init_checkpoint's width {self.net.config.width}"
@@ -126,13 +161,25 @@ class MetaTrainModule(L.LightningModule):
                 raise ValueError(f"init_config: {exc}") from None
         self.automatic_optimization = False
         s = self.settings
-        self.trainable = trainable_names(self.net, s.train_parts)
-        self.estimator = make_estimator(
-            s.estimator, loss_clip=s.loss_clip, pes_sigma=s.pes_sigma, pes_pairs=s.pes_pairs,
-            objective=s.meta_objective,
-            trainable=None if len(s.train_parts) == len(PART_MODULES) else self.trainable,
-        )  # fmt: skip
-        self.sampler = SlotSampler(get_family(s.family), s)
+        self.uses_es = s.estimator == "es"
+        if self.uses_es:  # theta is the rule's constants; the networks stay as they are
+            self.constants = tuple(s.es_constants)
+            self.theta_c = torch.nn.Parameter(torch.zeros(len(self.constants), dtype=torch.float64))
+            self.trainable = frozenset()
+            self.estimator, self.sampler = None, None
+            self._make_job = resolve_family(s.family, s.es_kinds)
+            try:
+                rule_fields(base_fields(self.net), self.constants, self.theta_c.detach())
+            except ValueError as exc:
+                raise ValueError(f"es_constants: {exc}") from None
+        else:
+            self.trainable = trainable_names(self.net, s.train_parts)
+            self.estimator = make_estimator(
+                s.estimator, loss_clip=s.loss_clip, pes_sigma=s.pes_sigma,
+                pes_pairs=s.pes_pairs, objective=s.meta_objective,
+                trainable=None if len(s.train_parts) == len(PART_MODULES) else self.trainable,
+            )  # fmt: skip
+            self.sampler = SlotSampler(get_family(s.family), s)
         self.slots: list = []
         self.skipped_steps = 0
         self.train_seconds = 0.0
@@ -142,8 +189,22 @@ class MetaTrainModule(L.LightningModule):
     launch_command = "MetaTrainModule (Python API)"  # the CLI sets the exact command line
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The parameters of the ``train_parts`` (what the outer optimizer steps)."""
+        """The parameters of the ``train_parts`` (what the outer optimizer steps); with the
+        es estimator, ``theta_c``."""
+        if self.uses_es:
+            return [self.theta_c]
         return [p for n, p in self.net.named_parameters() if n in self.trainable]
+
+    def rule_net(self) -> LearnedOptimizerNet:
+        """The network of the rule being trained: with the es estimator, the base network
+        with the constants ``theta_c`` sets; otherwise ``self.net``."""
+        if not self.uses_es:
+            return self.net
+        return apply_theta(self.net, self.constants, self.theta_c.detach())
+
+    def constant_values(self) -> dict:
+        """The constants ``theta_c`` sets (es estimator only)."""
+        return rule_fields(base_fields(self.net), self.constants, self.theta_c.detach())
 
     def unroll_parts(self) -> Parts:
         """The networks the unrolls evaluate: those trained and those whose heads are set."""
@@ -159,6 +220,8 @@ class MetaTrainModule(L.LightningModule):
 
     # ---------------------------------------------------------------- training
     def training_step(self, batch, batch_idx):
+        if self.uses_es:
+            return self._es_training_step()
         s = self.settings
         start = time.perf_counter()
         seeds = [int(x) for x in batch.reshape(-1)]
@@ -177,6 +240,7 @@ class MetaTrainModule(L.LightningModule):
             self.net, opt, self.slots, s.unroll_length, infos
         )
         outer = self.optimizers()
+        meta_loss, *grads = mean_across_ranks([meta_loss, *grads])
         if is_finite(grads, meta_loss):
             for (name, p), g in zip(self.net.named_parameters(), grads):
                 p.grad = g.to(p.dtype) if name in self.trainable else None
@@ -202,6 +266,85 @@ class MetaTrainModule(L.LightningModule):
             self._log_histograms(infos)
         return None
 
+    # ---------------------------------------------------------------- evolution strategies
+    def _rule(self, theta):
+        """``make(params) -> optimizer`` of a member (``theta=None``: the base rule), the
+        eager reference step."""
+        from learned_opt.optimizer import LearnedOptimizer
+
+        net = self.net if theta is None else apply_theta(self.net, self.constants, theta)
+        return lambda params: LearnedOptimizer(params, net=net, compile=False)
+
+    def es_update(self, meta_step: int, outer) -> dict:
+        """One meta-step of the es estimator: this rank's share of the population's runs,
+        the curves of every rank gathered, the antithetic gradient and one step of
+        ``outer`` on ``theta_c``. Every rank computes the same update."""
+        s = self.settings
+        rank, world = rank_and_world()
+        eps = es.perturbations(s.es_first_seed, meta_step, s.es_pairs, len(self.constants))
+        members = es.population(self.theta_c, eps, s.es_sigma)
+        seeds = es.draw_seeds(s.es_first_seed, meta_step, s.es_draws)
+        mine = es.share(es.work_units(len(members), len(seeds)), rank, world)
+        runs = es.run_units(mine, members, seeds, self._make_job, self._rule, s.es_horizon)
+        curves = es.merge(gather_objects(runs))
+        scores = es.score_matrix(curves, len(members), len(seeds), s.es_clip, s.es_final_weight)
+        grad = es.gradient(eps, scores.mean(1), s.es_sigma)
+        self.theta_c.grad = (-grad).to(self.theta_c)  # outer Adam descends; ES climbs
+        norm = torch.nn.utils.clip_grad_norm_([self.theta_c], s.grad_clip)
+        outer.step()
+        outer.zero_grad(set_to_none=True)
+        return {**es.summary(curves, scores), "grad_norm": float(norm), "my_runs": len(mine)}
+
+    def _es_training_step(self):
+        start = time.perf_counter()
+        info = self.es_update(int(self.global_step), self.optimizers())
+        elapsed = time.perf_counter() - start
+        self.train_seconds += elapsed
+        self.log("meta/es_score", info["score"], prog_bar=True)
+        self.log("meta/es_member_diverged", float(info["member_diverged"]))
+        self.log("meta/es_base_diverged", float(info["base_diverged"]))
+        self.log("meta/grad_norm", info["grad_norm"])
+        self.log("meta/outer_lr", self.optimizers().param_groups[0]["lr"])
+        self.log("meta/seconds_per_step", elapsed)
+        for name, value in self.constant_values().items():
+            self.log(f"constants/{name}", float(value))
+        return None
+
+    def es_validation(self) -> dict:
+        """The current constants against the base rule on ``es_val_draws`` fixed draws
+        (seeds from :data:`.es.VAL_SEEDS`), each rank running its share."""
+        s = self.settings
+        seeds = list(range(es.VAL_SEEDS, es.VAL_SEEDS + s.es_val_draws))
+        members = self.theta_c.detach().to(torch.float64)[None]
+        rank, world = rank_and_world()
+        mine = es.share(es.work_units(1, len(seeds)), rank, world)
+        runs = es.run_units(mine, members, seeds, self._make_job, self._rule, s.es_horizon)
+        curves = es.merge(gather_objects(runs))
+        steps = [
+            es.log_speedup(curves[(0, d)]["curve"], curves[(es.BASE, d)]["curve"], s.es_clip)
+            for d in range(len(seeds))
+        ]
+        finals = [
+            es.log_final_ratio(curves[(0, d)]["curve"], curves[(es.BASE, d)]["curve"], s.es_clip)
+            for d in range(len(seeds))
+        ]
+        return {
+            "es_geomean_speedup": es.geometric_mean_speedup(steps),
+            "es_geomean_final_ratio": es.geometric_mean_speedup(finals),
+            "es_log_speedups": [round(x, 4) for x in steps],
+            "kinds": [curves[(es.BASE, d)]["kind"] for d in range(len(seeds))],
+            "diverged": sum(es.diverged(curves[(0, d)]["curve"]) for d in range(len(seeds))),
+            "base_diverged": sum(
+                es.diverged(curves[(es.BASE, d)]["curve"]) for d in range(len(seeds))
+            ),
+            "constants": self.constant_values(),
+            "setting": {
+                "family": s.family, "draws": len(seeds), "first_seed": seeds[0] if seeds else None,
+                "horizon_cap": s.es_horizon, "kinds": s.es_kinds, "against": "the base rule",
+            },
+            "global_step": int(self.global_step),
+        }  # fmt: skip
+
     def _log_histograms(self, infos: list) -> None:
         writer = getattr(self.logger, "experiment", None)
         if writer is None or not hasattr(writer, "add_histogram"):
@@ -222,6 +365,8 @@ class MetaTrainModule(L.LightningModule):
         validation task (see :func:`~learned_opt.meta_train.evaluation.compare`).
         """
         s = self.settings
+        if self.uses_es:
+            return self.es_validation(), [], []
         learned = make_inner_optimizer("learned", net=self.net, mixing="learned")
         single, decentral = [], []
         for name in s.val_tasks:
@@ -250,6 +395,16 @@ class MetaTrainModule(L.LightningModule):
         return summary, single, decentral
 
     def validation_step(self, batch, batch_idx):
+        if self.uses_es:
+            summary = self.es_validation()
+            # the same on every rank; sync_dist only says so to Lightning
+            sync = {"sync_dist": rank_and_world()[1] > 1}
+            self.log("val/es_speedup", summary["es_geomean_speedup"], prog_bar=True, **sync)
+            self.log("val/es_final_ratio", summary["es_geomean_final_ratio"], **sync)
+            self.log("val/es_diverged", float(summary["diverged"]), **sync)
+            self.log("hp_metric", summary["es_geomean_speedup"], **sync)
+            self.last_validation = summary
+            return
         summary, single, decentral = self.run_validation()
         for r in single:
             self.log(f"val/speedup_adam/{r['task']}", r["speedup"])
@@ -301,9 +456,9 @@ class MetaTrainModule(L.LightningModule):
             "skipped_steps": self.skipped_steps,
             "train_seconds": self.train_seconds,
             "last_validation": self.last_validation,
-            # what export rebuilds the network from
-            "net_config": self.net.config.to_dict(),
-            "net_mixing": self.net.mixing.to_dict(),
+            # what export rebuilds the network from (with es, the constants theta_c sets)
+            "net_config": self.rule_net().config.to_dict(),
+            "net_mixing": self.rule_net().mixing.to_dict(),
         }
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
@@ -311,7 +466,43 @@ class MetaTrainModule(L.LightningModule):
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_validation = state.get("last_validation", {})
-        self.slots = restore_slots(checkpoint.get("meta_slots", []), self.estimator, self.device)
+        if self.estimator is not None:
+            self.slots = restore_slots(
+                checkpoint.get("meta_slots", []), self.estimator, self.device
+            )
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the number of processes (0 and 1 outside a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(obj) -> list:
+    """``obj`` of every rank, in rank order (``[obj]`` outside a process group)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def mean_across_ranks(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The mean of each tensor over the ranks (the tensors themselves outside a process
+    group): the meta-gradients of data-parallel truncated unrolls."""
+    _, world = rank_and_world()
+    if world == 1:
+        return tensors
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+    dist.all_reduce(flat)
+    flat /= world
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start : start + t.numel()].reshape(t.shape).to(t.dtype))
+        start += t.numel()
+    return out
 
 
 def trainable_names(net, parts) -> frozenset[str]:
@@ -327,4 +518,11 @@ def trainable_names(net, parts) -> frozenset[str]:
     return frozenset(names)
 
 
-__all__ = ["ESTIMATORS", "MetaTrainModule", "trainable_names"]
+__all__ = [
+    "ESTIMATORS",
+    "MetaTrainModule",
+    "gather_objects",
+    "mean_across_ranks",
+    "rank_and_world",
+    "trainable_names",
+]

@@ -7,8 +7,14 @@ from types import SimpleNamespace
 from learned_opt.distributed.topology import get_topology, list_topologies
 from learned_opt.tasks import PARTITION_SCHEMES, check_not_held_out, get_task, list_families
 
+from .es import META_SEEDS, VAL_SEEDS
 from .estimators import ESTIMATORS, META_OBJECTIVES
+from .families import DISTRIBUTION, is_class_path, user_family
 from .inner import SCORES
+from .rule_space import DEFAULT_NAMES, check_names
+
+#: Every value of ``estimator``: the truncated ones and evolution strategies on whole runs.
+ALL_ESTIMATORS = (*ESTIMATORS, "es")
 
 #: The parts of the network that ``train_parts`` names, and the modules of each.
 PART_MODULES = {
@@ -25,10 +31,16 @@ def _fail(field: str, message: str):
 def validate_settings(hp: dict) -> SimpleNamespace:
     """Check the ``MetaTrainModule`` arguments; returns them as attributes."""
     s = SimpleNamespace(**hp)
-    if s.family not in list_families():
-        _fail("family", f"unknown family {s.family!r}; valid: {list_families()}")
-    if s.estimator not in ESTIMATORS:
-        _fail("estimator", f"unknown estimator {s.estimator!r}; valid: {list(ESTIMATORS)}")
+    if s.estimator not in ALL_ESTIMATORS:
+        _fail("estimator", f"unknown estimator {s.estimator!r}; valid: {list(ALL_ESTIMATORS)}")
+    if s.estimator == "es":
+        _validate_es(s)
+    elif s.family not in list_families():
+        _fail(
+            "family",
+            f"unknown family {s.family!r}; valid: {list_families()} (the es estimator also "
+            f"takes {DISTRIBUTION!r} and a family by class path)",
+        )
     for name in (
         "tasks_per_step",
         "unroll_length",
@@ -115,3 +127,56 @@ def validate_settings(hp: dict) -> SimpleNamespace:
             f"unknown partition {s.val_partition!r}; valid: {list(PARTITION_SCHEMES)}",
         )
     return s
+
+
+def _validate_es(s: SimpleNamespace) -> None:
+    """The fields of the es estimator (their defaults where an older run lacks them)."""
+    defaults = dict(
+        es_constants=DEFAULT_NAMES, es_pairs=4, es_sigma=0.1, es_draws=4, es_horizon=300,
+        es_clip=20.0, es_final_weight=1.0, es_kinds=None, es_first_seed=META_SEEDS, es_val_draws=8,
+    )  # fmt: skip
+    for name, value in defaults.items():
+        if not hasattr(s, name):
+            setattr(s, name, value)
+    if s.family != DISTRIBUTION and not is_class_path(s.family):
+        _fail(
+            "family",
+            f"the es estimator trains on {DISTRIBUTION!r} or a family by class path "
+            f"(my_pkg.tasks:MyFamily), got {s.family!r}",
+        )
+    if is_class_path(s.family):
+        try:
+            user_family(s.family)
+        except ValueError as exc:
+            _fail("family", str(exc))
+    try:
+        s.es_constants = check_names(s.es_constants)
+    except ValueError as exc:
+        _fail("es_constants", str(exc))
+    for name in ("es_pairs", "es_draws", "es_horizon"):
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            _fail(name, f"must be a positive integer, got {value!r}")
+    value = s.es_val_draws
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        _fail("es_val_draws", f"must be an integer >= 0, got {value!r}")
+    if not float(s.es_sigma) > 0:
+        _fail("es_sigma", f"must be > 0, got {s.es_sigma!r}")
+    if not float(s.es_final_weight) >= 0:
+        _fail("es_final_weight", f"must be >= 0, got {s.es_final_weight!r}")
+    if not float(s.es_clip) > 1:
+        _fail("es_clip", f"must be > 1, got {s.es_clip!r}")
+    first = s.es_first_seed
+    if isinstance(first, bool) or not isinstance(first, int) or not META_SEEDS <= first < VAL_SEEDS:
+        _fail(
+            "es_first_seed",
+            f"meta-training draws seeds in [{META_SEEDS}, {VAL_SEEDS}) (below them: the "
+            f"decisions and the reporting draw), got {first!r}",
+        )
+    if s.es_kinds is not None:
+        from learned_opt.tasks.distribution import KINDS
+
+        s.es_kinds = list(s.es_kinds)
+        bad = [k for k in s.es_kinds if k not in KINDS]
+        if bad or not s.es_kinds:
+            _fail("es_kinds", f"must be None or kinds from {sorted(KINDS)}, got {s.es_kinds!r}")
