@@ -79,10 +79,9 @@ def tensor_kind(cfg: NetConfig, p: Tensor, g: Tensor, state: dict) -> tuple | No
     """The kind of kernel that steps ``p`` under ``cfg`` (see the module): ``("flat",
     dtypes, sparse_rows, momenta, device)`` or ``("matrix", dtypes, momenta, r <= c,
     keeps_q, wide_matrix, gram_path, device)``, plain values that name a package; None
-    where the reference steps it (a tensor of fewer than 2 elements, one that is not
-    contiguous)."""
+    where the reference steps it (an empty tensor, one that is not contiguous)."""
     tensors = [p, g] + [state[k] for k in state_keys(state)]
-    if p.numel() < 2 or not all(t.is_contiguous() for t in tensors):
+    if not p.numel() or not all(t.is_contiguous() for t in tensors):
         return None
     dtypes = (p.dtype, g.dtype, state["v"].dtype)
     sparse = bool(state.get("sparse_rows"))
@@ -144,7 +143,7 @@ def _dynamic_shapes(count: int, kind: tuple, keys) -> list:
     """The ``dynamic_shapes`` of :func:`kernel_inputs` (``count`` theta tensors first):
     every size of the tensor a ``Dim``, the rest static."""
     if kind[0] == "flat":
-        n = Dim("n", min=2)
+        n = Dim("n", min=1)  # a scalar too: the traced step never branches on the size
         spec = [{0: n}, {0: n}, {1: n}, {0: n}]
     else:
         r, c = Dim("r", min=2), Dim("c", min=2)
@@ -229,6 +228,10 @@ def build_package(args: tuple, path: Path) -> None:
     polynomial gets a second package, without the iteration (:func:`reuse_path`), written
     first."""
     theta, cfg, parts, kind, _, p, g, state = args
+    if kind[0] == "flat":  # traced on 8 elements: an example of 1 would fix the size at 1
+        p, g = p.new_zeros(8), g.new_zeros(8)
+        state = {k: t.new_zeros(t.shape[:1] + (8,)) if k == "m" else t.new_zeros(8)
+                 if k == "v" else t for k, t in state.items()}  # fmt: skip
     keys = state_keys(state)
     dtype = state["v"].dtype
     lr, decay = torch.ones((), dtype=dtype), torch.zeros((), dtype=dtype)
