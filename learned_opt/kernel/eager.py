@@ -332,14 +332,11 @@ def _step_stacked(
     """:func:`step_tensors` of tensors of one :func:`_stack_key` (shape, dtypes and
     ``sparse_rows`` mark) as the rows of one :func:`~learned_opt.step.flat_step` call on a
     one-segment layout, each row with its own step count: the same step as one
-    :func:`~learned_opt.step.tensor_step` call each, traced as one graph for all of them,
-    and one batched Newton-Schulz iteration for matrices. Measured on the 0.5M
-    transformer (2 threads, side by side with AdamW in one process): its two kernels
-    built in 48 s instead of 69 s (the first, 16 tensors of two shapes, from 774 graph
-    nodes instead of 2594), and the kernel's step took 3.9x AdamW's instead of 5.5x, the
-    reference's 8.4x instead of 10.2x; on the 10M transformer (12 layers) the kernel's
-    step 11.6x instead of 13.0x, the reference's 12.4x instead of 15.2x, and its kernels
-    built in 190 s instead of 300 s. ``read_mask``: see :func:`~learned_opt.step.flat_step`;
+    :func:`~learned_opt.step.tensor_step` call each, with one batched Newton-Schulz
+    iteration for matrices (measured at 2 threads: the reference's step 8.4x AdamW's
+    instead of 10.2x on the 0.5M transformer, 12.4x instead of 15.2x on the 10M one). A
+    kernel is this function of one tensor (:mod:`.export`). ``read_mask``: see
+    :func:`~learned_opt.step.flat_step`;
     then a step count shared by every row is also read on the host and taken as a number
     (the bias corrections computed on the host). Returns their stepped flags."""
     shape, sparse = params[0].shape, bool(states[0].get("sparse_rows"))

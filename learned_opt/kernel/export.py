@@ -21,14 +21,15 @@ the step's host code branches on, and nothing of the sizes:
   host from its step count): the branch inside one graph (``torch.cond``) would capture the
   orientation as a symbolic bool, which ``torch.export`` cannot guard in torch 2.13.
 
-The step's host code reads a layout's shapes as numbers in a few places, so while it is
+The step's host code reads a layout's sizes as numbers in three places, which would fix a
+``Dim`` to the example's size (or fail: a symbolic size cannot be hashed), so while it is
 traced for a kernel (:class:`StepModule`, in the compile child only) they are replaced by
-what holds for one tensor of symbolic size (:func:`_one_tensor_of_any_size`): a segment sum
-by a reshape (the one-segment path of :func:`~learned_opt.segments.segment_sum`, without
-hashing the size), the shape statistics (:func:`~learned_opt.features.shape_stats`: logs
-of the size) by an input computed on the host by that same function, and the output stage
-(:func:`~learned_opt.orthogonal.shape_direction`, which groups matrices by shape) by its
-one-matrix path. The golden tests check the kernel against the reference to 1e-5.
+what holds for one tensor of symbolic size (:func:`_one_tensor_of_any_size`):
+:func:`~learned_opt.segments.segment_sum` (``set(layout.numels)``) by its one-segment path,
+a reshape; :func:`~learned_opt.features.shape_stats` (``math.log`` of the size) by an input
+computed on the host by that same function (:func:`tensor_stats`); and
+:func:`~learned_opt.orthogonal.shape_direction` (``int(numel)``, matrices grouped by shape)
+by its path for one matrix. The golden tests check the kernel against the reference.
 """
 
 from __future__ import annotations

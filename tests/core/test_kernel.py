@@ -857,3 +857,37 @@ def test_a_new_model_of_other_shapes_steps_its_kernels_from_its_fifth_step(compi
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
         for key in ("m", "v"):
             torch.testing.assert_close(opt.state[p][key], reference.state[q][key])
+
+
+def test_a_kernel_that_refuses_a_tensor_warns_once_and_its_kind_steps_the_reference(
+    monkeypatch,
+):
+    """A size the kind's graph refuses (one of its runtime asserts: a path the kind missed)
+    warns once; that kind's tensors then step the reference, and no step is lost."""
+    import warnings
+
+    monkeypatch.setenv(COMPILE_ENV, "1")
+    monkeypatch.setattr(kernel, "COMPILE_AFTER_SECONDS", float("inf"))
+    monkeypatch.setattr(kernels, "_is_built", lambda recipe, args: False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = LearnedOptimizer(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    (flat,) = opt._kernels._entries.values()
+
+    def refuses(inputs, refresh=None):
+        raise RuntimeError("Expected s17 < 3*s23 to be True but received 17")
+
+    flat.fn = refuses
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match="refused.*eager reference"):
+        opt.step()
+    assert flat.failed and not opt._kernels.ready()
+    after = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        opt.step()
+    for a, b, p in zip(before, after, model.parameters()):
+        assert not torch.equal(a, b) and not torch.equal(b, p.detach())
