@@ -75,11 +75,13 @@ def import_revision(ref: str, folder: Path):
     for name in [n for n in sys.modules if n.split(".")[0] == BASE_NAME]:
         del sys.modules[name]  # a revision imported before
     (folder / "learned_opt").rename(folder / BASE_NAME)
-    # a revision that checks a build job's module by the literal package name would
-    # refuse its own recipes under BASE_NAME
+    # a revision of one kernel module that checks a build job's module by the literal
+    # package name would refuse its own recipes under BASE_NAME (the kernel package
+    # reads its own name)
     kernel_py = folder / BASE_NAME / "kernel.py"
-    renamed = _OLD_GUARD.replace("learned_opt.", f"{BASE_NAME}.")
-    kernel_py.write_text(kernel_py.read_text().replace(_OLD_GUARD, renamed))
+    if kernel_py.exists():
+        renamed = _OLD_GUARD.replace("learned_opt.", f"{BASE_NAME}.")
+        kernel_py.write_text(kernel_py.read_text().replace(_OLD_GUARD, renamed))
     sys.path.insert(0, str(folder))
     try:
         optimizer = importlib.import_module(f"{BASE_NAME}.optimizer")
