@@ -6,8 +6,9 @@ Seeds ``0 .. --draws - 1`` (150 by default; every decision draws from
 draw, once, cached in ``benchmarks/results/report_draw_cache.json.gz`` (keyed by the draw's
 description, so a changed distribution is run again):
 
-* AdamW over 6 learning rates x (constant, cosine), the best by final smoothed training loss
-  (its curve is kept, to score any rule against);
+* AdamW over 6 learning rates x (constant, cosine), the grid extended by x3 (twice at most)
+  where the best sits at its edge; the best by final smoothed training loss (its curve is
+  kept, to score any rule against);
 * the anchors at their recommended settings (``benchmarks/rules.py``): schedule-free AdamW,
   Prodigy with cosine, and ``torch.optim.Muon`` with AdamW; their step speedups over tuned
   AdamW are kept.
@@ -32,7 +33,7 @@ import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -45,7 +46,6 @@ from learned_opt.tasks.distribution import draw  # noqa: E402
 
 CACHE = RESULTS / "report_draw_cache.json.gz"
 ADAMW_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
-ADAMW_SIDES = tuple(f"adamw:{lr:g}{s}" for lr in ADAMW_LRS for s in ("", ":cosine"))
 DRAWS = 150
 
 
@@ -64,11 +64,28 @@ def _run(seed: int, side: str) -> dict:
     return rules.run(draw(seed), side)
 
 
+def adamw_sides(lrs) -> tuple[str, ...]:
+    return tuple(f"adamw:{lr:g}{s}" for lr in lrs for s in ("", ":cosine"))
+
+
+ADAMW_SIDES = adamw_sides(ADAMW_LRS)
+
+
+def edge(runs: dict[str, dict]) -> float | None:
+    """The learning rate one step (x3) beyond the grid where its best run sits at an edge
+    and that rate has not run yet; ``None`` otherwise."""
+    finals = {s: final_loss(r["curve"]) for s, r in runs.items() if s.startswith("adamw:")}
+    lr = float(min(finals, key=lambda s: (finals[s], s)).split(":")[1])
+    tried = {float(s.split(":")[1]) for s in finals}
+    beyond = lr * 3 if lr == max(tried) else lr / 3 if lr == min(tried) else None
+    return beyond if beyond is not None and len(tried) < len(ADAMW_LRS) + 2 else None
+
+
 def baseline_entry(runs: dict[str, dict]) -> dict:
-    """A draw's cache entry from its AdamW grid and anchor runs: the best AdamW side and curve
-    (5 significant digits), every grid point's final loss and the anchors' speedups."""
-    finals = {s: final_loss(runs[s]["curve"]) for s in ADAMW_SIDES}
-    best = min(ADAMW_SIDES, key=lambda s: (finals[s], s))
+    """A draw's cache entry from its AdamW runs and anchor runs: the best AdamW side and curve
+    (5 significant digits), every AdamW run's final loss and the anchors' speedups."""
+    finals = {s: final_loss(r["curve"]) for s, r in runs.items() if s.startswith("adamw:")}
+    best = min(finals, key=lambda s: (finals[s], s))
     curve = [float(f"{x:.5g}") for x in runs[best]["curve"]]
     anchors = {a: score(runs[a]["curve"], curve) for a in rules.ANCHORS}
     return {"best": best, "curve": curve, "finals": finals, "anchors": anchors,
@@ -82,20 +99,29 @@ def score(learned: list[float], tuned: list[float]) -> float:
 
 def fill_cache(seeds: list[int], jobs: int, cache: dict, log=print) -> None:
     """Run the AdamW grid and the anchors on every seed the cache lacks, saving as each
-    draw completes."""
+    draw completes. Where the best AdamW run sits at an edge of the grid, the grid is
+    extended by a factor of 3 that way (twice at most)."""
     todo = [s for s in seeds if draw(s).describe() not in cache]
     if not todo:
         return
     log(f"report_draw: tuning AdamW and running the anchors on {len(todo)} draws")
-    partial: dict[int, dict] = {}
-    sides = ADAMW_SIDES + rules.ANCHORS
+    runs: dict[int, dict] = {}
     with ProcessPoolExecutor(jobs) as pool:
-        futures = {pool.submit(_run, s, side): (s, side) for s in todo for side in sides}
-        for fut in as_completed(futures):
-            seed, side = futures[fut]
-            partial.setdefault(seed, {})[side] = fut.result()
-            if len(partial[seed]) == len(sides):
-                cache[draw(seed).describe()] = baseline_entry(partial.pop(seed))
+        pending = {pool.submit(_run, s, side): (s, side)
+                   for s in todo for side in ADAMW_SIDES + rules.ANCHORS}  # fmt: skip
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                seed, side = pending.pop(fut)
+                runs.setdefault(seed, {})[side] = fut.result()
+                if any(s == seed for s, _ in pending.values()):
+                    continue
+                beyond = edge(runs[seed])
+                if beyond is not None:
+                    pending.update({pool.submit(_run, seed, side): (seed, side)
+                                    for side in adamw_sides([beyond])})  # fmt: skip
+                    continue
+                cache[draw(seed).describe()] = baseline_entry(runs.pop(seed))
                 write_cache(cache)
                 log(f"  cached seed {seed} ({len(cache)} draws in the cache)")
 
