@@ -25,7 +25,9 @@ lint: $(STAMP)
 	rm -rf $(LINT_TREE) && mkdir -p $(LINT_TREE)
 	cp -r learned_opt $(LINT_TREE)/learned_opt
 	for d in tasks distributed meta_train checkpoints; do cp -r $$d $(LINT_TREE)/learned_opt/$$d; done
+	mkdir -p $(LINT_TREE)/benchmarks && cp benchmarks/*.py $(LINT_TREE)/benchmarks/
 	cd $(LINT_TREE) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../pyproject.toml
+	cd $(LINT_TREE) && PYTHONPATH=. ../../$(VENV)/bin/lint-imports ../../.importlinter
 
 test: $(STAMP) lint docs
 	$(VPY) -m pytest $(if $(SLOW),,-m "not slow")
