@@ -52,7 +52,7 @@ def step_tensors(
 
     Every tensor takes :func:`~learned_opt.step.tensor_step`'s step. Eagerly on CPU the host
     reads each tensor's finite flag, to mask only where needed, and the tensors of at most
-    :data:`PACK_NUMEL` elements with the same dtypes, step count and ``sparse_rows`` mark
+    :data:`~learned_opt.kernel.PACK_NUMEL` elements with the same dtypes, step count and ``sparse_rows`` mark
     are stepped in one call (:func:`_step_packed`). Then the tensors of one shape, dtypes
     and mark step as the rows of one call (:func:`_step_stacked`; a tensor alone, as a
     view). ``packs``: where the packs' flat state is kept between eager steps (a dict the

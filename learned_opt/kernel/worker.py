@@ -40,13 +40,13 @@ _YIELDED: list[tuple[int, int]] = []  # (the training's thread count, the count 
 
 def kernel_threads() -> int:
     """The thread count a kernel is built for and keyed by: the training process's own,
-    also while it yields threads to a build (:data:`YIELD_THREADS`)."""
+    also while it yields threads to a build (:data:`~learned_opt.kernel.YIELD_THREADS`)."""
     return _YIELDED[0][0] if _YIELDED else torch.get_num_threads()
 
 
 def _yield_threads(building: bool) -> None:
     """On the training thread, at a step: while ``building`` set torch's thread count
-    :data:`YIELD_THREADS` lower, and once no build is left restore it (unless the
+    :data:`~learned_opt.kernel.YIELD_THREADS` lower, and once no build is left restore it (unless the
     program set another count meanwhile, which then stands)."""
     if building and not _YIELDED and knobs.YIELD_THREADS > 0:
         threads = torch.get_num_threads()
@@ -133,7 +133,7 @@ class _Worker:
             thread.join()
 
     def _take(self) -> list:
-        """Every job queued within :data:`GATHER_SECONDS`, or ``[]`` (and the thread
+        """Every job queued within :data:`~learned_opt.kernel.GATHER_SECONDS`, or ``[]`` (and the thread
         marked gone) when the queue is empty."""
         time.sleep(knobs.GATHER_SECONDS)  # the other kinds of the same step, or other optimizers
         with self.lock:
@@ -152,17 +152,17 @@ class _Worker:
     ) -> None:
         """Build the packages of ``builds`` (``(args, path)`` each, of one ``recipe``: the
         step's by default), in order, in one child process at low priority
-        (:data:`CHILD_NICE`; the training process keeps the cores it needs): the child
+        (:data:`~learned_opt.kernel.CHILD_NICE`; the training process keeps the cores it needs): the child
         pays torch's and the compiler's start-up once for all of them. ``built(i)`` is
         called as the package of ``builds[i]`` appears, while the child goes on with the
         next. Raises a ``RuntimeError`` that says why when a package was not built (those
         before it were).
 
         The child trusts the CPU's flags for inductor's vector instruction set
-        (:data:`ISA_ENV`) instead of having inductor compile a probe for each (9 s of a
+        (:data:`~learned_opt.kernel.ISA_ENV`) instead of having inductor compile a probe for each (9 s of a
         build on an empty cache, about 1 s on a warm one); where that child fails (a
         compiler that lacks an instruction set the CPU has), a second child that probes
-        builds the packages the first left. Where :data:`ISA_ENV` is set, it stands."""
+        builds the packages the first left. Where :data:`~learned_opt.kernel.ISA_ENV` is set, it stands."""
         if knobs.ISA_ENV in os.environ:
             return self._run_child(builds, built, recipe, {})
         done: list[int] = []
@@ -309,8 +309,8 @@ def warn_failed(recipe: Recipe, e: Exception) -> None:
 
 @contextlib.contextmanager
 def cpu_flags_trusted():
-    """Inductor trusts the CPU's flags for its vector instruction set (:data:`ISA_ENV`)
-    within, unless the user set :data:`ISA_ENV`. Loading a package asks inductor for the
+    """Inductor trusts the CPU's flags for its vector instruction set (:data:`~learned_opt.kernel.ISA_ENV`)
+    within, unless the user set :data:`~learned_opt.kernel.ISA_ENV`. Loading a package asks inductor for the
     instruction set only to warn where it differs from the package's; probing for it
     compiles a program per instruction set (7-8 s on an empty cache) and loads each in a
     new Python process (about 1 s on a warm one). Inductor keeps the answer for the
@@ -382,7 +382,7 @@ def _exit_with_parent(parent: int, poll: float = 1.0) -> None:
     """In the child: a daemon thread that ends the process once its parent (process id
     ``parent``) is gone (a training process killed without its exit handlers), instead
     of compiling on for nobody. POSIX: on Windows a process keeps its dead parent's id,
-    and the child compiles on until :data:`CHILD_COMPILE_TIMEOUT`."""
+    and the child compiles on until :data:`~learned_opt.kernel.CHILD_COMPILE_TIMEOUT`."""
 
     def watch():
         while os.getppid() == parent:
