@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_TAG = "CUDA_CHECK_RESULT "  # a worker's JSON result line starts with this
 MIN_CHECK_S = 15.0  # a check is skipped when less time than this is left
 #: a line naming an exception, e.g. ``RuntimeError: ...`` or ``DistBackendError: ...``
 ERROR_LINE = re.compile(r"\w+(Error|Exception)\b.*: \S|NCCL WARN")
@@ -180,16 +179,6 @@ def record_run(r: dict, run: dict) -> list[str]:
     if errors:
         r["error_lines"] = list(dict.fromkeys(errors))[:8]
     return run["lines"]
-
-
-def worker_results(lines: list[str]) -> list[dict]:
-    """Every JSON object that follows :data:`RESULT_TAG` in the output, wherever it is."""
-    decoder, found = json.JSONDecoder(), []
-    for line in lines:
-        for part in line.split(RESULT_TAG)[1:]:
-            with contextlib.suppress(ValueError):
-                found.append(decoder.raw_decode(part)[0])
-    return found
 
 
 @contextlib.contextmanager

@@ -13,8 +13,6 @@ the whole run shortly after ``--budget`` seconds. Writes ``cuda_check.json`` (re
 after every check: versions, pass/fail, errors, timings) and ``cuda_check.log``.
 
 ``--allow-cpu`` runs every check on the CPU with tiny sizes, to test the plumbing.
-``--worker`` (internal) makes this script one torchrun rank of a two-rank run in which
-every rank uses ``cuda:0``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,7 +39,6 @@ import torch
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
 from benchmarks.check_harness import (  # noqa: E402
-    RESULT_TAG,
     Check,
     CheckSkipped,
     Context,
@@ -55,7 +51,6 @@ from benchmarks.check_harness import (  # noqa: E402
     run_check,
     run_subprocess,
     use_layout,
-    worker_results,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -282,76 +277,6 @@ def check_train_entry(ctx: Context, r: dict, ranks: int) -> None:
     require(r["returncode"] == 0 and summary, f"the {ranks}-rank run did not finish")
 
 
-def check_two_ranks(ctx: Context, r: dict, backend: str, mode: str) -> None:
-    """Two torchrun ranks of this script (``--worker``), both on ``cuda:0``: ``train``
-    runs ``learned_opt.distributed.train.train`` (learned gossip on a ring), ``probe``
-    tries each collective and point-to-point call on device tensors."""
-    import torch.distributed as dist
-
-    if backend == "nccl" and not (ctx.cuda and dist.is_nccl_available()):
-        raise CheckSkipped("NCCL needs CUDA")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(SCRIPT), "--worker", mode, "--backend", backend]  # fmt: skip
-    lines = record_run(r, run_subprocess(ctx, f"{backend}-{mode}", cmd))
-    results = worker_results(lines)
-    r["backend"], r["ranks_reported"] = backend, sorted({x["rank"] for x in results})
-    if mode == "probe":
-        r["ops"] = {f"rank{x['rank']} {x['op']}": x.get("error") or "ok" for x in results}
-        require(len(results) == 2 * len(PROBE_OPS), "not every rank tried every call")
-    else:
-        r["summaries"] = {x["rank"]: x["summary"] for x in results}
-        require(r["returncode"] == 0 and len(results) == 2, "the two-rank run did not finish")
-
-
-#: The stage whose meta-steps ``meta_train_throughput`` times, and the meta-steps it times
-#: (the difference of a run of ``META_STEPS[1]`` and one of ``META_STEPS[0]``, so that the
-#: start-up, Lightning's import and the first step's set-up drop out).
-META_STAGE = "adapt2x_tensor_stage4.yaml"
-META_STEPS = (2, 12)
-
-
-def _meta_fit(configs: list[str], accelerator: str, root: Path, *overrides: str) -> list[str]:
-    """The command of ``learned-opt-meta fit`` on ``configs`` (names under
-    ``meta_train/configs``, in order) on ``accelerator``, its logs under ``root``; raises
-    :class:`CheckSkipped` where LightningCLI cannot run."""
-    if importlib.util.find_spec("jsonargparse") is None:
-        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
-    cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit"]
-    for name in configs:
-        cmd += ["--config", str(ROOT / "meta_train" / "configs" / name)]
-    return [*cmd, f"--trainer.accelerator={accelerator}", f"--trainer.default_root_dir={root}",
-            *overrides]  # fmt: skip
-
-
-def check_meta_throughput(ctx: Context, r: dict) -> None:
-    """Meta-training's throughput on the GPU against this machine's CPU: the seconds per
-    meta-step of a real stage (``META_STAGE`` over ``default.yaml``, its PES unrolls of
-    100-3000 inner steps on the broad family), each side the same seeded meta-steps."""
-    sides = ["gpu", "cpu"] if ctx.cuda else ["cpu"]
-    r.update(stage=META_STAGE, meta_steps=META_STEPS, seconds={}, seconds_per_meta_step={})
-    for accelerator in sides:
-        took = []
-        for steps in META_STEPS:
-            cmd = _meta_fit(
-                ["default.yaml", META_STAGE], accelerator, ctx.scratch / f"meta_{accelerator}_{steps}",
-                f"--trainer.max_steps={steps}", "--trainer.max_time=null",
-                "--trainer.enable_progress_bar=false",
-            )  # fmt: skip
-            t0 = time.monotonic()
-            run = run_subprocess(ctx, f"meta-{accelerator}-{steps}", cmd, cwd=ROOT)
-            took.append(time.monotonic() - t0)
-            require(run["returncode"] == 0, f"meta-training on {accelerator} failed")
-        r["seconds"][accelerator] = [round(t, 1) for t in took]
-        per_step = (took[1] - took[0]) / (META_STEPS[1] - META_STEPS[0])
-        r["seconds_per_meta_step"][accelerator] = round(per_step, 2)
-        ctx.log(f"   meta-training on {accelerator}: {per_step:.2f} s per meta-step")
-        ctx.write_json()
-    if len(sides) == 2:
-        r["gpu_speedup"] = round(
-            r["seconds_per_meta_step"]["cpu"] / r["seconds_per_meta_step"]["gpu"], 2
-        )
-
-
 def check_aoti_load(ctx: Context, r: dict) -> None:
     """``benchmarks/cuda_aoti_probe.py``: whether a one-line CUDA AOTInductor package loads
     here (on the main thread and on another, each in a fresh process). Where it does,
@@ -374,8 +299,12 @@ def check_aoti_load(ctx: Context, r: dict) -> None:
 
 def check_meta_smoke(ctx: Context, r: dict) -> None:
     """``learned-opt-meta fit --config meta_train/configs/smoke.yaml`` on the device."""
+    if importlib.util.find_spec("jsonargparse") is None:
+        raise CheckSkipped("jsonargparse is not installed (LightningCLI needs it)")
     accelerator = "gpu" if ctx.cuda else "cpu"
-    cmd = _meta_fit(["smoke.yaml"], accelerator, ctx.scratch / "meta_smoke")
+    cmd = [sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit", "--config",
+           str(ROOT / "meta_train" / "configs" / "smoke.yaml"), f"--trainer.accelerator={accelerator}",
+           f"--trainer.default_root_dir={ctx.scratch / 'meta_smoke'}"]  # fmt: skip
     record_run(r, run_subprocess(ctx, "meta-smoke", cmd))
     r["accelerator"] = accelerator
     require(r["returncode"] == 0, "meta-training smoke run failed")
@@ -390,26 +319,7 @@ CHECKS = [
     Check("flat_step_timing", check_flat_timing, 45),
     Check("train_one_rank", functools.partial(check_train_entry, ranks=1), 60),
     Check("train_four_ranks", functools.partial(check_train_entry, ranks=4), 60),
-    Check(
-        "two_ranks_nccl_train",
-        functools.partial(check_two_ranks, backend="nccl", mode="train"),
-        45,
-        expect="NCCL refuses two ranks on one GPU",
-    ),
-    Check(
-        "two_ranks_gloo_train",
-        functools.partial(check_two_ranks, backend="gloo", mode="train"),
-        45,
-    ),
-    Check(
-        "two_ranks_gloo_probe",
-        functools.partial(check_two_ranks, backend="gloo", mode="probe"),
-        40,
-        expect="gloo has no point-to-point calls for CUDA tensors (the communicator stages "
-        "them on the host); its collectives work",
-    ),
     Check("meta_train_smoke", check_meta_smoke, 75),
-    Check("meta_train_throughput", check_meta_throughput, 300),
     Check(
         "aoti_cuda_load",
         check_aoti_load,
@@ -417,65 +327,6 @@ CHECKS = [
         expect="torch 2.11.0+cu130 on an H200 ended the process loading any CUDA package",
     ),
 ]
-
-
-# ----------------------------------------------------------------------------- worker
-
-
-def emit(payload: dict) -> None:
-    """One result line in a single ``write``, so two ranks' lines never interleave."""
-    sys.stdout.flush()
-    os.write(1, (RESULT_TAG + json.dumps(payload, default=str) + "\n").encode())
-
-
-def _probe_ops(rank: int, device: torch.device) -> dict[str, Callable[[], list]]:
-    """The calls ``ProcessGroupCommunicator`` makes, each returning its work handles."""
-    import torch.distributed as dist
-
-    t = torch.full((8,), float(rank + 1), device=device)
-    peer = 1 - rank
-    return {
-        "all_reduce": lambda: [dist.all_reduce(t.clone(), async_op=True)],
-        "all_gather": lambda: [dist.all_gather([t.clone(), t.clone()], t, async_op=True)],
-        "broadcast": lambda: [dist.broadcast(t.clone(), 0, async_op=True)],
-        "isend_irecv": lambda: [dist.isend(t.clone(), peer), dist.irecv(t.clone(), peer)],
-        "batch_isend_irecv": lambda: dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, t.clone(), peer), dist.P2POp(dist.irecv, t.clone(), peer)]
-        ),
-    }
-
-
-PROBE_OPS = ["all_reduce", "all_gather", "broadcast", "isend_irecv", "batch_isend_irecv"]
-
-
-def worker_main(args: argparse.Namespace) -> None:
-    """One rank of a two-rank torchrun run; every rank on ``cuda:0`` (or the CPU)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(0)
-    os.environ["LOCAL_RANK"] = "0"  # train() puts the model on cuda:LOCAL_RANK
-    dist.init_process_group(args.backend, timeout=timedelta(seconds=20))
-    rank, device = dist.get_rank(), torch.device("cuda:0" if cuda else "cpu")
-    try:
-        if args.worker == "train":
-            from learned_opt.distributed import train as entry
-
-            summary = entry.train(entry.parse_args(["--steps", "30", "--timeout", "20"]))
-            emit({"rank": rank, "summary": summary})
-        else:
-            for op, call in _probe_ops(rank, device).items():
-                try:
-                    for work in call():
-                        work.wait(timedelta(seconds=5))
-                    emit({"rank": rank, "op": op})
-                except Exception as exc:
-                    emit({"rank": rank, "op": op, "error": f"{type(exc).__name__}: {exc}"[:400]})
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- main
@@ -487,8 +338,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--allow-cpu", action="store_true", help="no GPU: dry run on the CPU")
     ap.add_argument("--budget", type=float, default=255.0, help="seconds for all checks")
     ap.add_argument("--only", nargs="+", choices=[c.name for c in CHECKS], help="these checks")
-    ap.add_argument("--worker", choices=["train", "probe"], help=argparse.SUPPRESS)
-    ap.add_argument("--backend", default="gloo", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
 
@@ -548,9 +397,6 @@ def start_watchdog(ctx: Context, grace: float = 25.0) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        worker_main(args)
-        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     with (
         tempfile.TemporaryDirectory(prefix="cuda_check_") as tmp,

@@ -3,8 +3,8 @@
 On the shared 2-core machine a step's time moves by a third from run to run, more than most
 changes to the step: two runs of a step benchmark, before and after, cannot tell a 15%
 gain from the noise. Timed in turns within one process, their ratio holds. The other
-revision's ``learned_opt`` is taken from git (``git archive``) into a temporary folder and
-imported under another name (its modules import one another relatively).
+revision's ``learned_opt`` is imported under a name of its own
+(:func:`benchmarks.rules.import_revision`).
 
 For each workload (a registered task's model at seed 0, with one fixed gradient), the
 rule of each revision (``LearnedOptimizer(compile=False)``: the eager reference, which
@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import io
 import os
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,68 +35,45 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
+from benchmarks import rules  # noqa: E402
 from benchmarks.common import command_line, machine, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 #: Small models of the validation family and the held-out suite (the runs that end before
 #: a kernel is built), and one larger transformer.
 TASKS = (
     "heldout_autoencoder", "val_friedman_mlp", "val_mf_recsys", "val_resmlp_ln",
     "val_lstm_lm", "heldout_convnet_bn", "heldout_char_lm",
 )  # fmt: skip
-BASE_NAME = "learned_opt_base"
 #: How revisions from 482aa8a to a597db0 checked a build job's module (by the literal
 #: package name, so that the base revision's build process refused its own recipes).
 _OLD_GUARD = 'job["module"].startswith("learned_opt.")'
 
 
-def import_revision(ref: str, folder: Path):
-    """``learned_opt`` at git revision ``ref``, extracted into ``folder`` and imported as
-    :data:`BASE_NAME`; returns its ``optimizer`` module and the commit it resolved to. Its
-    kernels' build processes import it under that name too (``folder`` is on their path).
-    The revision's shipped checkpoints are extracted beside it (:func:`base_checkpoint`):
-    a checkpoint of this checkout may hold config fields that the revision does not
-    know."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", ref], cwd=ROOT, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    archive = subprocess.run(
-        ["git", "archive", commit, "learned_opt", "checkpoints"],
-        cwd=ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(folder, filter="data")
-    for name in [n for n in sys.modules if n.split(".")[0] == BASE_NAME]:
-        del sys.modules[name]  # a revision imported before
-    (folder / "learned_opt").rename(folder / BASE_NAME)
-    # a revision of one kernel module that checks a build job's module by the literal
-    # package name would refuse its own recipes under BASE_NAME (the kernel package
-    # reads its own name)
-    kernel_py = folder / BASE_NAME / "kernel.py"
+def import_revision(ref: str):
+    """``learned_opt`` at git revision ``ref``, imported apart by
+    :func:`benchmarks.rules.import_revision`; returns its ``optimizer`` module and the
+    commit. Its kernels' build processes import that revision too, not this checkout."""
+    commit = rules.resolve_commit(ref)
+    package = rules.import_revision(commit)
+    name, folder = package.__name__, Path(package.__file__).parents[1]
+    kernel_py = folder / name / "kernel.py"  # a one-module kernel checks the literal name
     if kernel_py.exists():
-        renamed = _OLD_GUARD.replace("learned_opt.", f"{BASE_NAME}.")
+        renamed = _OLD_GUARD.replace("learned_opt.", f"{name}.")
         kernel_py.write_text(kernel_py.read_text().replace(_OLD_GUARD, renamed))
-    sys.path.insert(0, str(folder))
-    try:
-        optimizer = importlib.import_module(f"{BASE_NAME}.optimizer")
-    finally:
-        sys.path.remove(str(folder))
-    kernel = importlib.import_module(f"{BASE_NAME}.kernel")
-    if BASE_NAME not in getattr(kernel, "_CHILD", BASE_NAME):
+    kernel = importlib.import_module(f"{name}.kernel")
+    if name not in kernel._CHILD:
         kernel._CHILD = (
             f"import sys; sys.path.insert(0, {str(folder)!r}); "
-            + kernel._CHILD.replace("learned_opt.kernel", f"{BASE_NAME}.kernel")
+            + kernel._CHILD.replace("learned_opt.kernel", f"{name}.kernel")
         )
-    return optimizer, commit
+    return importlib.import_module(f"{name}.optimizer"), commit
 
 
-def base_checkpoint(folder: Path) -> Path:
-    """The base revision's own default checkpoint, as :func:`import_revision` extracted it
-    into ``folder``."""
-    name = importlib.import_module(f"{BASE_NAME}.checkpoint").DEFAULT_CHECKPOINT
-    return folder / "checkpoints" / f"{name}.pt"
+def base_checkpoint(base_optimizer) -> Path:
+    """The base revision's own default checkpoint (extracted beside its package)."""
+    package = base_optimizer.__name__.rsplit(".", 1)[0]
+    name = importlib.import_module(f"{package}.checkpoint").DEFAULT_CHECKPOINT
+    return Path(base_optimizer.__file__).parent / "checkpoints" / f"{name}.pt"
 
 
 #: ``--split``'s groups: AdamW's usual weight decay on the matrices, none on the rest.
@@ -131,8 +104,8 @@ def measure(
     from learned_opt.tasks import get_task
 
     task = get_task(task_name)
-    base_kernel = importlib.import_module(f"{BASE_NAME}.kernel")
-    base_ckpt = base_checkpoint(Path(base_optimizer.__file__).parents[1])
+    base_kernel = importlib.import_module(base_optimizer.__name__.replace("optimizer", "kernel"))
+    base_ckpt = base_checkpoint(base_optimizer)
     makers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
         "base": lambda ps: base_optimizer.LearnedOptimizer(
@@ -205,17 +178,13 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["LEARNED_OPT_COMPILE"] = "1"
     torch.set_num_threads(1)
     rows = {}
-    with tempfile.TemporaryDirectory() as folder:
-        base_optimizer, commit = import_revision(args.base, Path(folder))
-        for name in args.tasks:
-            rows[name] = r = measure(
-                name, base_optimizer, args.steps, args.rounds, args.split, args.kernel
-            )
-            print(
-                f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
-                f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
-                flush=True,
-            )
+    base_optimizer, commit = import_revision(args.base)
+    for name in args.tasks:
+        rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds, args.split,
+                                 args.kernel)  # fmt: skip
+        print(f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
+              f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
+              flush=True)  # fmt: skip
     payload = {
         "benchmark": "step_ab",
         **machine(),

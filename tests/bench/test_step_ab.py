@@ -15,18 +15,18 @@ if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not in
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks import step_ab  # noqa: E402
+from benchmarks import rules, step_ab  # noqa: E402
 
 
-def test_a_revision_is_imported_apart_and_timed_beside_this_one(tmp_path):
+def test_a_revision_is_imported_apart_and_timed_beside_this_one():
     import learned_opt.optimizer
 
-    base, commit = step_ab.import_revision("HEAD", tmp_path)
-    assert base.__name__ == f"{step_ab.BASE_NAME}.optimizer"
+    base, commit = step_ab.import_revision("HEAD")
+    assert base.__name__ == f"learned_opt_{commit}.optimizer"
     assert base.LearnedOptimizer is not learned_opt.optimizer.LearnedOptimizer
-    assert Path(base.__file__).is_relative_to(tmp_path) and commit
-    ckpt = step_ab.base_checkpoint(tmp_path)  # the revision's own, with its own config
-    assert ckpt.is_file() and ckpt.is_relative_to(tmp_path)
+    assert Path(base.__file__).is_relative_to(rules.CACHE / commit)
+    ckpt = step_ab.base_checkpoint(base)  # the revision's own, with its own config
+    assert ckpt.is_file() and ckpt.is_relative_to(rules.CACHE / commit)
     row = step_ab.measure("val_friedman_mlp", base, steps=1, rounds=2)  # steps with ckpt
     assert set(row["ms"]) == {"adamw", "base", "this"} and min(row["ms"].values()) > 0
     assert row["parameters"] == 4929
@@ -48,15 +48,16 @@ def test_the_imported_revision_builds_its_kernels_with_its_own_code(tmp_path, re
     naming its kernel module runs there, one naming another module is refused."""
     if ref != "HEAD" and subprocess.run(["git", "cat-file", "-e", ref], cwd=ROOT).returncode:
         pytest.skip(f"{ref} is not in this clone's history")
-    step_ab.import_revision(ref, tmp_path)
-    kernel = importlib.import_module(f"{step_ab.BASE_NAME}.kernel")
+    _, commit = step_ab.import_revision(ref)
+    name = f"learned_opt_{commit}"
+    kernel = importlib.import_module(f"{name}.kernel")
     code = kernel._CHILD
-    assert f"{step_ab.BASE_NAME}.kernel import" in code and "learned_opt.kernel" not in code
+    assert f"{name}.kernel import" in code and "learned_opt.kernel" not in code
     folder = code.split("sys.path.insert(0, ")[1].split(")")[0].strip("'")
-    one_module = Path(folder) / step_ab.BASE_NAME / "kernel.py"  # before the kernel package
+    one_module = Path(folder) / name / "kernel.py"  # before the kernel package
     assert not one_module.exists() or step_ab._OLD_GUARD not in one_module.read_text()
-    assert Path(kernel.__file__).is_relative_to(tmp_path)  # not a revision imported before
-    for module, ok in ((f"{step_ab.BASE_NAME}.kernel", True), ("learned_opt.kernel", False)):
+    assert Path(kernel.__file__).is_relative_to(rules.CACHE / commit)
+    for module, ok in ((f"{name}.kernel", True), ("learned_opt.kernel", False)):
         job = {"builds": [], "recipe": "step", "module": module, "threads": 1, "nice": 0,
                "parent": os.getpid()}  # fmt: skip
         torch.save(job, tmp_path / "job.pt")
