@@ -227,7 +227,7 @@ class MixingConfig:
     # workers' disagreement ruins the averaged model. The lower ceiling bounds that; too
     # low, it holds convex problems far below their tuned step (D-SGD's best rate was 1 on
     # logistic regression). adapt_init_2x sets e^5, chosen on the decentralized validation
-    # settings (benchmarks/gossip_rule_choice.py).
+    # settings (docs/changelog.md: gossip_rule_choice.py, in git at c2adf13).
     lr_adapt_max_gossip: float = 2.0
     # The floor under gossip. The other way round, under label skew a worker's gradient
     # meets its neighbourhood's mixed momentum at a negative cosine even where the step

@@ -19,7 +19,8 @@ from pathlib import Path
 
 #: D-Adam's learning rate: the best of the decentralized benchmark's grid for digits_mlp
 #: on a ring of 8 workers with Dirichlet(0.1) label skew (a source checkout's
-#: ``benchmarks/quality_decentralized.py``). The package never reads benchmark results.
+#: ``benchmarks/quality_decentralized.py``, in git at ``c2adf13``). The package never reads
+#: benchmark results.
 DADAM_LR = 0.03
 
 

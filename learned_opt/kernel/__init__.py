@@ -60,7 +60,8 @@ KERNEL_DEVICES = frozenset({"cpu"})
 #: bias's or a small matrix's step, while packing costs a copy of each parameter and
 #: gradient in and of each parameter out (the state stays flat between steps: see
 #: :class:`.eager._Pack`) and gathers over the packed elements. Chosen at 65536 on the
-#: validation family's models (2026-12-06, against 16384, ``eager_step.py --tasks``:
+#: validation family's models (2026-12-06, against 16384, ``eager_step.py --tasks``, in
+#: git at ``c2adf13``:
 #: attention's step 11% shorter, the LSTM language model's 3%, the 256-wide MLP's 4%, the
 #: larger LSTM's 4% longer; the 0.4M transformer's 7% shorter).
 PACK_NUMEL = 65536
@@ -73,7 +74,7 @@ MAX_PLANS = 16
 #: intra-op threads (never fewer than one), so that the build, a child process at low
 #: priority, has a core of its own instead of the slices the training threads leave it.
 #: Measured on 2 cores, training the 0.5M transformer at 2 threads from an empty cache
-#: (``benchmarks/build_race.py``): the kernel was ready after 81 s instead of not within
+#: (``benchmarks/build_race.py``, in git at ``c2adf13``): the kernel was ready after 81 s instead of not within
 #: the 300 s of the run; training did 3% fewer steps in the first minute and 26% more by
 #: 300 s. A training at one thread has none to yield.
 YIELD_THREADS = 1
