@@ -69,10 +69,10 @@ def population(theta: torch.Tensor, eps: torch.Tensor, sigma: float) -> torch.Te
 
 
 def work_units(members: int, draws: int) -> list[Unit]:
-    """Every run of a meta-step: the base rule's, then each member's, draw by draw."""
-    return [(BASE, d) for d in range(draws)] + [
-        (m, d) for m in range(members) for d in range(draws)
-    ]
+    """Every run of a meta-step, draw by draw: the base rule's, then each member's. Draw by
+    draw, so that :func:`share` gives every rank about as many runs of each draw (the
+    draws' costs differ by orders of magnitude)."""
+    return [(m, d) for d in range(draws) for m in range(BASE, members)]
 
 
 def share(units: Sequence[Unit], rank: int, world: int) -> list[Unit]:

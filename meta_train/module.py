@@ -227,10 +227,14 @@ class MetaTrainModule(L.LightningModule):
         seeds = [int(x) for x in batch.reshape(-1)]
         while len(self.slots) < s.tasks_per_step:
             self.slots.append(None)
+        # a slot's index among every rank's (rank r of a data-parallel run holds slots
+        # r * tasks_per_step on): N ranks sample the tasks one process with N times the slots
+        # would
+        first = rank_and_world()[0] * s.tasks_per_step
         for i in range(s.tasks_per_step):
             if self.slots[i] is None or self.slots[i][0].done:
                 self.slots[i] = self.estimator.particles(
-                    self.sampler.sample(seeds[i % len(seeds)] + i, self.device)
+                    self.sampler.sample(seeds[i % len(seeds)] + first + i, self.device)
                 )
         opt = make_inner_optimizer(
             "learned", net=self.net, mixing="learned", parts=self.unroll_parts()

@@ -99,6 +99,9 @@ def test_the_ranks_share_every_run_once(world):
     shares = [es.share(units, r, world) for r in range(world)]
     assert sorted(u for s in shares for u in s) == sorted(units)
     assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    for d in range(3):  # every rank runs about as many runs of each draw
+        per_rank = [sum(u[1] == d for u in s) for s in shares]
+        assert max(per_rank) - min(per_rank) <= 1
 
 
 def test_gradient_is_the_antithetic_estimate_and_climbs():
@@ -165,6 +168,27 @@ def test_outside_a_process_group_the_mean_across_ranks_is_the_tensor():
     assert mean_across_ranks(t) is t
 
 
+#: What a launcher leaves in the environment (Lightning's, after a data-parallel fit in this
+#: process): a child that finds them waits for ranks nobody starts.
+LAUNCHER_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
+                "LOCAL_WORLD_SIZE", "GROUP_RANK", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")  # fmt: skip
+
+
+def _child_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _run_ranks(cmd: list[str]) -> None:
+    """Run a data-parallel fit; once more if the port its launcher picked was taken
+    meanwhile (by another process on the machine)."""
+    for _ in range(2):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_child_env())
+        if out.returncode == 0 or "Address already in use" not in out.stderr:
+            break
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def _es_args(root, *extra):
     return [
         "fit", "--config", str(CONFIG_DIR / "es_smoke.yaml"), f"--trainer.default_root_dir={root}",
@@ -182,16 +206,49 @@ def test_two_processes_make_the_update_of_one(tmp_path):
     (gloo on CPU): 2 pairs x 2 draws at 20 steps, split across the ranks and gathered, give
     the constants one process gives over the same population and draws."""
     meta_cli_main(_es_args(tmp_path / "one"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "learned_opt.meta_train.cli_entry",
         *_es_args(tmp_path / "two", "--trainer.devices=2", "--trainer.strategy=ddp"),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run_ranks(cmd)
     one, two = _theta_c(tmp_path / "one"), _theta_c(tmp_path / "two")
     assert one.abs().min() > 0  # two outer steps moved every constant
     assert torch.allclose(one, two, rtol=0, atol=1e-12), (one, two)
+
+
+def test_two_processes_of_truncated_unrolls_make_the_update_of_one_with_twice_the_tasks(tmp_path):
+    """The smoke config (tbptt) with 1 task per step on each of 2 ranks: each rank samples
+    its own share of the tasks and the meta-gradient is averaged across them, so theta
+    moves as one process with 2 tasks per step moves it."""
+    common = [
+        f"--config={CONFIG_DIR / 'smoke.yaml'}", "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=0", "--model.histogram_every=0",
+    ]  # fmt: skip
+    meta_cli_main(
+        [
+            "fit",
+            *common,
+            f"--trainer.default_root_dir={tmp_path / 'one'}",
+            "--model.tasks_per_step=2",
+        ]
+    )
+    cmd = [
+        sys.executable, "-m", "learned_opt.meta_train.cli_entry", "fit", *common,
+        f"--trainer.default_root_dir={tmp_path / 'two'}", "--model.tasks_per_step=1",
+        "--trainer.devices=2", "--trainer.strategy=ddp",
+    ]  # fmt: skip
+    _run_ranks(cmd)
+
+    def theta(root):
+        ckpt = sorted(root.glob("lightning_logs/version_*/checkpoints/last.ckpt"))[-1]
+        state = torch.load(ckpt, weights_only=True)["state_dict"]
+        return {k: v for k, v in state.items() if k.startswith("net.")}
+
+    one, two = theta(tmp_path / "one"), theta(tmp_path / "two")
+    start = MetaTrainModule(width=8).net.state_dict()
+    assert any(not torch.equal(one[k], start[k[4:]]) for k in one)  # theta moved
+    for k in one:
+        assert torch.allclose(one[k], two[k], rtol=1e-4, atol=1e-6), k
 
 
 # ----------------------------------------------------------------------------- own family
