@@ -57,7 +57,7 @@ ENTRIES = {
         "validation",
         "How does a rule (--checkpoint, or --side with fields replaced) do on the validation "
         "family, where every choice of the rule is made? The regression check of a change.",
-        "about 5 min per rule with the committed baseline cache (--no-decentralized)",
+        "about 5 min per rule with the committed baseline cache",
     ),
     "step_cost": Entry(
         "step_overhead",
@@ -119,8 +119,7 @@ SUITE = (
      "--out", "quality_heldout_wsd_half"],
     ["heldout", "--anchors"],
     ["report_draw"],
-    ["validation", "--side", "handset=adapt_init_2x", "--no-decentralized",
-     "--out", "validation_handset_now"],
+    ["validation", "--side", "handset=adapt_init_2x", "--out", "validation_handset_now"],
     ["cold_start", "--suite", "heldout", "--repeats", "3"],
     ["step_cost"],
     ["gossip_step", "--rounds", "4"],

@@ -11,7 +11,6 @@ batch losses.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -27,7 +26,6 @@ from learned_opt.meta_train.inner import (
     make_inner_optimizer,
     new_trajectory,
 )
-from learned_opt.network import with_config
 from learned_opt.tasks import get_task
 
 #: Baselines: label -> inner optimizer kind (each Metropolis-mixed and tuned).
@@ -176,54 +174,3 @@ def over_seeds(scored: list[dict]) -> dict:
     if all("wall_speedup" in x for x in scored):
         row["wall_speedup"] = statistics.median(x["wall_speedup"] for x in scored)
     return row
-
-
-def parse_side(text: str) -> tuple[str, str, dict]:
-    """``label=checkpoint`` or ``label=checkpoint:field=value,field=value`` ->
-    ``(label, checkpoint, {field: value})``, each value a float, or a name (a string, such as
-    ``output=adam``); a bare ``checkpoint`` is its own label."""
-    label, eq, rest = text.partition("=")
-    if not eq:
-        label, rest = text, text
-    checkpoint, _, overrides = rest.partition(":")
-    if not label or not checkpoint:
-        raise argparse.ArgumentTypeError(f"side {text!r}: expected label=checkpoint[:f=v,...]")
-    fields = {}
-    for item in filter(None, overrides.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise argparse.ArgumentTypeError(f"side {text!r}: {item!r} is not field=value")
-        value = value.strip()
-        try:
-            fields[key.strip()] = float(value)
-        except ValueError:
-            if not value.isidentifier():  # a name, for a config field that takes one
-                raise argparse.ArgumentTypeError(
-                    f"side {text!r}: {value!r} is neither a number nor a name"
-                ) from None
-            fields[key.strip()] = value
-    return label, checkpoint, fields
-
-
-#: Side fields that set the simulated workers rather than the network's config.
-WORKER_FIELDS = {"share_state_every": int}
-
-
-def side_optimizer(checkpoint: str, fields: dict, mixing: str = "learned") -> InnerOptimizer:
-    """The checkpoint's optimizer, ``fields`` of its config (or :data:`WORKER_FIELDS`)
-    replaced, with ``mixing`` ("learned", or "none" for a single worker)."""
-    worker = {}
-    for key, kind in WORKER_FIELDS.items():
-        if key in fields:
-            value = fields[key]
-            if value != kind(value):
-                raise ValueError(f"{key} must be a whole number, got {value!r}")
-            worker[key] = kind(value)
-    config = {k: v for k, v in fields.items() if k not in WORKER_FIELDS}
-    net = with_config(load_checkpoint(checkpoint)[0], config)
-    return make_inner_optimizer("learned", 1.0, mixing, net, parts=None, **worker)
-
-
-def learned_run(setting: dict, checkpoint: str, fields: dict) -> dict:
-    torch.set_num_threads(1)
-    return run_averaged(setting["task"], side_optimizer(checkpoint, fields), setting)

@@ -521,18 +521,6 @@ def _single(r: dict) -> str:
     return markdown_table(header, rows)
 
 
-def _decentralized(r: dict) -> str:
-    rows = [
-        [row["task"], row["workers"], row["topology"], row["partition"], row["alpha"],
-         row["best_baseline"], _cell(row), _x(row["speedup_vs"].get("D-Adam")),
-         "yes" if row["worse_than_dadam"] else "no"]
-        for row in r["decentralized"]
-    ]  # fmt: skip
-    header = ["problem", "ranks", "graph", "data", "alpha", "best baseline", "rule",
-              "rule vs D-Adam", "final worse than D-Adam"]  # fmt: skip
-    return markdown_table(header, rows)
-
-
 #: How a rule's table says which schedule its multiplier ran under (constant: nothing).
 SCHEDULE_PHRASES = {
     "cosine": ", its learning rate annealed to 0 by torch's `CosineAnnealingLR` over each run",
@@ -546,41 +534,28 @@ def render_validation(r: dict) -> str:
     s = r["summary"]
     side = r["side"]
     fields = ", ".join(f"{k}={v}" for k, v in (side.get("fields") or {}).items())
-    parts = [_single(r)]
-    if r.get("decentralized"):
-        parts.append(_decentralized(r))
     summary = (
         f"Small problems (at most 300 steps): median {_x(s['median_speedup_short'])}; runs of"
         f" 1000 steps or more: median {_x(s['median_speedup_long'])}; lowest row"
         f" {_x(s['min_speedup'])}; rows below 0.9x: {', '.join(s['rows_below_0.9']) or 'none'};"
         f" divergences: {s['divergences']}."
     )
-    if r.get("decentralized"):
-        summary += (
-            f" Decentralized: median {_x(s['median_speedup_decentralized'])} against the best"
-            f" tuned baseline, {s['divergences_decentralized']} diverged,"
-            f" {s['decentralized_worse_than_dadam']} of {s['decentralized_rows']} ending above"
-            " tuned D-Adam."
+    return (
+        _single(r)
+        + "\n\n"
+        + (
+            summary
+            + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
+            f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
+            f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
+            f" Rule: `{side.get('checkpoint', side.get('label'))}`"
+            + (f" with {fields}" if fields else "")
+            + SCHEDULE_PHRASES.get(r.get("schedule", "constant"), "")
+            + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
+            f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
+            f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
         )
-        if r.get("gossip_bounds"):
-            b = r["gossip_bounds"]
-            summary += (
-                f" Gossip bounds of the rule: ceiling e^{b['lr_adapt_max_gossip']:g}, floor"
-                f" e^{b['lr_adapt_min_gossip']:g}, rate {b['lr_adapt_rate_gossip']},"
-                f" signal-to-noise exponent {b['ortho_snr_gossip']}."
-            )
-    parts.append(
-        summary + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
-        f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
-        f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
-        f" Rule: `{side.get('checkpoint', side.get('label'))}`"
-        + (f" with {fields}" if fields else "")
-        + SCHEDULE_PHRASES.get(r.get("schedule", "constant"), "")
-        + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
-        f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
-        f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
     )
-    return "\n\n".join(parts)
 
 
 @section("meta_training_stages")

@@ -9,15 +9,13 @@ Muon with AdamW). Speedups by step count (steps tuned AdamW needs to reach a los
 steps the side needs, :func:`learned_opt.meta_train.evaluation.speedup`) and by wall clock
 (the step speedup times the ratio of step times measured side by side at seed 0, optimizer
 included); a run *diverged* if its loss went non-finite or ended above where it started.
-A row is the median over the seeds. Decentralized: every setting of
-:data:`~learned_opt.tasks.validation.DECENTRALIZED_PROBLEMS`, run as the held-out suite
-runs its settings (:mod:`benchmarks.heldout_decentralized`: the averaged model's
-training-set loss, learned mixing, tuned D-SGD, D-Adam and DSGT).
+A row is the median over the seeds; the summary splits small problems (at most 300 steps)
+from runs of 1000 steps or more.
 
 The rule is ``--checkpoint NAME`` (a shipped name or a path) or ``--side
-label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` or
-:class:`~learned_opt.config.MixingConfig` fields replaced (a value is a number, or a name for a field that takes
-one, such as ``output=adam``). Tuned baselines and anchor runs are cached in
+label=checkpoint:field=value,...`` with :class:`~learned_opt.config.NetConfig` fields
+replaced (a value is a number, or a name for a field that takes one, such as
+``output=adam``). Tuned baselines and anchor runs are cached in
 ``benchmarks/results/validation_baselines.json.gz``, so a rerun only runs the rule.
 Writes ``benchmarks/results/validation.json`` (``--quick``: ``validation_quick.json``),
 rewritten as results come in.
@@ -36,29 +34,99 @@ import time
 
 import torch
 
-from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
+from benchmarks import rules
 from benchmarks import validation_anchors as anchors
 from benchmarks.common import RESULTS, Cache, command_line, machine, write_json
 from benchmarks.job_queue import run_jobs
-from benchmarks.validation_scores import TARGETS, dec_row, merge, r4, score_seed, summarise
 from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.meta_train.evaluation import final_loss, speedup
 from learned_opt.network import with_config
-from learned_opt.tasks.validation import DECENTRALIZED_PROBLEMS, SINGLE_PROBLEMS
+from learned_opt.tasks.validation import SINGLE_PROBLEMS
 
 CACHE = RESULTS / "validation_baselines.json.gz"
 SEEDS = (0, 1, 2)  # a row is the median over them; one seed moved rows by up to 10x
 MAX_EXTENSIONS = 2
+SHORT, LONG = 300, 1000  # the summary's small problems (up to SHORT steps) and long runs
+#: The issue's targets, recorded beside the measured summary.
+TARGETS = {"min_speedup": ">= 0.9", "median_speedup_short": ">= 1.3",
+           "median_speedup_long": ">= 1.3", "divergences": "0"}  # fmt: skip
+
+
+def r4(x):
+    return None if x is None else round(float(x), 4)
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return r4(statistics.median(xs)) if xs else None
+
+
+# ----------------------------------------------------------------------------- scores
+def score_seed(best: dict, learned: list[float], anchor_curves: dict, ms: dict | None) -> dict:
+    """One seed of a problem: the rule's and each anchor's step speedup over the tuned
+    AdamW run ``best`` (:func:`single.best_adamw`), finals, divergence and, with the
+    step times ``ms``, wall-clock speedups (the step speedup times AdamW's ms per step
+    over the optimizer's)."""
+
+    def one(curve, name):
+        out = {"speedup": speedup(curve, best["curve"]), "final": final_loss(curve),
+               "diverged": single.diverged(curve)}  # fmt: skip
+        if ms:
+            out["wall_speedup"] = out["speedup"] * ms["adamw"] / ms[name]
+        return out
+
+    return {"learned": one(learned, "learned"),
+            "anchors": {a: one(c, a) for a, c in anchor_curves.items()}}  # fmt: skip
+
+
+def merge(scored: list[dict]) -> dict:
+    """Per-seed scores of one optimizer as one: median speedups, any divergence, the
+    first seed's final loss, and the per-seed step speedups."""
+    out = {"speedup": r4(statistics.median(x["speedup"] for x in scored)),
+           "speedup_by_seed": [r4(x["speedup"]) for x in scored],
+           "final": r4(scored[0]["final"]), "diverged": any(x["diverged"] for x in scored)}  # fmt: skip
+    if all("wall_speedup" in x for x in scored):
+        out["wall_speedup"] = r4(statistics.median(x["wall_speedup"] for x in scored))
+    return out
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The issue's criteria on the validation family, and each anchor's median."""
+    sp = [r["learned"]["speedup"] for r in rows]
+    by_h = lambda keep: [r["learned"]["speedup"] for r in rows if keep(r["horizon"])]  # noqa: E731
+    names = sorted({a for r in rows for a in r["anchors"]})
+    anchor = lambda a, key: [r["anchors"][a][key] for r in rows if a in r["anchors"]]  # noqa: E731
+    return {
+        "median_speedup": _median(sp),
+        "median_speedup_short": _median(by_h(lambda h: h <= SHORT)),
+        "median_speedup_long": _median(by_h(lambda h: h >= LONG)),
+        "min_speedup": min(sp) if sp else None,
+        "rows_below_0.9": [f"{r['task']}@{r['horizon']}" for r in rows
+                           if r["learned"]["speedup"] < 0.9],  # fmt: skip
+        "divergences": sum(r["learned"]["diverged"] for r in rows),
+        "median_wall_speedup": _median([r["learned"].get("wall_speedup") for r in rows]),
+        "anchors_median_speedup": {a: _median(anchor(a, "speedup")) for a in names},
+        "anchors_divergences": {a: sum(anchor(a, "diverged")) for a in names},
+        "single_rows": len(rows),
+    }  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- jobs
+def parse_side(text: str) -> tuple[str, str, dict]:
+    """``label=checkpoint[:field=value,...]`` (a bare ``checkpoint`` is its own label) ->
+    ``(label, checkpoint, fields)``, the values read by :func:`benchmarks.rules.parse_side`."""
+    label, eq, rest = text.partition("=")
+    checkpoint, fields = rules.parse_side(rest if eq else text)
+    return (label if eq else checkpoint), checkpoint, fields
+
+
 def side_factory(checkpoint: str, fields: dict) -> single.Factory:
     """The rule as a factory ``(params, lr_mult) -> LearnedOptimizer``: the checkpoint, its
-    config's ``fields`` replaced (the simulated workers' fields have no effect here)."""
-    config = {k: v for k, v in fields.items() if k not in dec.WORKER_FIELDS}
-    if not config:
+    config's ``fields`` replaced."""
+    if not fields:
         return single.resolve_side(checkpoint)
-    replaced = with_config(load_checkpoint(checkpoint)[0], config)
+    replaced = with_config(load_checkpoint(checkpoint)[0], fields)
     return lambda params, lr_mult=1.0: LearnedOptimizer(params, net=replaced, lr=lr_mult)
 
 
@@ -100,10 +168,6 @@ def timing_job(task: str, side: tuple, steps: int) -> dict:
     return {"ms_per_step": ms}
 
 
-def dec_learned_job(setting: dict, side: tuple) -> dict:
-    return dec.learned_run(setting, side[1], side[2])
-
-
 def adamw_key(task, schedule, lr, steps, seed) -> str:
     return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"
 
@@ -130,27 +194,14 @@ class Run:
         self.args, self.side = args, side
         self.cache = Cache(CACHE)
         wanted = lambda task: not args.problems or task in args.problems  # noqa: E731
-        self.problems = (
-            []
-            if args.no_single
-            else [
-                (t, h, k)
-                for t, h, k in SINGLE_PROBLEMS
-                if wanted(t) and (not args.quick or h <= 500)
-            ]
-        )
-        settings = [] if args.no_decentralized else [s for s in DECENTRALIZED_PROBLEMS
-                                                     if wanted(s["task"])]  # fmt: skip
-        self.settings = settings[:2] if args.quick else settings
-        # what the decentralized settings run with (recorded; read once, not per write)
-        self.gossip_bounds = gossip_bounds(side[1], side[2]) if self.settings else None
+        self.problems = [(t, h, k) for t, h, k in SINGLE_PROBLEMS
+                         if wanted(t) and (not args.quick or h <= 500)]  # fmt: skip
         self.seeds = list(args.seeds or (SEEDS[:1] if args.quick else SEEDS))
         self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
         self.lrs = {(t, h, s): set(self.grid) for t, h, _ in self.problems for s in self.seeds}
         self.extensions = dict.fromkeys(self.lrs, 0)
         self.learned: dict = {}  # (task, horizon, seed) -> curve
         self.timing: dict = {}  # task -> ms per step by optimizer
-        self.dec_learned: dict = {}  # (setting index, seed) -> run
         self.pending: dict = {}  # ticket -> (kind, key)
         self.failed: list[str] = []  # jobs that raised, one line each
 
@@ -217,21 +268,11 @@ class Run:
             self.submit(pool, "timing", task, timing_job, task, self.side, h)
 
     def submit_all(self, pool) -> None:
-        """Seed by seed: the problems of up to 500 steps, the decentralized settings, then
-        the long problems, so that a run stopped early holds whole rows."""
+        """Seed by seed, the shortest problems first, so that a run stopped early holds
+        whole rows."""
         for seed in self.seeds:
             for task, h, _ in sorted(self.problems, key=lambda p: p[1]):
-                if h <= 500:
-                    self.submit_problem(pool, task, h, seed)
-            for i, s in enumerate(self.settings):
-                setting = dict(s, seed=seed)
-                if dec.setting_key(setting) not in self.cache.data:
-                    self.submit(pool, "dec_base", dec.setting_key(setting), dec.baseline_job,
-                                s["task"], setting)  # fmt: skip
-                self.submit(pool, "dec_learned", (i, seed), dec_learned_job, setting, self.side)
-            for task, h, _ in sorted(self.problems, key=lambda p: p[1]):
-                if h > 500:
-                    self.submit_problem(pool, task, h, seed)
+                self.submit_problem(pool, task, h, seed)
         for key in self.lrs:
             self.maybe_extend(pool, *key)  # whole grids already cached
 
@@ -243,17 +284,15 @@ class Run:
             self.failed.append(f"{kind} {key}: {type(exc).__name__}: {str(exc)[:200]}")
             print(f"[{len(self.pending)} left] FAILED {self.failed[-1]}", flush=True)
             return
-        if kind in ("cached", "dec_base"):
-            self.cache.get(key, lambda: out["curve"] if kind == "cached" else out)
+        if kind == "cached":
+            self.cache.get(key, lambda: out["curve"])
             if key.startswith("single|"):
                 _, task, _, _, h, seed = key.split("|")
                 self.maybe_extend(pool, task, int(h), int(seed))
         elif kind == "learned":
             self.learned[key] = out["curve"]
-        elif kind == "timing":
-            self.timing[key] = out["ms_per_step"]
         else:
-            self.dec_learned[key] = out
+            self.timing[key] = out["ms_per_step"]
         print(f"[{len(self.pending)} left] {kind} {key}"
               + (f" ({out['seconds']} s)" if "seconds" in out else ""), flush=True)  # fmt: skip
 
@@ -289,71 +328,37 @@ class Run:
             })  # fmt: skip
         return rows
 
-    def dec_rows(self) -> list[dict]:
-        rows = []
-        for i, s in enumerate(self.settings):
-            per_seed = []
-            for seed in self.seeds:
-                base = self.cache.data.get(dec.setting_key(dict(s, seed=seed)))
-                run = self.dec_learned.get((i, seed))
-                if base is None or run is None:
-                    break
-                per_seed.append(dec_row(s, run, base))
-            if len(per_seed) < len(self.seeds):
-                continue
-            rows.append({**per_seed[0], "speedup": r4(statistics.median(r["speedup"] for r in per_seed)),
-                         "speedup_by_seed": [r["speedup"] for r in per_seed],
-                         "diverged": any(r["diverged"] for r in per_seed),
-                         "worse_than_dadam": any(r["worse_than_dadam"] for r in per_seed)})  # fmt: skip
-        return rows
-
     def payload(self, seconds: float, command: str) -> dict:
-        singles, decs = self.single_rows(), self.dec_rows()
-        complete = len(singles) == len(self.problems) and len(decs) == len(self.settings)
-        complete = complete and not self.failed
+        singles = self.single_rows()
+        complete = len(singles) == len(self.problems) and not self.failed
         label, checkpoint, fields = self.side
         return {
             "benchmark": "validation", "complete": complete, "quick": self.args.quick,
             "side": {"label": label, "checkpoint": checkpoint, "fields": fields},
             "schedule": self.args.schedule,
-            "summary": summarise(singles, decs), "targets": TARGETS,
-            "single": singles, "decentralized": decs, "seeds": self.seeds,
+            "summary": summarise(singles), "targets": TARGETS,
+            "single": singles, "seeds": self.seeds,
             "adamw_grid": list(self.grid), "anchors": list(anchors.ANCHORS),
             "anchor_versions": anchors.versions(), "timing_seed": self.seeds[0],
             "failed_jobs": self.failed, "code_hash": single.code_hash(), "commit": commit(),
             "wall_seconds": round(seconds, 1), "command": command, **machine(),
-            **({"gossip_bounds": self.gossip_bounds} if self.settings else {}),
         }  # fmt: skip
-
-
-def gossip_bounds(checkpoint: str, fields: dict) -> dict:
-    """The rule's own gossip bounds (its :class:`~learned_opt.config.MixingConfig` with
-    ``fields`` applied), which the decentralized settings run with: a checkpoint carries
-    its own, and they need not be the shipped rule's."""
-    config = {k: v for k, v in fields.items() if k not in dec.WORKER_FIELDS}
-    mixing = with_config(load_checkpoint(checkpoint)[0], config).mixing.to_dict()
-    return {k: v for k, v in mixing.items() if k != "edge_width"}
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     rule = parser.add_mutually_exclusive_group(required=True)
     rule.add_argument("--checkpoint", help="a shipped checkpoint name or a path")
-    rule.add_argument("--side", type=dec.parse_side, help="label=checkpoint:field=value,...")
+    rule.add_argument("--side", type=parse_side, help="label=checkpoint:field=value,...")
     parser.add_argument("--quick", action="store_true",
-                        help="problems of up to 500 steps, 3 AdamW rates, one seed, two "
-                        "decentralized settings")  # fmt: skip
+                        help="problems of up to 500 steps, 3 AdamW rates, one seed")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=None,
                         help=f"seeds of every row (default {' '.join(map(str, SEEDS))})")  # fmt: skip
     parser.add_argument("--problems", nargs="*", help="only these validation tasks")
-    parser.add_argument("--no-decentralized", action="store_true")
-    parser.add_argument("--no-single", action="store_true",
-                        help="only the decentralized settings")  # fmt: skip
     parser.add_argument("--schedule", choices=single.RULE_SCHEDULES, default="constant",
                         help="the rule's learning-rate schedule over each run (cosine: "
                         "torch's CosineAnnealingLR to 0 at the horizon; wsd: held, then "
-                        "linear to 0 over the last fifth; wsd_half: over the last half; "
-                        "single-worker problems only)")  # fmt: skip
+                        "linear to 0 over the last fifth; wsd_half: over the last half)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
     return parser
@@ -388,11 +393,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     side = checked_side(parser, args)
-    if args.schedule != "constant" and not args.no_decentralized:
-        parser.error(
-            f"--schedule {args.schedule} applies to the single-worker problems only (the "
-            "decentralized settings train at a held multiplier); add --no-decentralized"
-        )
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds repeats a seed: {args.seeds}")
     known = {t for t, _, _ in SINGLE_PROBLEMS}
@@ -407,8 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     s = payload["summary"]
     print(f"{side[0]}: median {s['median_speedup']} (short {s['median_speedup_short']}, long "
           f"{s['median_speedup_long']}), min {s['min_speedup']}, divergences {s['divergences']}; "
-          f"decentralized median {s['median_speedup_decentralized']}; anchors "
-          f"{s['anchors_median_speedup']}")  # fmt: skip
+          f"anchors {s['anchors_median_speedup']}")  # fmt: skip
     return 0
 
 

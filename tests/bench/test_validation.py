@@ -19,7 +19,6 @@ from benchmarks import common  # noqa: E402
 from benchmarks import heldout_decentralized as dec  # noqa: E402
 from benchmarks import validation as val  # noqa: E402
 from benchmarks import validation_anchors as anchors  # noqa: E402
-from benchmarks import validation_scores as scores  # noqa: E402
 
 ADAMW = [1.0 - 0.009 * i for i in range(100)]  # reaches 0.109 at its last step
 TWICE = [max(0.1, 1.0 - 0.018 * i) for i in range(100)]  # the same levels in half the steps
@@ -29,12 +28,12 @@ def test_a_rule_twice_as_fast_scores_about_2x_and_a_rising_one_diverges():
     best = {"curve": ADAMW}
     rising = [1.0 + 0.01 * i for i in range(100)]
     ms = {"adamw": 1.0, "learned": 4.0, "muon_adamw": 1.0}
-    got = scores.score_seed(best, TWICE, {"muon_adamw": rising}, ms)
+    got = val.score_seed(best, TWICE, {"muon_adamw": rising}, ms)
     assert got["learned"]["speedup"] == pytest.approx(2.0, rel=0.1)  # the smoothing lags a little
     assert got["learned"]["wall_speedup"] == pytest.approx(got["learned"]["speedup"] / 4)
     assert not got["learned"]["diverged"]
     assert got["anchors"]["muon_adamw"]["diverged"]
-    merged = scores.merge([got["learned"], {**got["learned"], "speedup": 1.0, "diverged": True}])
+    merged = val.merge([got["learned"], {**got["learned"], "speedup": 1.0, "diverged": True}])
     assert merged["speedup"] == pytest.approx((got["learned"]["speedup"] + 1.0) / 2, abs=1e-3)
     assert merged["diverged"] and len(merged["speedup_by_seed"]) == 2
 
@@ -46,26 +45,17 @@ def test_summary_splits_short_and_long_runs():
                 "anchors": {"prodigy_cosine": {"speedup": anchor_sp, "diverged": h > 500}}}  # fmt: skip
 
     rows = [row("a", 200, 1.0, 1.0), row("b", 200, 2.0, 0.5), row("c", 2000, 0.8, 1.2)]
-    s = scores.summarise(rows, [])
+    s = val.summarise(rows)
     assert s["median_speedup"] == 1.0 and s["median_speedup_short"] == 1.5
     assert s["median_speedup_long"] == 0.8 and s["rows_below_0.9"] == ["c@2000"]
     assert s["anchors_median_speedup"] == {"prodigy_cosine": 1.0}
     assert s["anchors_divergences"] == {"prodigy_cosine": 1} and s["divergences"] == 0
 
 
-def test_decentralized_row_flags_a_final_loss_worse_than_dadam():
-    def base(final):
-        return {"lr": 0.1, "final": final, "consensus": 0.0, "curve": [1.0] * 9 + [final]}
-
-    baselines = {"D-SGD": base(0.9), "D-Adam": base(0.5), "DSGT": base(0.7)}
-    setting = {"task": "t", "workers": 4, "topology": "ring", "partition": "sampled", "alpha": 0.1}
-    worse = scores.dec_row(setting, {"curve": [1.0] * 9 + [0.6], "consensus": 0.0}, baselines)
-    assert worse["worse_than_dadam"] and worse["best_baseline"] == "D-Adam"
-    better = scores.dec_row(setting, {"curve": [0.4] * 10, "consensus": 0.0}, baselines)
-    assert not better["worse_than_dadam"] and better["speedup"] > 1
-
-
 def test_a_side_replaces_config_fields_with_their_types():
+    assert val.parse_side("mine=adapt_init_2x:ns_steps=3,output=adam") == (
+        "mine", "adapt_init_2x", {"ns_steps": 3, "output": "adam"})  # fmt: skip
+    assert val.parse_side("adapt_init_2x") == ("adapt_init_2x", "adapt_init_2x", {})
     fields = val.typed_fields("adapt_init_2x", {"lr_adapt_max_ortho": 3.0, "ns_steps": 3.0})
     assert fields == {"lr_adapt_max_ortho": 3.0, "ns_steps": 3} and type(fields["ns_steps"]) is int
     opt = val.side_factory("adapt_init_2x", fields)([nn.Parameter(torch.zeros(8, 8))], 0.5)
@@ -86,16 +76,6 @@ def test_a_side_may_name_a_value_where_the_config_takes_a_name():
         val.side_factory("adapt_init_2x", unknown)
 
 
-def test_the_gossip_bounds_a_side_runs_with_are_its_own():
-    """A checkpoint carries its own gossip bounds: the record says which ran."""
-    assert val.gossip_bounds("adapt_init", {}) == {
-        "lr_adapt_max_gossip": 2.0, "lr_adapt_min_gossip": -2.0,
-        "lr_adapt_rate_gossip": None, "ortho_snr_gossip": None,
-    }  # fmt: skip
-    side = val.gossip_bounds("adapt_init", {"lr_adapt_max_gossip": 5.0, "share_state_every": 4})
-    assert side["lr_adapt_max_gossip"] == 5.0
-
-
 def test_muon_takes_hidden_matrices_only():
     model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3))
     names = [n for (n, _), h in zip(model.named_parameters(), anchors.hidden_matrices(model)) if h]
@@ -106,9 +86,6 @@ def test_muon_takes_hidden_matrices_only():
 
 def test_a_whole_tiny_run_then_a_rerun_from_the_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(val, "SINGLE_PROBLEMS", [("val_blobs_softmax", 30, "tabular")])
-    setting = dict(task="val_blobs_softmax", workers=4, topology="ring", partition="sampled",
-                   alpha=0.3, horizon=6, every=1, seed=0)  # fmt: skip
-    monkeypatch.setattr(val, "DECENTRALIZED_PROBLEMS", [setting])
     monkeypatch.setattr(val, "CACHE", tmp_path / "cache.json")
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     argv = ["--checkpoint", "adapt_init_2x", "--seeds", "0", "--jobs", "1", "--out", "tiny"]
@@ -118,10 +95,9 @@ def test_a_whole_tiny_run_then_a_rerun_from_the_cache(tmp_path, monkeypatch, cap
     assert out["complete"] and not out["failed_jobs"]
     (row,) = out["single"]
     assert set(row["anchors"]) == set(anchors.ANCHORS) and row["learned"]["speedup"] > 0
-    assert row["ms_per_step"]["learned"] > 0 and out["summary"]["decentralized_rows"] == 1
-    assert out["gossip_bounds"]["lr_adapt_max_gossip"] == 5.0  # adapt_init_2x's own
+    assert row["ms_per_step"]["learned"] > 0 and out["summary"]["single_rows"] == 1
     assert val.main(argv) == 0  # only the rule runs again
-    assert "3 jobs on 1 processes" in capsys.readouterr().out and "3 jobs" not in first
+    assert "2 jobs on 1 processes" in capsys.readouterr().out and "2 jobs" not in first
 
 
 def test_the_rule_under_an_annealing_schedule_takes_smaller_late_steps():
@@ -162,12 +138,3 @@ def test_sampled_ranks_are_scored_on_their_own_samples_and_partitions_on_the_who
     assert len(run["curve"]) == 3 and run["population_final"] > 0
     assert dec.setting_key(setting).endswith("|objective=ranks|gridNone")
     assert "objective" not in dec.setting_key(dict(setting, partition="dirichlet"))
-
-
-def test_a_schedule_is_refused_where_the_decentralized_settings_would_ignore_it(capsys):
-    # The decentralized settings train at a held multiplier: a schedule there would label
-    # constant-rate rows as scheduled ones.
-    with pytest.raises(SystemExit) as exc:
-        val.main(["--checkpoint", "adapt_init_2x", "--schedule", "wsd_half", "--no-single"])
-    assert exc.value.code == 2
-    assert "single-worker problems only" in capsys.readouterr().err
