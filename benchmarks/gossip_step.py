@@ -1,48 +1,22 @@
 """Full decentralized step time: forward, backward, local step, exchange and mix.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``;
-``--only TEXT`` times only the rows whose names contain it, beside the all-reduce row, and
-``--out NAME`` writes ``benchmarks/results/NAME.json``). Writes
-``benchmarks/results/gossip_step.json``.
+``--only TEXT``: only the rows whose names contain it, beside all-reduce; ``--out NAME``).
+Writes ``benchmarks/results/gossip_step.json``.
 
-4 local gloo processes on a ring (two neighbours per step) and on a one-peer ring
-(``one_peer_ring``: right, then left neighbour; Decent-DP's ring), each training its own copy of a 1M-parameter MLP
-(784-1024-256-10, batches of 64 random samples from a pool of 64 batches). Median
-milliseconds per step, the slowest rank's median, of:
-
-- ``allreduce + Adam``: data parallel, one all_reduce of the flat gradient, then Adam;
-- ``D-Adam <topology>``: ``dadam`` (Adam, then exchange and Metropolis mix, blocking);
-  every Adam here is torch's fused one, as ``dadam`` builds it, but Decent-DP's first row;
-- ``D-Adam overlap``: the same with ``overlap=True`` (exchange behind the next
-  forward/backward);
-- ``learned + learned mixing`` and its ``overlap`` variant, with the shipped checkpoint,
-  timed once its step's kernel is compiled;
-- ``D-Adam ring overlap, robust clip`` and ``learned + learned mixing ring overlap, robust
-  clip``: with ``robust="clip"`` (self-centred clipping) when nobody attacks, against the
-  same rows without it, timed once its distances' kernel is compiled, and ``..., eager
-  distances``: the same two with the distances computed eagerly for good (as before the
-  kernel is built, or with compiling off);
-- ``D-Adam one_peer_ring deadline``: with ``step_deadline`` (its store round trips and
-  waiting threads; no rank is slow here);
-- ``learned + Metropolis`` and ``Adam + learned mixing`` (one-peer ring, overlap): the
-  learned configuration's cost split between its local optimizer and its mixing;
-- ``learned + learned mixing one_peer_ring overlap, state every k`` (k = 1, 4) and
-  ``..., no shared state``: the price of mixing the learned optimizer's moments, shared in
-  one exchange of every k (the default k is 2: the plain ``learned + learned mixing``
-  rows), or not at all;
-- ``Decent-DP Adam`` (only if ``decent_dp`` is importable, e.g. ``pip install --no-deps
-  --target DIR decent-dp loguru`` and ``PYTHONPATH=DIR``; without ``--no-deps`` pip puts
-  the newest torch into DIR too, which then shadows the one installed; never a dependency
-  of this package): its
-  ``DecentralizedDataParallel`` on its ring with Adam at lr 1e-3 and no weight decay, which
-  steps and exchanges bucket by bucket from backward hooks; with its own example optimizer
-  (torch's default Adam), and with the fused Adam (``Decent-DP fused Adam``), so that
-  ``vs_decent_dp_fused`` compares the two engines alone.
-
-The configurations take turns, ``--steps`` steps each (a multiple of 4, so that every
-round holds the same number of state exchanges for every k), round after round, so a
-change in the machine's load hits them all alike. A configuration's time is the median over
-rounds of its mean step in the round (a mean, so that the steps that carry the state count).
+4 local gloo processes, on a ring and on a one-peer ring (right, then left neighbour:
+Decent-DP's), each train their own copy of a 1M-parameter MLP (784-1024-256-10, batches of
+64 random samples). Rows (the names in :func:`_configs`): all-reduce then Adam (the
+baseline); D-Adam (``dadam``, fused Adam), blocking and with ``overlap=True``; the learned
+optimizer with learned mixing (shipped checkpoint, kernel compiled first), and with
+``robust="clip"`` when nobody attacks (distances compiled, and eager); D-Adam with
+``step_deadline``; the learned configuration's cost split (learned + Metropolis, Adam +
+learned mixing); its moments shared every k exchanges (k = 1, 4; the default 2) or never;
+and Decent-DP Adam, with its example and with the fused Adam, when ``decent_dp`` is
+importable (``pip install --no-deps --target DIR decent-dp loguru``, ``PYTHONPATH=DIR``;
+never a dependency). The configurations take turns, ``--steps`` steps each (a multiple of
+4, so every round holds the same state exchanges for every k); a time is the median over
+rounds of the mean step in the round, the slowest rank's.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """Local steps with a compressed outer exchange against exact per-step gossip.
 
-Run: ``OMP_NUM_THREADS=1 nice -n 5 python -m benchmarks.local_steps`` (``--quick``: one
-small validation setting and one held-out setting, a few variants, to
-``local_steps_quick.json``). Writes ``benchmarks/results/local_steps.json``.
+Run: ``OMP_NUM_THREADS=1 nice -n 5 python -m benchmarks.local_steps`` (``--quick``: a
+smoke run to ``local_steps_quick.json``). Writes ``benchmarks/results/local_steps.json``.
 
-The simulator and settings of the held-out decentralized suite
-(:mod:`benchmarks.heldout_decentralized`: simulated workers, Dirichlet label skew, 200
-steps, seed 0). Every run's inner optimizer is Adam at the rate tuned for D-Adam on that
-setting (the held-out suite's, or the validation family's, cached baselines). The
-baseline is exact per-step gossip: D-Adam, Metropolis-mixed, every step. The variants
-take ``H`` local steps between rounds of
+The held-out decentralized suite's simulator and settings (Dirichlet label skew, 200 steps,
+seed 0); the inner optimizer is Adam at the rate tuned for D-Adam on each setting. Exact
+gossip (D-Adam every step) against ``H`` local steps between rounds of
 :class:`~learned_opt.distributed.local_steps.SimulatedLocalSteps` (outer Nesterov SGD, the
-shipped learned optimizer, or plain SGD at lr 1, whose anchor moves by the tracked mean
-pseudo-gradient; top-k with error feedback). Scored: the averaged model's loss on
-the whole training set at the end, and the bytes each rank sent (payloads as
-:mod:`learned_opt.distributed.compression` builds them, once per neighbour; exact gossip
-sends its float32 parameters to every neighbour every step).
-
-Target (issue 33): at least 100x fewer bytes than exact gossip, with the final averaged
-model's loss within 5% of the exact run's (ratio <= 1.05).
-
-Choices are made first, on the decentralized validation family
-(:data:`VALIDATION`, none held out): ``H``, the top-k density
-and the outer learning rates over :data:`GRID`, among the variants that send >= 100x
-fewer bytes on every validation setting, by the median loss ratio. That table is written
-into the JSON before any held-out run; the held-out settings then run only the chosen
-variants (and ``H`` at the chosen density, for the record), and the *frontier*: at each
-bytes reduction of :data:`FRONTIER`, the validation variant of any outer rule with the
-lowest median loss ratio among those sending at least that many times fewer bytes (what
-the loss target costs in bytes, where 100x misses it).
+shipped learned optimizer, or plain SGD at lr 1; top-k with error feedback). Scored: the
+averaged model's final loss on the whole training set, and the bytes each rank sent.
+Target (issue 33): at least 100x fewer bytes, loss ratio at most 1.05. ``H``, density and
+outer rates are chosen over :data:`GRID` on the validation settings (:data:`VALIDATION`)
+before any held-out run, which then runs the chosen variants, ``H`` at the chosen density,
+and the *frontier*: at each reduction of :data:`FRONTIER`, the best validation variant.
 """
 
 from __future__ import annotations

@@ -5,36 +5,16 @@ Run from the repository root on a machine with two or more GPUs::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/nccl_check.py --out $OUT
 
-Nothing is installed: the package is laid out from the checkout into a temporary folder
-that goes first on the path (``check_harness.build_installed_layout``, as in
-``benchmarks/cuda_check.py``). One process per visible GPU (``launch_local``:
-``torch.multiprocessing`` spawn, a TCPStore on 127.0.0.1), backend NCCL; collectives and
-exchanges time out after ``--pg-timeout`` seconds. Per model size (``step_overhead.GPT``, a
-GPT-like transformer of about 10M and 110M parameters, ``--batch`` sequences of 64
-tokens, float32; fresh processes per size) every rank trains its own copy under each
-configuration (``<graph>``: ``ring`` and ``exponential``):
-
-- ``DDP AdamW``: ``DistributedDataParallel`` (bucketed all-reduce of the gradients during
-  backward), then AdamW (fused on a GPU); the ratios' baseline;
-- ``D-Adam <graph>``: ``dadam`` (Adam, then exchange and Metropolis mix);
-- ``learned + learned mixing <graph>`` and its ``overlap`` variant: ``GossipOptimizer``
-  around ``LearnedOptimizer`` (its kernel compiled first, for at most
-  ``--compile-timeout`` seconds);
-- ``Decent-DP Adam ring``, only if ``decent_dp`` is importable (e.g. ``pip install
-  --no-deps --target DIR decent-dp loguru`` and ``PYTHONPATH=DIR``; never a dependency): its
-  one-peer ring; otherwise the reason is recorded.
-
-Times: ``gossip_common.time_in_turns`` (the configurations take turns, ``--steps`` full
-steps each: forward, backward, optimizer step and exchange; the median over ``--rounds``
-rounds of the mean step, the device synchronised before each clock reading). Each rank's
-time and the slowest rank's (which sets the pace) are recorded.
-
-Writes ``<out>/nccl_check.json`` after every size: versions (torch, CUDA, NCCL, Decent-DP),
-the GPU and their count, and per size the step times and their ratios to DDP (and to
-Decent-DP). Without CUDA or with fewer than two GPUs it prints one line and exits with 2;
-it exits with 1 when a size failed. ``--backend gloo --device cpu --quick`` is a dry run on
-the CPU (two ranks, a tiny model, a few steps, the learned step not compiled), which the
-tests run.
+The package is laid out from the checkout into a temporary folder first on the path (as
+``cuda_check.py`` does). One process per GPU (``launch_local``), backend NCCL. Per model
+size (``step_overhead.GPT``, about 10M and 110M parameters, ``--batch`` sequences of 64
+tokens; fresh processes per size) every rank trains its own copy under DDP AdamW (the
+baseline), D-Adam, and the learned optimizer with learned mixing (blocking and overlapped;
+its kernel compiled first), on a ring and the exponential graph, and Decent-DP's ring when
+``decent_dp`` is importable. Times: ``gossip_common.time_in_turns``, each rank's and the
+slowest's. Writes ``<out>/nccl_check.json`` after every size. Without two GPUs it prints
+one line and exits with 2; 1 when a size failed. ``--backend gloo --device cpu --quick``
+is the CPU dry run the tests run.
 """
 
 from __future__ import annotations

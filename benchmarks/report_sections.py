@@ -121,15 +121,9 @@ def render_step_overhead(result: dict) -> str:
     m = result["machine"]
     load = result.get("load_average_before")
     load_note = f", load average {load[0]:.1f} before measuring" if load else ""
-    day = result["date"][:10]
-    later = {}  # rows appended by a later run (--append): workload -> date
-    for r in result["rows"]:
-        if r.get("date", day)[:10] != day:
-            later.setdefault(r["workload"], r["date"][:10])
-    when = "".join(f"; {w} on {d}" for w, d in later.items())
     return (
         markdown_table(header, rows)
-        + f"\n\nMeasured {day}{when} on {m['processor']} ({m['cpu_count']} cores"
+        + f"\n\nMeasured {result['date'][:10]} on {m['processor']} ({m['cpu_count']} cores"
         f"{load_note}), torch {m['torch']}; {_samples(result)}, every optimizer on its own "
         "copy of the model, taking turns, so that a busy machine slows them alike (compare "
         f"ratios, not times). AdamW with `foreach=True`.{_first_steps(result)} Command: "
@@ -687,25 +681,14 @@ def render_quality_heldout_wsd_half(r: dict) -> str:
 
 
 def _seeds(r: dict) -> str:
-    """How the rows were taken over seeds: every row over ``seeds`` (a result of before
-    single-worker rows had seeds: those at ``seed``, decentralized ones at
-    ``decentralized_seeds``)."""
-    if "seeds" in r:
-        alone = dec = r["seeds"]
-    else:
-        alone, dec = [r["seed"]], r.get("decentralized_seeds", [r["seed"]])
-    if alone == dec and len(dec) == 1:
-        return f"Seed {dec[0]}."
-    first = "; the loss and best-tuned columns are the first seed's."
-    if alone == dec:
-        return (
-            f"Every row, single-worker and decentralized: {seeds_phrase(dec)}, each seed's "
-            "step speedup in brackets (the lr-multiplier columns: medians too; the step "
-            f"times behind the wall-clock speedups: seed {r.get('timing_seed', 0)}'s){first}"
-        )
+    """How the rows were taken over the result's seeds."""
+    if len(r["seeds"]) == 1:
+        return f"Seed {r['seeds'][0]}."
     return (
-        f"Single-worker rows: {seeds_phrase(alone)}. Decentralized rows: {seeds_phrase(dec)}, "
-        f"each seed's step speedup in brackets{first}"
+        f"Every row, single-worker and decentralized: {seeds_phrase(r['seeds'])}, each seed's "
+        "step speedup in brackets (the lr-multiplier columns: medians too; the step "
+        f"times behind the wall-clock speedups: seed {r.get('timing_seed', 0)}'s); the loss "
+        "and best-tuned columns are the first seed's."
     )
 
 

@@ -4,31 +4,17 @@ Run: ``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py`` (``--st
 ``--task``, ``--lr``, ``--multiples``, ``--timing-steps``). Writes
 ``benchmarks/results/robust_gossip.json``.
 
-8 workers train a small MLP of the task registry with D-Adam (Metropolis weights, IID
-shards) in meta-training's simulator (:func:`learned_opt.meta_train.inner.inner_step`), on a
-ring and on the exponential graph. Rank :data:`MALICIOUS` trains on its own shard but sends
-its neighbours, in place of its parameters, one of :data:`ATTACKS`:
-
-- ``scaled``: its parameters times 100;
-- ``sign_flip``: its parameters negated;
-- ``random``: Gaussian values with the norm of its parameters (per tensor);
-- ``alie_drift``: "a little is enough", drifting: the mean of the parameters it receives
-  plus ``z_t`` times their coordinate-wise spread along a fixed random sign pattern, with
-  ``z_t = step / 50`` (close to an honest neighbour at first, then slowly further away);
-- ``alie_drift_fast``, beyond the issue's list: the same with ``z_t = step / 10``.
-
-A reference run, ``excluded``, has the neighbours leave the malicious rank out as they do
-one that sends NaN (its weight stays with them): the best a robust rule can do.
-
-It never mixes what it receives (its own model is its local run). Each attack runs with
-plain mixing and with ``robust="clip:C"`` for each ``C`` of ``--multiples``; the clean run
-(no attacker, all 8 honest) runs with both. The score is the loss of the honest ranks'
-averaged model on the whole training set at the end (``inf`` once a loss turns non-finite),
-and each attacked run's ratio to the clean run's. The step-time overhead of robust mixing
-without an attacker is measured in CPU time, plain and robust taking turns, on one
-simulated step of all 8 workers (on real workers: ``gossip_step``). Goal (issue 33): honest
-ranks within 10% of the clean run where plain gossip diverges or degrades; overhead at
-most 5% of step time.
+8 workers train a small MLP with D-Adam (Metropolis weights, IID shards) in meta-training's
+simulator, on a ring and the exponential graph. Rank :data:`MALICIOUS` trains on its own
+shard, mixes nothing, and sends one of :data:`ATTACKS` in place of its parameters: times
+100, negated, Gaussian of the same norm, or "a little is enough" drifting (the mean of what
+it receives plus ``z_t`` times their spread along a fixed sign pattern, ``z_t = step / 50``,
+or ``/ 10`` for ``alie_drift_fast``). ``excluded``: the neighbours leave it out, as a NaN
+sender (the best a robust rule can do). Each attack runs with plain mixing and with
+``robust="clip:C"`` for each ``--multiples`` C; the clean run with both. Scored: the honest
+ranks' averaged model's loss on the whole training set, against the clean run's; and the
+overhead of robust mixing without an attacker in CPU time (on real workers: ``gossip_step``).
+Goal (issue 33): within 10% of the clean run where plain gossip degrades; at most 5% time.
 """
 
 from __future__ import annotations

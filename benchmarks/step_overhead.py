@@ -1,29 +1,20 @@
 """Time ``LearnedOptimizer.step()`` against ``torch.optim.AdamW`` on realistic models.
 
 Run: ``OMP_NUM_THREADS=2 python benchmarks/step_overhead.py`` (``--quick``: the small
-workloads only). Writes ``benchmarks/results/step_overhead.json`` and prints a table; the
-README's step-overhead table is generated from it (``python benchmarks/report.py``).
+workloads only). Writes ``benchmarks/results/step_overhead.json``, which the README's table
+renders.
 
-Workloads: a small GPT-like transformer of about 0.5M and 10M parameters and a conv net
-with batch norm (optimizer step and full training step: forward, backward, step), and
-transformer-shaped sets of parameter tensors of 10M and 100M parameters with random
-gradients (optimizer step only). Per workload, every optimizer steps its own copy and they
-take turns step by step, so a busy machine slows them alike: only ratios measured side
-by side are reported. The learned optimizers: the shipped single-worker rule on its default
-path (``learned_default``: the kernel, ``torch.compile`` of the reference, timed once it is
-compiled) and the same rule with ``compile=False`` (``learned_reference``: the eager
-reference that steps while the kernel compiles). With ``--no-ortho``, the same rule
-compiled with every tensor in the Adam form (``learned_no_ortho``: no Newton-Schulz), which
-shows what orthogonalising the matrices costs; with ``--ns-every-step``, the same rule
-compiled with Newton-Schulz at every step of every matrix (``learned_ns_every_step``:
-``NetConfig.ns_every`` 1, no Gram polynomial kept), which shows what keeping them saves. For scale, ``torch.optim.Muon`` on the
-matrices the rule orthogonalises and AdamW on the rest (``muon_adamw``; see
-:func:`muon_adamw`): what an orthogonalised step costs in torch itself. AdamW runs with
-``foreach=True`` (and ``fused=True`` on a GPU). The first ``step()`` in a fresh process
-with an empty compile cache, and the time until its kernel is ready, are measured in a
-subprocess (``cold_start``). Then the same is
-measured with two busy background processes (``python -c "while True: pass"``), in
-``--contention-blocks`` blocks with fresh processes each, and the median reported.
+Workloads: GPT-like transformers of about 0.5M and 10M parameters and a conv net with batch
+norm (optimizer step and training step), and transformer-shaped tensors of 10M and 100M
+parameters with random gradients (optimizer step). Every optimizer steps its own copy,
+taking turns step by step, so only ratios are reported: the shipped rule's kernel
+(``learned_default``, timed once compiled) and eager reference (``learned_reference``);
+``--no-ortho`` (every tensor in the Adam form) and ``--ns-every-step`` (Newton-Schulz at
+every step) for what orthogonalising costs and what keeping the Gram polynomial saves;
+``torch.optim.Muon`` with AdamW (``muon_adamw``) for scale. The first step and the kernel's
+readiness in a new process with an empty cache are measured in a subprocess
+(``cold_start``); then the contended workloads again beside two busy processes, in
+``--contention-blocks`` blocks, the median reported.
 """
 
 from __future__ import annotations
@@ -457,7 +448,6 @@ def main(argv: list[str] | None = None) -> None:
         "from block to block)",
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
-    ap.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument(
@@ -487,36 +477,28 @@ def main(argv: list[str] | None = None) -> None:
     command = command_line(
         f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py", argv
     )
-    old = json.loads(args.out.read_text()) if args.append and args.out.exists() else None
     rows: list = []
-
     today = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
     def save() -> None:  # after every workload, so an interrupted run keeps what it measured
-        for row in rows:  # a row appended to an older run says when it was measured
-            row.setdefault("date", today)
         result = {
             "benchmark": "step_overhead",
-            "command": command if old is None else f"{old['command']}; then {command}",
-            "date": (old or {}).get("date") or today,
+            "command": command,
+            "date": today,
             "machine": machine_info(),
-            "load_average_before": (old or {}).get("load_average_before", load_before),
+            "load_average_before": load_before,
             "warmup": args.warmup,
             "repeats": args.repeats,
             "period": PERIOD,
-            "compile_route": "torch.export and AOTInductor (public API, static shapes) of "
-            "learned_opt.kernel.step_tensors in buckets of up to 16 tensors, built by a child "
-            "process into a package that the training process loads, once the reference's "
-            "eager steps have taken COMPILE_AFTER_SECONDS (here queued at once: the kernel is "
-            "timed)",
+            "compile_route": "torch.export (dynamic sizes) and AOTInductor, one package per "
+            "kind of tensor, built by a child process (here queued at once: the kernel is timed)",
             "targets": "optimizer step <= 3x AdamW on the 0.5M transformer, <= 2x at 10M; "
             "full training step <= 1.3x on both; <= 6x with 2 busy processes; first step "
             "<= 2 s with an empty cache",
-            "wall_seconds": round((old or {}).get("wall_seconds", 0) + time.perf_counter() - t0, 1),
-            "rows": (old or {}).get("rows", []) + rows,
+            "wall_seconds": round(time.perf_counter() - t0, 1),
+            "rows": rows,
+            "cold_start": cold,
         }
-        if cold is not None or (old or {}).get("cold_start"):
-            result["cold_start"] = cold or old["cold_start"]
         if not args.no_write:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")

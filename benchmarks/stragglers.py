@@ -3,29 +3,16 @@
 Run: ``nice -n 5 python benchmarks/stragglers.py`` (``--steps``, ``--deadlines``,
 ``--topologies``, ``--compute-ms``, ``--quick``). Writes ``benchmarks/results/stragglers.json``.
 
-8 local processes (``launch_local``: gloo over loopback, ``OMP_NUM_THREADS=1`` each) train
-``digits_mlp`` (8,970 parameters, IID shards) with D-Adam (``torch.optim.Adam`` wrapped in a
-:class:`~learned_opt.distributed.GossipOptimizer`, Metropolis weights). The machine has 2
-cores, so the compute of a step is emulated: each rank sleeps ``--compute-ms`` (20 ms) after
-its forward and backward pass, and the slow rank :data:`SLOW_RANK` sleeps
-:data:`SLOW_FACTOR` times as long (100 ms). The real compute of the small model is a
-fraction of a millisecond, so the slowdown is the one set, and 8 processes on 2 cores
-contend less than they would computing for real. Every rank takes the same number of steps
-(``--steps``); a rank's throughput is its steps per second from the end of the warm-up
-steps to its last step (a fast rank then waits, outside the clock, in ``flush``, which
-ends the exchanges still in flight). The runs, per topology:
-
-- ``clean``: no rank slow, plain gossip (no deadline): the reference throughput;
-- ``slow``: the slow rank at a fifth of the speed, plain gossip: each step waits for
-  every neighbour, so all ranks are dragged towards the slow rank's pace;
-- ``slow_deadline_<ms>``: the same with ``step_deadline`` (for each of ``--deadlines``).
-
-Recorded per rank: steps per second, the edges skipped and mixed (counted on this rank),
-and for the slow rank's neighbours the exchanges with it that were mixed or skipped. At the
-end: the loss of the 8 ranks' averaged model on the whole training set, and each rank's
-distance to that average, against the clean run's. Goal (issue 33): the fast ranks'
-throughput at most 20% below the clean run's, and the slow rank's updates still count
-(its neighbours mix some of its exchanges).
+8 local processes train ``digits_mlp`` with D-Adam (``GossipOptimizer``, Metropolis). A
+step's compute is emulated on the 2 cores: each rank sleeps ``--compute-ms`` (20 ms) after
+its backward pass, the slow rank :data:`SLOW_RANK` :data:`SLOW_FACTOR` times as long. Every
+rank takes ``--steps`` steps; its throughput counts from the end of the warm-up to its last
+step. Runs per topology: ``clean`` (the reference), ``slow`` (plain gossip, every step
+waits for every neighbour) and ``slow_deadline_<ms>`` (``step_deadline``). Recorded: steps
+per second, edges mixed and skipped, the slow rank's exchanges mixed or skipped by its
+neighbours, the averaged model's loss on the whole training set and each rank's distance
+to it. Goal (issue 33): the fast ranks at most 20% below the clean throughput, and the
+slow rank's updates still mixed.
 """
 
 from __future__ import annotations

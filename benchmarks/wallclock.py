@@ -1,38 +1,20 @@
 """Wall-clock speedups with the compile included: each side trained in a fresh process.
 
-The suites' wall-clock columns (``quality_heldout``, ``validation``) multiply the step
-speedup by the ratio of step times measured once the rule's kernel is compiled; they
-leave out what a user's first run pays before that (the eager steps, and the compile
-competing with them for the cores). This measures it. For every single-worker row of a
-recorded suite, at its timing seed (0):
+The suites' wall-clock columns multiply the step speedup by the ratio of step times once
+the rule's kernel is compiled, leaving out what a first run pays before that. This measures
+it: for every single-worker row of a recorded suite (``--suite heldout``:
+``quality_heldout.json``; ``validation``: ``validation_handset_now.json``), at its timing
+seed 0, the rule (multiplier 1) in a new process with an empty inductor cache, and tuned
+AdamW (the row's rate and schedule) in another, one at a time at one thread, each recording
+its loss and the seconds since the optimizer was built after every step. The speedup is the
+ratio of the seconds each needs to reach the level of the step speedup. Beside it: the step
+speedup of the same curves, the suite's steady-state estimate, the step at which the kernel
+was ready, and the *AdamW-paced* speedup (AdamW's seconds to the level over its own seconds
+after the rule's number of steps: what a step as cheap as AdamW's could reach).
 
-- the rule (multiplier 1, held) in a new Python process whose inductor cache is empty
-  (``TORCHINDUCTOR_CACHE_DIR`` a fresh temporary folder, ``--warm-cache`` reuses one
-  per task instead), and
-- tuned AdamW, at the row's rate and schedule for seed 0, in another new process,
-
-one process at a time, each training the task to the row's horizon and recording after
-every step its loss and the seconds since the optimizer was built
-(:func:`benchmarks.heldout_single.run`). The compile-included wall-clock speedup is the
-ratio of the seconds each needs to reach the level of the step speedup (the worse of the
-two best smoothed losses). Beside it: the step speedup of the same two curves, the
-steady-state estimate the suite reports (step speedup times the ratio of the step times
-once compiled), the step at which the rule's kernel was ready (or none within the run),
-and the *AdamW-paced* wall-clock speedup: AdamW's seconds to the level over AdamW's own
-seconds after the rule's number of steps. That is the rule's wall-clock speedup if each of
-its steps cost what AdamW's does, with the costs both sides pay once (about a second for
-the first ``torch.optim`` optimizer of a process, which imports ``torch._dynamo``) counted
-on both sides: what a cheaper step could reach with these step counts, and no more.
-
-    python -m benchmarks.wallclock --suite heldout            # quality_heldout.json's rows
     python -m benchmarks.wallclock --suite heldout --repeats 3  # each side's median of 3
-    python -m benchmarks.wallclock --suite validation   # validation_handset_now.json's rows
-    python -m benchmarks.wallclock --suite heldout --tasks heldout_autoencoder
-    python -m benchmarks.wallclock --suite validation --compile-after-seconds 10 --out X
 
-Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine: the
-processes run one at a time, at one thread each (as the suites time their steps), and
-the compile takes the other core.
+Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine.
 """
 
 from __future__ import annotations
