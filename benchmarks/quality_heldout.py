@@ -41,7 +41,7 @@ from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, Cache, command_line, curves_png, machine, write_json
 from benchmarks.heldout_summary import assemble
-from benchmarks.job_queue import JobQueue, run_jobs
+from benchmarks.job_queue import AdamWGrid, JobQueue, run_jobs
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import final_loss
 from learned_opt.tasks import list_heldout_tasks
@@ -49,7 +49,6 @@ from learned_opt.tasks import list_heldout_tasks
 SHORT = 200
 LONG = {"heldout_char_lm": 1500, "heldout_wide_mlp": 1500}  # the costliest at 1500 steps
 DEFAULT_LONG = 2000
-MAX_EXTENSIONS = 2
 #: Relative cost, for the submission order.
 COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 2,
         "heldout_wide_mlp": 3, "heldout_char_lm": 4}  # fmt: skip
@@ -81,7 +80,7 @@ DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve
 DEC_SEEDS = (0, 1, 2)
 
 
-class Suite:
+class Suite(AdamWGrid):
     """The jobs of one invocation, their results, and the baseline cache."""
 
     def __init__(self, args):
@@ -119,76 +118,8 @@ class Suite:
     def horizons(self, task: str) -> list[int]:
         return [SHORT] if self.args.quick else [SHORT, LONG.get(task, DEFAULT_LONG)]
 
-    # ------------------------------------------------------------------ AdamW grid
-    def adamw_key(self, task, schedule, lr, steps, seed) -> str:
-        return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"
-
-    def adamw_runs(self, task: str, seed: int) -> dict[str, list[float]]:
-        """Cached AdamW curves of ``task`` at ``seed`` on its current grid, keyed for
-        best_adamw (a constant run of the full suite's long horizon serves --quick's short
-        one too)."""
-        out = {}
-        lengths = {SHORT, LONG.get(task, DEFAULT_LONG)}
-        for lr in self.lrs[task, seed]:
-            for schedule in single.SCHEDULES:
-                for steps in lengths:
-                    key = self.adamw_key(task, schedule, lr, steps, seed)
-                    if key in self.cache.data:
-                        out[f"{schedule}|{lr!r}|{steps}"] = self.cache.data[key]
-        return out
-
-    def submit_adamw(self, pool, task: str, lr: float, horizons: list[int], seed: int) -> None:
-        """AdamW at ``lr`` and ``seed``: a cosine run at each horizon and a constant run as
-        long as the longest (its prefixes serve the shorter ones), unless cached."""
-        for schedule, steps in [("cosine", h) for h in horizons] + [("constant", max(horizons))]:
-            key = self.adamw_key(task, schedule, lr, steps, seed)
-            if key not in self.cache.data:
-                f = pool.submit(single.run_job, task, None, steps, lr=lr, schedule=schedule,
-                                seed=seed)  # fmt: skip
-                self.pending[f] = ("adamw", key, task)
-
-    def busy_horizons(self, task: str, seed: int) -> set[int]:
-        """The horizons of the AdamW runs of ``task`` at ``seed`` still pending."""
-        keys = [k.split("|") for kind, k, t in self.pending.values()
-                if kind == "adamw" and t == task]  # fmt: skip
-        return {int(steps) for *_, steps, s in keys if int(s) == seed}
-
-    def maybe_extend(self, pool, task: str, seed: int) -> None:
-        """Per horizon, once its grid runs at ``seed`` are in, add a rate beyond an edge that
-        holds the best (at most ``2 * MAX_EXTENSIONS`` per seed); repeats while the added
-        runs are cached."""
-        added = True
-        while added and self.extensions[task, seed] < 2 * MAX_EXTENSIONS:
-            added = False
-            busy = self.busy_horizons(task, seed)
-            runs = self.adamw_runs(task, seed)
-            lrs = self.lrs[task, seed]
-            for h in self.horizons(task):
-                if h in busy:
-                    continue
-                best = single.best_adamw({k: c for k, c in runs.items()
-                                          if int(k.split("|")[2]) == h}, h)  # fmt: skip
-                new = best and single.edge_extension(best, sorted(lrs))
-                if new and new not in lrs:
-                    lrs.add(new)
-                    self.extensions[task, seed] += 1
-                    added = True
-                    print(f"  {task} seed {seed}: best AdamW lr {best['lr']:g} at the grid's "
-                          f"edge at {h} steps; adding {new:g}", flush=True)  # fmt: skip
-                    with pool.urgent():  # before the long tail already queued
-                        self.submit_adamw(pool, task, new, self.horizons(task), seed)
-
-    def grid_complete(self, task: str, h: int, seed: int) -> bool:
-        """Whether every AdamW run of ``task``'s grid at horizon ``h`` and ``seed`` is in
-        (and no edge extension for it is under way)."""
-        if h in self.busy_horizons(task, seed):
-            return False
-        runs = self.adamw_runs(task, seed)
-        return all(
-            f"cosine|{lr!r}|{h}" in runs
-            and any(k.startswith(f"constant|{lr!r}|") and int(k.split("|")[2]) >= h for k in runs)
-            for lr in self.lrs[task, seed]
-        )
+    def lengths(self, task: str) -> set[int]:  # a constant run of the long horizon serves --quick
+        return {SHORT, LONG.get(task, DEFAULT_LONG)}
 
     # ------------------------------------------------------------------ scheduling
     def _learned_key(self, kind: str, key: tuple) -> str | None:

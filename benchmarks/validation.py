@@ -38,7 +38,7 @@ from benchmarks import heldout_single as single
 from benchmarks import rules
 from benchmarks import validation_anchors as anchors
 from benchmarks.common import RESULTS, Cache, command_line, machine, write_json
-from benchmarks.job_queue import run_jobs
+from benchmarks.job_queue import AdamWGrid, run_jobs
 from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.meta_train.evaluation import final_loss, speedup
 from learned_opt.network import with_config
@@ -46,7 +46,6 @@ from learned_opt.tasks.validation import SINGLE_PROBLEMS
 
 CACHE = RESULTS / "validation_baselines.json.gz"
 SEEDS = (0, 1, 2)  # a row is the median over them; one seed moved rows by up to 10x
-MAX_EXTENSIONS = 2
 SHORT, LONG = 300, 1000  # the summary's small problems (up to SHORT steps) and long runs
 #: The issue's targets, recorded beside the measured summary.
 TARGETS = {"min_speedup": ">= 0.9", "median_speedup_short": ">= 1.3",
@@ -168,10 +167,6 @@ def timing_job(task: str, side: tuple, steps: int) -> dict:
     return {"ms_per_step": ms}
 
 
-def adamw_key(task, schedule, lr, steps, seed) -> str:
-    return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"
-
-
 def anchor_key(task, anchor, steps, seed) -> str:
     return f"anchor|{task}|{anchor}|{steps}|{seed}|{anchors.versions()}"
 
@@ -187,8 +182,9 @@ def commit() -> str:
 
 
 # ----------------------------------------------------------------------------- the run
-class Run:
-    """The jobs of one invocation, their results and the baseline cache."""
+class Run(AdamWGrid):
+    """The jobs of one invocation, their results and the baseline cache (AdamW's grid per
+    task and seed, over the task's problems' horizons: :class:`AdamWGrid`)."""
 
     def __init__(self, args, side: tuple):
         self.args, self.side = args, side
@@ -198,74 +194,32 @@ class Run:
                          if wanted(t) and (not args.quick or h <= 500)]  # fmt: skip
         self.seeds = list(args.seeds or (SEEDS[:1] if args.quick else SEEDS))
         self.grid = single.QUICK_GRID if args.quick else single.ADAMW_GRID
-        self.lrs = {(t, h, s): set(self.grid) for t, h, _ in self.problems for s in self.seeds}
+        self.lrs = {(t, s): set(self.grid) for t, _, _ in self.problems for s in self.seeds}
         self.extensions = dict.fromkeys(self.lrs, 0)
         self.learned: dict = {}  # (task, horizon, seed) -> curve
         self.timing: dict = {}  # task -> ms per step by optimizer
         self.pending: dict = {}  # ticket -> (kind, key)
         self.failed: list[str] = []  # jobs that raised, one line each
 
-    # ------------------------------------------------------------------ AdamW
-    def adamw_runs(self, task: str, h: int, seed: int) -> dict[str, list[float]]:
-        """Cached AdamW curves of the problem's grid, keyed for :func:`single.best_adamw`."""
-        out = {}
-        for lr in self.lrs[task, h, seed]:
-            for schedule in single.SCHEDULES:
-                key = adamw_key(task, schedule, lr, h, seed)
-                if key in self.cache.data:
-                    out[f"{schedule}|{lr!r}|{h}"] = self.cache.data[key]
-        return out
+    def horizons(self, task: str) -> list[int]:
+        return sorted({h for t, h, _ in self.problems if t == task})
 
-    def grid_complete(self, task: str, h: int, seed: int) -> bool:
-        return len(self.adamw_runs(task, h, seed)) == 2 * len(self.lrs[task, h, seed])
-
-    def submit(self, pool, kind: str, key, fn, *args, **kwargs) -> None:
-        self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key)
-
-    def submit_adamw(self, pool, task: str, h: int, seed: int, lr: float) -> None:
-        for schedule in single.SCHEDULES:
-            key = adamw_key(task, schedule, lr, h, seed)
-            if key not in self.cache.data:
-                self.submit(pool, "cached", key, single.run_job, task, None, h, lr=lr,
-                            schedule=schedule, seed=seed)  # fmt: skip
-
-    def maybe_extend(self, pool, task: str, h: int, seed: int) -> None:
-        """Once the problem's grid is in, add a rate beyond an edge that holds the best."""
-        while self.grid_complete(task, h, seed) and self.extensions[task, h, seed] < MAX_EXTENSIONS:
-            lrs = self.lrs[task, h, seed]
-            best = single.best_adamw(self.adamw_runs(task, h, seed), h)
-            new = single.edge_extension(best, sorted(lrs))
-            if not new or new in lrs:
-                return
-            lrs.add(new)
-            self.extensions[task, h, seed] += 1
-            print(f"  {task}@{h} seed {seed}: best AdamW lr {best['lr']:g} at the grid's edge; "
-                  f"adding {new:g}", flush=True)  # fmt: skip
-            with pool.urgent():
-                self.submit_adamw(pool, task, h, seed, new)
+    def submit(self, pool, kind: str, key, task: str, fn, *args) -> None:
+        self.pending[pool.submit(fn, *args)] = (kind, key, task)
 
     # ------------------------------------------------------------------ scheduling
     def submit_problem(self, pool, task: str, h: int, seed: int) -> None:
-        self.submit(
-            pool,
-            "learned",
-            (task, h, seed),
-            learned_job,
-            task,
-            self.side,
-            h,
-            seed,
-            self.args.schedule,
-        )
-        for lr in sorted(self.lrs[task, h, seed]):
-            self.submit_adamw(pool, task, h, seed, lr)
+        args = (task, self.side, h, seed, self.args.schedule)
+        self.submit(pool, "learned", (task, h, seed), task, learned_job, *args)
+        for lr in sorted(self.lrs[task, seed]):
+            self.submit_adamw(pool, task, lr, [h], seed)
         for a in anchors.ANCHORS:
             key = anchor_key(task, a, h, seed)
             if key not in self.cache.data:
-                self.submit(pool, "cached", key, anchors.run_anchor, task, a, h, seed)
+                self.submit(pool, "anchor", key, task, anchors.run_anchor, task, a, h, seed)
         if seed == self.seeds[0] and task not in self.timing:
             self.timing[task] = None
-            self.submit(pool, "timing", task, timing_job, task, self.side, h)
+            self.submit(pool, "timing", task, task, timing_job, task, self.side, h)
 
     def submit_all(self, pool) -> None:
         """Seed by seed, the shortest problems first, so that a run stopped early holds
@@ -277,18 +231,17 @@ class Run:
             self.maybe_extend(pool, *key)  # whole grids already cached
 
     def record(self, pool, ticket, future) -> None:
-        kind, key = self.pending.pop(ticket)
+        kind, key, task = self.pending.pop(ticket)
         try:
             out = future.result()
         except Exception as exc:  # one broken job must not lose the others' hours
             self.failed.append(f"{kind} {key}: {type(exc).__name__}: {str(exc)[:200]}")
             print(f"[{len(self.pending)} left] FAILED {self.failed[-1]}", flush=True)
             return
-        if kind == "cached":
+        if kind in ("adamw", "anchor"):
             self.cache.get(key, lambda: out["curve"])
-            if key.startswith("single|"):
-                _, task, _, _, h, seed = key.split("|")
-                self.maybe_extend(pool, task, int(h), int(seed))
+            if kind == "adamw":
+                self.maybe_extend(pool, task, int(key.rsplit("|", 1)[1]))
         elif kind == "learned":
             self.learned[key] = out["curve"]
         else:
@@ -312,7 +265,7 @@ class Run:
                     or None in curves.values()
                 ):
                     break
-                bests.append(single.best_adamw(self.adamw_runs(task, h, seed), h))
+                bests.append(single.best_adamw(self.adamw_runs(task, seed), h))
                 scored.append(score_seed(bests[-1], learned, curves, self.timing.get(task)))
             if len(scored) < len(self.seeds):
                 continue
