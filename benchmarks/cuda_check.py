@@ -23,7 +23,6 @@ import datetime
 import functools
 import importlib
 import importlib.util
-import json
 import os
 import platform
 import re
@@ -251,22 +250,48 @@ def check_train_entry(ctx: Context, r: dict, ranks: int) -> None:
     require(r["returncode"] == 0 and summary, f"the {ranks}-rank run did not finish")
 
 
+#: A one-line CUDA function exported, compiled with ``aoti_compile_and_package`` and loaded
+#: with ``aoti_load_package`` on the main thread or (``thread``) on another, as the
+#: optimizer's compile thread would: ``python -c AOTI_SCENARIO main|thread PACKAGE``.
+AOTI_SCENARIO = r"""
+import os, sys, threading, torch
+where, path = sys.argv[1], sys.argv[2]
+if not os.path.exists(path):
+    class Line(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+    program = torch.export.export(Line(), (torch.randn(8, device="cuda"),))
+    from torch._inductor import aoti_compile_and_package
+    aoti_compile_and_package(program, package_path=path)
+loaded = {}
+def load():
+    from torch._inductor import aoti_load_package
+    loaded["fn"] = aoti_load_package(path)
+if where == "thread":
+    t = threading.Thread(target=load)
+    t.start()
+    t.join()
+else:
+    load()
+x = torch.randn(8, device="cuda")
+print("agrees", bool(torch.allclose(loaded["fn"](x), x * 2 + 1)), flush=True)
+"""
+
+
 def check_aoti_load(ctx: Context, r: dict) -> None:
-    """``benchmarks/cuda_aoti_probe.py``: whether a one-line CUDA AOTInductor package loads
-    here (on the main thread and on another, each in a fresh process). Where it does,
-    CUDA kernels could be built again (``learned_opt.kernel.KERNEL_DEVICES``)."""
+    """Whether a one-line CUDA AOTInductor package loads here (:data:`AOTI_SCENARIO`), on
+    the main thread and on another, each in a fresh process (a segmentation fault, exit
+    -11, ends only that one). Where it does, CUDA kernels could be built again
+    (``learned_opt.kernel.KERNEL_DEVICES``)."""
     if not ctx.cuda:
         raise CheckSkipped("needs CUDA")
-    out = ctx.scratch / "aoti_probe"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "cuda_aoti_probe.py"), "--out", str(out),
-           "--timeout", str(max(ctx.limit / 2 - 5, 10))]  # fmt: skip
-    record_run(r, run_subprocess(ctx, "aoti-probe", cmd))
-    found = out / "cuda_aoti_probe.json"
-    require(found.exists(), "the probe wrote no result")
-    r["scenarios"] = {
-        name: {k: row.get(k) for k in ("returncode", "seconds", "stdout")}
-        for name, row in json.loads(found.read_text())["scenarios"].items()
-    }
+    ctx.limit /= 2  # each scenario's share
+    r["scenarios"] = {}
+    for where in ("main", "thread"):
+        cmd = [sys.executable, "-c", AOTI_SCENARIO, where, str(ctx.scratch / "line.pt2")]
+        run = run_subprocess(ctx, f"aoti-{where}", cmd)
+        r["scenarios"][f"load_on_{where}"] = {k: run[k] for k in ("returncode", "seconds")}
+        r["scenarios"][f"load_on_{where}"]["stdout"] = run["output_tail"][-1200:]
     bad = [name for name, row in r["scenarios"].items() if row["returncode"] != 0]
     require(not bad, f"a CUDA package did not load: {bad}")
 
@@ -318,7 +343,7 @@ def make_context(args: argparse.Namespace, scratch: Path, log_file) -> Context:
     """Lay the package out, put it on the path, and build the subprocess environment."""
     layout = build_installed_layout(scratch / "site")
     use_layout(layout)
-    env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONSAFEPATH="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(layout), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "4")
     env.setdefault("NCCL_DEBUG", "WARN")
