@@ -42,7 +42,7 @@ from learned_opt.orthogonal import is_matrix
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
 from benchmarks.common import command_line, compile_env  # noqa: E402
-from benchmarks.muon_adamw import MuonWithAdamW  # noqa: E402
+from benchmarks.validation_anchors import muon_with_adamw  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "step_overhead.json"
 THREADS = 2
@@ -171,13 +171,13 @@ def _ns_every_step(cfg):
 VARIANTS = {"learned_no_ortho": _adam_form, "learned_ns_every_step": _ns_every_step}
 
 
-def muon_adamw(params, cfg) -> MuonWithAdamW:
+def muon_adamw(params, cfg):
     """``torch.optim.Muon`` (Muon's 5 Newton-Schulz iterations) on the matrices the learned
     rule orthogonalises under ``cfg``, AdamW (torch's defaults, as the anchors run it) on
     the rest: the same matrices take an orthogonalised step in both, so the two steps'
     costs compare like for like."""
     params = list(params)
-    return MuonWithAdamW(params, [is_matrix(tuple(p.shape), cfg) for p in params])
+    return muon_with_adamw(params, [is_matrix(tuple(p.shape), cfg) for p in params])
 
 
 def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:

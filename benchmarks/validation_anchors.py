@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks import heldout_single as single
-from benchmarks.muon_adamw import MuonWithAdamW
+from benchmarks.rules import _Pair
 from learned_opt.tasks import get_task
 
 ANCHORS = ("schedulefree_adamw", "prodigy_constant", "prodigy_cosine", "muon_adamw")
@@ -64,8 +64,24 @@ def _prodigy(params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
     return Prodigy(params, lr=1.0 * lr_mult)
 
 
-def _muon(hidden: list[bool], params, lr_mult: float = 1.0) -> MuonWithAdamW:
-    return MuonWithAdamW(params, hidden)
+def muon_with_adamw(params, hidden: list[bool]) -> _Pair:
+    """``torch.optim.Muon`` on the parameters ``hidden`` marks, ``AdamW`` on the rest,
+    stepped as one (``.opts``: AdamW, then Muon where it takes any)."""
+    params = list(params)
+    if len(params) != len(hidden):
+        raise ValueError(f"{len(params)} parameters but a mask of {len(hidden)}")
+    rest = [p for p, h in zip(params, hidden) if not h]
+    muon = [p for p, h in zip(params, hidden) if h]
+    opts = [torch.optim.AdamW(rest, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)]
+    if muon:
+        opts.append(
+            torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
+        )
+    return _Pair(*opts)
+
+
+def _muon(hidden: list[bool], params, lr_mult: float = 1.0) -> _Pair:
+    return muon_with_adamw(params, hidden)
 
 
 def _schedule_free(steps: int, params, lr_mult: float = 1.0) -> torch.optim.Optimizer:

@@ -21,7 +21,7 @@ def test_muon_takes_the_matrices_the_rule_orthogonalises():
     params = so.make_params(so.transformer_shapes(vocab=300, d=32, layers=1))
     cfg = LearnedOptimizer(params).config
     pair = so.muon_adamw(params, cfg)
-    adamw, muon = pair.optimizers
+    adamw, muon = pair.opts
     taken = {id(p) for p in muon.param_groups[0]["params"]}
     assert isinstance(muon, torch.optim.Muon)
     assert taken and len(taken) + len(adamw.param_groups[0]["params"]) == len(params)
