@@ -288,16 +288,22 @@ class MetaTrainModule(L.LightningModule):
         eps = es.perturbations(s.es_first_seed, meta_step, s.es_pairs, len(self.constants))
         members = es.population(self.theta_c, eps, s.es_sigma)
         seeds = es.draw_seeds(s.es_first_seed, meta_step, s.es_draws)
-        mine = es.share(es.work_units(len(members), len(seeds)), rank, world)
+        units = es.work_units(len(members), len(seeds))
+        mine = es.share(units, rank, world)
         runs = es.run_units(mine, members, seeds, self._make_job, self._rule, s.es_horizon)
         curves = es.merge(gather_objects(runs))
         scores = es.score_matrix(curves, len(members), len(seeds), s.es_clip, s.es_final_weight)
+        busy = [sum(curves[u]["seconds"] for u in es.share(units, r, world)) for r in range(world)]
         grad = es.gradient(eps, scores.mean(1), s.es_sigma)
         self.theta_c.grad = (-grad).to(self.theta_c)  # outer Adam descends; ES climbs
         norm = torch.nn.utils.clip_grad_norm_([self.theta_c], s.grad_clip)
         outer.step()
         outer.zero_grad(set_to_none=True)
-        return {**es.summary(curves, scores), "grad_norm": float(norm), "my_runs": len(mine)}
+        return {
+            **es.summary(curves, scores), "grad_norm": float(norm), "my_runs": len(mine),
+            # the ranks' seconds of runs: mean over max is 1 when the split is even
+            "rank_balance": statistics.fmean(busy) / max(max(busy), 1e-9),
+        }  # fmt: skip
 
     def _es_training_step(self):
         start = time.perf_counter()
@@ -310,6 +316,7 @@ class MetaTrainModule(L.LightningModule):
         self.log("meta/grad_norm", info["grad_norm"])
         self.log("meta/outer_lr", self.optimizers().param_groups[0]["lr"])
         self.log("meta/seconds_per_step", elapsed)
+        self.log("meta/es_rank_balance", info["rank_balance"])
         for name, value in self.constant_values().items():
             self.log(f"constants/{name}", float(value))
         return None
