@@ -21,8 +21,9 @@ One meta-step:
    climbs it.
 
 Every run of a meta-step is a *work unit* ``(member, draw)`` (member ``-1``: the base rule);
-:func:`share` splits the units across ranks, and the curves are gathered before scoring, so
-N processes do each run once in total and compute the same update as one process.
+:func:`balanced_shares` splits the units across ranks by their estimated cost
+(:func:`job_cost`), and the curves are gathered before scoring, so N processes do each run
+once in total and compute the same update as one process.
 Everything here is a pure function of its arguments; no Lightning.
 """
 
@@ -78,6 +79,26 @@ def work_units(members: int, draws: int) -> list[Unit]:
 def share(units: Sequence[Unit], rank: int, world: int) -> list[Unit]:
     """Rank ``rank``'s units of ``world``: every ``world``-th, from its own index."""
     return list(units[rank::world])
+
+
+def job_cost(job: FamilyJob, cap: int) -> float:
+    """A job's rough cost in a run: its steps times its parameters, each tensor counted as
+    at least 2,000 elements (the optimizer's work per tensor)."""
+    sizes = [p.numel() for p in job.model.parameters()]
+    return float(horizon(job, cap) * (sum(sizes) + 2_000 * len(sizes)))
+
+
+def balanced_shares(units: Sequence[Unit], costs: Sequence[float], world: int) -> list[list[Unit]]:
+    """``units`` split into ``world`` shares of about equal cost (``costs[d]``: a run of draw
+    ``d``): the costliest first, each to the least loaded rank (ties to the lowest rank).
+    Every rank computes the same split."""
+    shares: list[list[Unit]] = [[] for _ in range(world)]
+    loads = [0.0] * world
+    for unit in sorted(units, key=lambda u: (-costs[u[1]], u[1], u[0])):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        shares[rank].append(unit)
+        loads[rank] += costs[unit[1]]
+    return shares
 
 
 def run_curve(job: FamilyJob, make_opt: Callable, steps: int, seed: int) -> list[float]:
@@ -221,6 +242,7 @@ def geometric_mean_speedup(scores: Sequence[float]) -> float:
 
 __all__ = [
     "BASE",
+    "balanced_shares",
     "META_SEEDS",
     "VAL_SEEDS",
     "diverged",
@@ -229,6 +251,7 @@ __all__ = [
     "geometric_mean_speedup",
     "gradient",
     "horizon",
+    "job_cost",
     "log_final_ratio",
     "log_speedup",
     "merge",

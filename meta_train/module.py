@@ -279,6 +279,16 @@ class MetaTrainModule(L.LightningModule):
         net = self.net if theta is None else apply_theta(self.net, self.constants, theta)
         return lambda params: LearnedOptimizer(params, net=net, compile=False)
 
+    def _shares(self, units: list, seeds: list[int], world: int) -> list[list]:
+        """The ranks' shares of ``units``, balanced by the draws' estimated costs (one
+        process: every unit, and no job is built to estimate them)."""
+        if world == 1:
+            return [list(units)]
+        cap = self.settings.es_horizon
+        with torch.inference_mode(False):
+            costs = [es.job_cost(self._make_job(seed), cap) for seed in seeds]
+        return es.balanced_shares(units, costs, world)
+
     def es_update(self, meta_step: int, outer) -> dict:
         """One meta-step of the es estimator: this rank's share of the population's runs,
         the curves of every rank gathered, the antithetic gradient and one step of
@@ -288,12 +298,12 @@ class MetaTrainModule(L.LightningModule):
         eps = es.perturbations(s.es_first_seed, meta_step, s.es_pairs, len(self.constants))
         members = es.population(self.theta_c, eps, s.es_sigma)
         seeds = es.draw_seeds(s.es_first_seed, meta_step, s.es_draws)
-        units = es.work_units(len(members), len(seeds))
-        mine = es.share(units, rank, world)
+        shares = self._shares(es.work_units(len(members), len(seeds)), seeds, world)
+        mine = shares[rank]
         runs = es.run_units(mine, members, seeds, self._make_job, self._rule, s.es_horizon)
         curves = es.merge(gather_objects(runs))
         scores = es.score_matrix(curves, len(members), len(seeds), s.es_clip, s.es_final_weight)
-        busy = [sum(curves[u]["seconds"] for u in es.share(units, r, world)) for r in range(world)]
+        busy = [sum(curves[u]["seconds"] for u in share) for share in shares]
         grad = es.gradient(eps, scores.mean(1), s.es_sigma)
         self.theta_c.grad = (-grad).to(self.theta_c)  # outer Adam descends; ES climbs
         norm = torch.nn.utils.clip_grad_norm_([self.theta_c], s.grad_clip)
@@ -328,7 +338,7 @@ class MetaTrainModule(L.LightningModule):
         seeds = list(range(es.VAL_SEEDS, es.VAL_SEEDS + s.es_val_draws))
         members = self.theta_c.detach().to(torch.float64)[None]
         rank, world = rank_and_world()
-        mine = es.share(es.work_units(1, len(seeds)), rank, world)
+        mine = self._shares(es.work_units(1, len(seeds)), seeds, world)[rank]
         runs = es.run_units(mine, members, seeds, self._make_job, self._rule, s.es_horizon)
         curves = es.merge(gather_objects(runs))
         steps = [

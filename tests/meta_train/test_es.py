@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,21 @@ def test_the_ranks_share_every_run_once(world):
     for d in range(3):  # every rank runs about as many runs of each draw
         per_rank = [sum(u[1] == d for u in s) for s in shares]
         assert max(per_rank) - min(per_rank) <= 1
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_shares_balance_the_draws_costs(world):
+    units = es.work_units(members=8, draws=4)
+    costs = [100.0, 1.0, 7.0, 30.0]  # the draws' costs differ by orders of magnitude
+    shares = es.balanced_shares(units, costs, world)
+    assert sorted(u for s in shares for u in s) == sorted(units)
+    loads = [sum(costs[d] for _, d in s) for s in shares]
+    assert max(loads) - min(loads) <= max(costs)
+    assert statistics.fmean(loads) / max(loads) > 0.95
+    assert es.balanced_shares(units, costs, world) == shares  # every rank computes it alike
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 1))
+    job = FamilyJob(model, None, iter(()), horizon=50)
+    assert es.job_cost(job, 30) == 30 * (121 + 4 * 2_000)
 
 
 def test_gradient_is_the_antithetic_estimate_and_climbs():
