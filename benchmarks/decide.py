@@ -75,11 +75,11 @@ def reserve(n: int, entry: dict, path: Path = LEDGER) -> list[int]:
 
 
 def settle(first_seed: int, summary: dict, path: Path = LEDGER) -> None:
-    """Record a decision's outcome beside its seeds."""
+    """Record a decision's outcome beside its seeds (``status`` "done" unless it says)."""
     entries = read_ledger(path)
     for e in entries:
         if e["first_seed"] == first_seed:
-            e.update(summary, status="done")
+            e.update({"status": "done", **summary})
     path.write_text(json.dumps(entries, indent=1) + "\n")
 
 
@@ -173,8 +173,13 @@ def decide(a: str, b: str, seeds: list[int], jobs: int, log=print, partial=None)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--a", required=True, help="the candidate side (see benchmarks/rules.py)")
-    p.add_argument("--b", required=True, help="the side it must beat")
+    p.add_argument("--a", help="the candidate side (see benchmarks/rules.py)")
+    p.add_argument("--b", help="the side it must beat")
+    p.add_argument(
+        "--settle-partial",
+        metavar="OUT",
+        help="conclude a stopped decision from results/OUT.partial.json",
+    )
     p.add_argument("--draws", type=int, default=200, help="fresh draws (default 200)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel runs")
     p.add_argument("--note", default="", help="what the decision is about, for the ledger")
@@ -183,8 +188,67 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def conclude(
+    entry: dict,
+    first_seed: int,
+    rows: list[dict],
+    minutes,
+    out: str,
+    ledger: Path,
+    command: str,
+    status: str = "done",
+) -> dict:
+    """Summarise the rows, settle the ledger entry, write the result file, print the verdict."""
+    summary = {"steps": summarise(rows, "step"), "time": summarise(rows, "time"),
+               "divergences": {"a": sum(r["a_diverged"] for r in rows),
+                               "b": sum(r["b_diverged"] for r in rows)},
+               "minutes": minutes}  # fmt: skip
+    settle(first_seed, {**summary, "status": status}, ledger)
+    payload = {**entry, "command": command, "first_seed": first_seed, "summary": summary,
+               "kinds": sorted(KINDS), "rows": rows}  # fmt: skip
+    write_json(out, payload)
+    s = summary["steps"]
+    print(f"steps: geometric mean {s['geomean']}x, 95% interval {s['interval']}, median {s['median']}x, "
+          f"kinds below {KIND_FLOOR}: {s['kinds_below_floor'] or 'none'} -> "
+          f"{'SHIPS' if s['ships'] else 'does not ship'}; time: {summary['time']['geomean']}x")  # fmt: skip
+    return payload
+
+
+def settle_partial(out: str, ledger: Path = LEDGER) -> dict:
+    """Conclude a stopped decision from its rows so far (``results/OUT.partial.json``): the
+    longest run of consecutive seeds from its first one that all finished, so that the draws
+    kept are a prefix of the seeds fixed in advance, not the ones that happened to be cheap."""
+    from benchmarks.common import RESULTS
+
+    path = RESULTS / f"{out}.partial.json"
+    if not path.is_file():
+        raise SystemExit(f"decide: no rows of a stopped decision at {path}")
+    partial = json.loads(path.read_text())
+    done = {r["seed"]: r for r in partial["rows"]}
+    entry = next((e for e in read_ledger(ledger)
+                  if e["first_seed"] <= min(done) < e["first_seed"] + e["draws"]), None)  # fmt: skip
+    if entry is None:
+        raise SystemExit(f"decide: the ledger holds no decision with seed {min(done)}")
+    rows, seed = [], entry["first_seed"]
+    while seed in done:
+        rows.append(done[seed])
+        seed += 1
+    if len(rows) < 2:
+        raise SystemExit(
+            f"decide: fewer than 2 consecutive finished draws from seed {entry['first_seed']}"
+        )
+    keep = {k: v for k, v in partial.items() if k != "rows"}
+    status = f"stopped after {len(rows)} of {entry['draws']} draws"
+    return conclude(keep, entry["first_seed"], rows, None, out, ledger,
+                    f"python -m benchmarks.decide --settle-partial {out}", status)  # fmt: skip
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.settle_partial:
+        return settle_partial(args.settle_partial, args.ledger)
+    if not (args.a and args.b):
+        raise SystemExit("decide: --a and --b are required")
     if args.draws < 2:
         raise SystemExit("decide: --draws must be at least 2")
     entry = {"a": args.a, "b": args.b, "note": args.note,
@@ -207,19 +271,9 @@ def main(argv=None) -> dict:
         log=lambda s: print(s, flush=True),
         partial=lambda done: write_json(f"{args.out}.partial", {**entry, "rows": done}, quiet=True),
     )
-    summary = {"steps": summarise(rows, "step"), "time": summarise(rows, "time"),
-               "divergences": {"a": sum(r["a_diverged"] for r in rows),
-                               "b": sum(r["b_diverged"] for r in rows)},
-               "minutes": round((time.perf_counter() - start) / 60, 1)}  # fmt: skip
-    settle(seeds[0], summary, args.ledger)
-    payload = {**entry, "command": command_line("python -m benchmarks.decide", argv),
-               "first_seed": seeds[0], "summary": summary, "kinds": sorted(KINDS), "rows": rows}  # fmt: skip
-    write_json(args.out, payload)
-    s = summary["steps"]
-    print(f"steps: geometric mean {s['geomean']}x, 95% interval {s['interval']}, median {s['median']}x, "
-          f"kinds below {KIND_FLOOR}: {s['kinds_below_floor'] or 'none'} -> "
-          f"{'SHIPS' if s['ships'] else 'does not ship'}; time: {summary['time']['geomean']}x")  # fmt: skip
-    return payload
+    minutes = round((time.perf_counter() - start) / 60, 1)
+    return conclude(entry, seeds[0], rows, minutes, args.out, args.ledger,
+                    command_line("python -m benchmarks.decide", argv))  # fmt: skip
 
 
 if __name__ == "__main__":

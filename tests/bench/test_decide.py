@@ -101,3 +101,22 @@ def test_one_whole_decision_on_short_draws(tmp_path, monkeypatch, capsys):
     entry = json.loads(ledger.read_text())[0]
     assert entry["status"] == "done" and entry["steps"]["n"] == 4 and entry["b_commit"]
     assert "geometric mean" in capsys.readouterr().out
+
+
+def test_a_stopped_decision_keeps_the_prefix_of_its_seeds(tmp_path, monkeypatch):
+    import benchmarks.common
+
+    ledger = tmp_path / "ledger.json"
+    first = decide.reserve(6, {"a": "x", "b": "y", "date": "today"}, ledger)[0]
+    row = lambda seed, score: {"seed": seed, "kind": "mlp", "step": score, "time": score,  # noqa: E731
+                               "a_diverged": False, "b_diverged": False}  # fmt: skip
+    rows = [row(first + 1, 2.0), row(first, 1.5), row(first + 3, 0.1)]  # first + 2 unfinished
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(decide, "write_json", lambda name, payload, quiet=False: payload)
+    (tmp_path / "mine.partial.json").write_text(json.dumps({"a": "x", "b": "y", "rows": rows}))
+    out = decide.main(["--settle-partial", "mine", "--ledger", str(ledger)])
+    assert [r["seed"] for r in out["rows"]] == [first, first + 1]  # not the later, cheap one
+    entry = json.loads(ledger.read_text())[0]
+    assert entry["status"] == "stopped after 2 of 6 draws" and entry["steps"]["n"] == 2
+    with pytest.raises(SystemExit, match="no rows"):
+        decide.main(["--settle-partial", "absent", "--ledger", str(ledger)])
