@@ -78,9 +78,9 @@ def curve(job, make_opt, steps: int) -> list[float]:
     opt, out = make_opt(job.model.parameters()), []
     for _, batch in zip(range(steps), job.batches):
         loss = job.loss_fn(batch)
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(float(loss.detach())):
             return out + [math.inf] * (steps - len(out))
-        out.append(float(loss))
+        out.append(float(loss.detach()))
         opt.zero_grad()
         loss.backward()
         opt.step()
