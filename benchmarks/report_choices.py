@@ -71,3 +71,16 @@ def report_draw_headline(r: dict) -> str:
             f"({s['kinds'][s['worst_kind']]['rule']:.2f}x), divergences {s['divergences']}. "
             f"Untuned anchors: {anchors} "
             f"([per kind](docs/results.md#the-reporting-draw)).")  # fmt: skip
+
+
+@section("decide:headline")
+def decide_headline(r: dict) -> str:
+    s = r["summary"]["steps"]
+    low, high = s["interval"]
+    fallen = ", ".join(s["kinds_below_floor"]) or "none"
+    return (f"Every choice of the rule is an A/B on fresh draws of a task distribution of "
+            f"{len(r['kinds'])} kinds of training job ([how](docs/guide/choosing.md)). The rule "
+            f"shipped now, against the rule before the last round of changes chosen on the fixed "
+            f"validation problems: **{s['geomean']:.3f}x** fewer steps [{low:.3f}, {high:.3f}] on "
+            f"{s['n']} fresh draws, {'a win' if s['ships'] else 'not a win'}; kinds below "
+            f"{KIND_FLOOR}: {fallen} ([decisions](docs/results.md#decisions-on-fresh-draws)).")  # fmt: skip
