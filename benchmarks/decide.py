@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks import rules  # noqa: E402
 from benchmarks.common import command_line, write_json  # noqa: E402
-from learned_opt.meta_train.evaluation import smooth, speedup, steps_to_common_level  # noqa: E402
+from learned_opt.meta_train.evaluation import smooth, steps_to_common_level  # noqa: E402
 from learned_opt.tasks.distribution import KINDS, draw  # noqa: E402
 
 LEDGER = Path(__file__).resolve().parent / "ledger.json"
@@ -101,10 +101,10 @@ def score_draw(a: dict, b: dict) -> dict:
     if a_div != b_div:
         step = 1 / CLIP if a_div else CLIP
         return {"step": step, "time": step, "a_diverged": a_div, "b_diverged": b_div}
-    step = clipped(speedup(a["curve"], b["curve"]))
-    steps = steps_to_common_level(a["curve"], b["curve"])
+    steps = steps_to_common_level(a["curve"], b["curve"])  # what speedup() divides, once
+    step = clipped(0.0 if steps is None else steps[1] / steps[0])
     time_score = step
-    if steps is not None and steps[0] and steps[1]:
+    if steps is not None:
         per_a, per_b = a["seconds"] / len(a["curve"]), b["seconds"] / len(b["curve"])
         time_score = clipped(steps[1] * per_b / (steps[0] * per_a))
     return {"step": step, "time": time_score, "a_diverged": a_div, "b_diverged": b_div}
