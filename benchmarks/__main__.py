@@ -104,12 +104,6 @@ ENTRIES = {
         "about 5 min on a GPU machine; --nccl about 7 min",
         ("--nccl", "nccl_check", None),
     ),
-    "meta_throughput": Entry(
-        "meta_throughput",
-        "How fast does meta-training run, the single-worker gradient by autograd against the "
-        "vmapped transform?",
-        "about 2 min",
-    ),
 }
 
 #: ``--all``: the CPU suite, in order (``make bench``), then the pages.
@@ -126,7 +120,6 @@ SUITE = (
     ["local_steps"],
     ["robust"],
     ["stragglers"],
-    ["meta_throughput"],
 )  # fmt: skip
 
 

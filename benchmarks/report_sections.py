@@ -429,22 +429,6 @@ def render_wallclock_headline(r: dict) -> str:
     )
 
 
-@section("meta_throughput")
-def render_meta_throughput(r: dict) -> str:
-    """Meta-training's speed with the single-worker gradient by autograd and by vmap."""
-    rows = [
-        [side, f"{r['seconds_per_meta_step'][side]:.2f}", f"{r['inner_steps_per_second'][side]:.0f}"]
-        for side in ("autograd", "vmap")
-    ]  # fmt: skip
-    return (
-        markdown_table(["single-worker gradient", "s per meta-step", "inner steps per s"], rows)
-        + f"\n\n{r['speedup']:.2f}x faster meta-steps by autograd: the median over "
-        f"{r['meta_steps_per_side']} meta-steps per side of `{r['config']}`, the sides taking "
-        f"turns (load average {r['load_average_before'][0]:.1f} before). {_measured(r)} "
-        f"Command: `{r['command']}`."
-    )
-
-
 # Robust mixing (``benchmarks/robust_gossip.py``)
 
 ROBUST_ATTACKS = ("scaled", "sign_flip", "random", "alie_drift", "alie_drift_fast")

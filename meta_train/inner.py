@@ -279,8 +279,8 @@ def _one_worker_grad(loss_fn, params: Tensor, batch, second_order: bool):
     """``vmap(grad_and_value(loss_fn))`` of a single worker (``params`` ``[1, P]``, each
     tensor of ``batch`` ``[1, ...]``) by plain autograd, which made a single-worker
     stage's meta-steps 1.3x to 1.6x faster, by the tasks drawn
-    (``benchmarks/meta_throughput.py``). Several workers keep the transform: a loop like
-    this one was slower from 8 workers on small tasks.
+    (``benchmarks/meta_throughput.py``, in git at ``869ce3d``). Several workers keep the
+    transform: a loop like this one was slower from 8 workers on small tasks.
     Differentiable in whatever ``params`` depends on, as the transform's results are;
     the gradient itself only with ``second_order``."""
     x, b = params[0], tuple(t[0] for t in batch)
