@@ -53,12 +53,6 @@ ENTRIES = {
         "geometric mean's bootstrap interval, overall and per kind.",
         "grows with --draws: each draw trains both rules once",
     ),
-    "validation": Entry(
-        "validation",
-        "How does a rule (--checkpoint, or --side with fields replaced) do on the validation "
-        "family, where every choice of the rule is made? The regression check of a change.",
-        "about 5 min per rule with the committed baseline cache",
-    ),
     "step_cost": Entry(
         "step_overhead",
         "What does a step cost against AdamW, the optimizer step and the training step, on "
@@ -113,7 +107,6 @@ SUITE = (
      "--out", "quality_heldout_wsd_half"],
     ["heldout", "--anchors"],
     ["report_draw"],
-    ["validation", "--side", "handset=adapt_init_2x", "--out", "validation_handset_now"],
     ["cold_start", "--suite", "heldout", "--repeats", "3"],
     ["step_cost"],
     ["gossip_step", "--rounds", "4"],

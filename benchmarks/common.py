@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,6 +68,15 @@ def compile_env(cache: str, threads: int) -> dict[str, str]:
     }  # fmt: skip
     env.pop("LEARNED_OPT_KERNEL_DIR", None)
     return env
+
+
+def commit() -> str:
+    """The checkout's commit, with "+dirty" when the rule's code has uncommitted changes."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=RESULTS.parents[1], capture_output=True,  # noqa: E731
+                                    text=True)  # fmt: skip
+    head = git("rev-parse", "--short", "HEAD").stdout.strip() or "unknown"
+    dirty = git("status", "--porcelain", "--", "learned_opt", "distributed", "meta_train/inner.py")
+    return head + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def command_line(prefix: str, argv=None) -> str:

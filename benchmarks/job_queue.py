@@ -1,8 +1,8 @@
-"""The job scheduling of the held-out suite and the validation family: a process pool fed
-in priority order, and tuned AdamW's grid, extended at an edge as its results come in.
+"""The job scheduling of the held-out suite: a process pool fed in priority order, and tuned
+AdamW's grid, extended at an edge as its results come in.
 
 ``concurrent.futures`` runs jobs first in, first out, and a job submitted is a job
-committed. The suites add jobs as results come in (a learning rate beyond a grid edge) that
+committed. The suite adds jobs as results come in (a learning rate beyond a grid edge) that
 should run before the long tail already queued, so jobs wait here, and at most ``width`` of
 them are in the pool at any time.
 """
@@ -83,9 +83,6 @@ class AdamWGrid:
     ``(task, seed)``, ``self.pending`` (ticket -> ``(kind, key, task)``), and
     ``horizons(task)`` (the rows' horizons) and ``lengths(task)`` (every run length that
     may be cached) are the subclass's."""
-
-    def lengths(self, task: str) -> set[int]:
-        return set(self.horizons(task))
 
     def adamw_key(self, task, schedule, lr, steps, seed) -> str:
         return f"single|{task}|{schedule}|{lr!r}|{steps}|{seed}"

@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks import rules  # noqa: E402
 from benchmarks.common import command_line, machine, write_json  # noqa: E402
+from benchmarks.common import commit as this_commit  # noqa: E402
 
 #: Small models of the validation family and the held-out suite (the runs that end before
 #: a kernel is built), and one larger transformer.
@@ -147,13 +148,6 @@ def measure(
         "this_over_base": round(best["this"] / best["base"], 3),
         "max_rel_diff": float(f"{diff:.2g}"),
     }
-
-
-def this_commit() -> str:
-    """This checkout's commit (``+dirty`` with uncommitted changes to the rule's code)."""
-    from benchmarks.validation import commit
-
-    return commit()
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -2,9 +2,8 @@
 
 The suites' wall-clock columns multiply the step speedup by the ratio of step times once
 the rule's kernel is compiled, leaving out what a first run pays before that. This measures
-it: for every single-worker row of a recorded suite (``--suite heldout``:
-``quality_heldout.json``; ``validation``: ``validation_handset_now.json``), at its timing
-seed 0, the rule (multiplier 1) in a new process with an empty inductor cache, and tuned
+it: for every single-worker row of the held-out suite's record (``quality_heldout.json``),
+at its timing seed 0, the rule (multiplier 1) in a new process with an empty inductor cache, and tuned
 AdamW (the row's rate and schedule) in another, one at a time at one thread, each recording
 its loss and the seconds since the optimizer was built after every step. The speedup is the
 ratio of the seconds each needs to reach the level of the step speedup. Beside it: the step
@@ -28,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, command_line, compile_env, machine, write_json
+from benchmarks.common import RESULTS, command_line, commit, compile_env, machine, write_json
 
 #: The recorded suites whose rows are timed, and the seed their step times are taken at.
-SUITES = {"heldout": "quality_heldout.json", "validation": "validation_handset_now.json"}
+SUITES = {"heldout": "quality_heldout.json"}
 TIMING_SEED = 0
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,13 +97,10 @@ def rows_of(suite: str, tasks: list[str] | None) -> list[dict]:
     for r in recorded["single"]:
         if tasks and r["task"] not in tasks:
             continue
-        side = r.get("side") or recorded["side"]["checkpoint"]
-        learned = r.get("learned", r)
         out.append({
-            "task": r["task"], "horizon": r["horizon"], "side": side,
-            "adamw": r["adamw_by_seed"][TIMING_SEED],
-            "recorded_speedup": learned["speedup"],
-            "recorded_wall_speedup": learned.get("wall_speedup"),
+            "task": r["task"], "horizon": r["horizon"], "side": r["side"],
+            "adamw": r["adamw_by_seed"][TIMING_SEED], "recorded_speedup": r["speedup"],
+            "recorded_wall_speedup": r.get("wall_speedup"),
         })  # fmt: skip
     return out
 
@@ -256,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
     scored = measure(rows, args.warm_cache, args.compile_after_seconds, repeats=args.repeats)
     import torch
 
-    from benchmarks.validation import commit
     from learned_opt import kernel
 
     payload = {

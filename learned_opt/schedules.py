@@ -2,14 +2,14 @@
 
 The learned rule anneals on its own only as far as its adapted step sizes shrink; tuned
 AdamW usually ends lower because its schedule takes it to zero. On the validation family
-(``benchmarks/validation.py --schedule``, the rule with its floor e^-6), holding the
-multiplier and decaying it linearly to zero over the last half of the run lifted the
-problems of 200 steps (median 1.41x tuned AdamW against 1.23x with the multiplier held;
-the convex softmax problem 0.97x against 0.46x) and the recommender (0.83x against
-0.68x), and no row fell below 0.83x; over the last fifth it changed none of the 200-step
-rows. Cosine annealing over the whole run helped the 200-step problems as much, but lost
-on recurrent, attention and embedding models (docs: *Results*, *Pairing the rule with a
-schedule*).
+(``benchmarks/validation.py --schedule``, in git at ``40411a9``; the rule with its floor
+e^-6), holding the multiplier and decaying it linearly to zero over the last half of the
+run lifted the problems of 200 steps (median 1.41x tuned AdamW against 1.23x with the
+multiplier held; the convex softmax problem 0.97x against 0.46x) and the recommender
+(0.83x against 0.68x), and no row fell below 0.83x; over the last fifth it changed none of
+the 200-step rows. Cosine annealing over the whole run helped the 200-step problems as
+much, but lost on recurrent, attention and embedding models (docs: *Results*, *Pairing the
+rule with a schedule*).
 """
 
 from __future__ import annotations

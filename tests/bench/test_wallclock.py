@@ -74,15 +74,15 @@ def test_a_diverged_side_scores_zero_and_the_table_says_so():
 
 
 def test_rows_of_a_recorded_suite(tmp_path, monkeypatch):
-    recorded = {"side": {"checkpoint": "adapt_init_2x"}, "single": [
-        {"task": "a", "horizon": 200, "adamw_by_seed": [{"lr": 0.1, "schedule": "cosine"}],
-         "learned": {"speedup": 1.2, "wall_speedup": 0.6}},
-        {"task": "b", "horizon": 1000, "adamw_by_seed": [{"lr": 0.01, "schedule": "constant"}],
-         "learned": {"speedup": 0.9}},
+    recorded = {"single": [
+        {"task": "a", "horizon": 200, "side": "adapt_init_2x", "speedup": 1.2,
+         "wall_speedup": 0.6, "adamw_by_seed": [{"lr": 0.1, "schedule": "cosine"}]},
+        {"task": "b", "horizon": 1000, "side": "adapt_init_2x", "speedup": 0.9,
+         "adamw_by_seed": [{"lr": 0.01, "schedule": "constant"}]},
     ]}  # fmt: skip
-    (tmp_path / "validation_handset_now.json").write_text(json.dumps(recorded))
+    (tmp_path / "quality_heldout.json").write_text(json.dumps(recorded))
     monkeypatch.setattr(wallclock, "RESULTS", tmp_path)
-    rows = wallclock.rows_of("validation", ["a"])
+    rows = wallclock.rows_of("heldout", ["a"])
     assert rows == [{"task": "a", "horizon": 200, "side": "adapt_init_2x",
                      "adamw": {"lr": 0.1, "schedule": "cosine"}, "recorded_speedup": 1.2,
                      "recorded_wall_speedup": 0.6}]  # fmt: skip
