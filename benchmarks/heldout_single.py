@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import rules
 from learned_opt import LearnedOptimizer, load_checkpoint, wsd_schedule
 from learned_opt.checkpoint import resolve_checkpoint
 from learned_opt.kernel import compile_after_seconds
@@ -142,22 +143,7 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     elif schedule in WSD_DECAY:
         sched = wsd_schedule(opt, steps, decay_fraction=WSD_DECAY[schedule])
-    curve: list[float] = []
-    for _, batch in zip(range(steps), batches):
-        loss = loss_fn(batch)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            curve += [math.inf] * (steps - len(curve))
-            break
-        curve.append(float(f"{value:.6g}"))  # 6 digits: compact caches, same speedups
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if sched is not None:
-            sched.step()
-        if clock is not None:
-            clock.append(time.perf_counter() - start)
-    return curve
+    return rules.train(opt, sched, loss_fn, batches, steps, clock, start)
 
 
 def diverged(curve: list[float]) -> bool:
