@@ -9,8 +9,9 @@ A page marks each generated section with a pair of comments::
     <!-- /results:NAME -->
 
 and ``NAME`` is rendered from ``benchmarks/results/NAME.json`` by the function registered
-with ``@section("NAME")`` in :mod:`benchmarks.report_sections`. A view of the same file is ``NAME:VIEW`` (a function registered
-as ``@section("NAME:VIEW")``), and ``NAME:VIEW:ARG`` passes ``ARG`` to it (a checkpoint's
+with ``@section("NAME")`` (:mod:`benchmarks.report_sections` and the ``report_*`` modules
+beside it). A view of the same file is ``NAME:VIEW`` (a function registered as
+``@section("NAME:VIEW")``), and ``NAME:VIEW:ARG`` passes ``ARG`` to it (a checkpoint's
 name, say). To add a section, register a renderer and put the marker pair in a page.
 Markers without a result file or renderer are left as they are.
 """
@@ -27,7 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(ROOT))
-import benchmarks.report_choices  # noqa: E402, F401  (registers the decisions' sections)
+import benchmarks.report_choices  # noqa: E402, F401  (each registers its sections)
+import benchmarks.report_heldout  # noqa: E402, F401
+import benchmarks.report_speed  # noqa: E402, F401
 from benchmarks.report_sections import RENDERERS, RESULTS, markdown_table, section  # noqa: E402, F401
 
 README = ROOT / "README.md"

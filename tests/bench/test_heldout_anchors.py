@@ -5,8 +5,8 @@ import json
 import pytest
 
 from benchmarks import heldout_anchors as ha
-from benchmarks import report_sections
-from benchmarks.report_sections import render_anchors_headline, render_heldout_anchors
+from benchmarks import report_heldout
+from benchmarks.report_heldout import render_anchors_headline, render_heldout_anchors
 
 CURVE_FAST = [1.0 / (t + 1) for t in range(200)]
 CURVE_SLOW = [2.0 / (t + 1) for t in range(200)]
@@ -33,7 +33,7 @@ def test_a_missing_tuned_run_stops_with_one_line():
 
 
 def test_the_table_and_the_headline_line_name_every_anchor(tmp_path, monkeypatch):
-    monkeypatch.setattr(report_sections, "RESULTS", tmp_path)  # no suite results: as saved
+    monkeypatch.setattr(report_heldout, "RESULTS", tmp_path)  # no suite results: as saved
     anchors = {"schedulefree_adamw": 0.5, "prodigy_constant": 0.8, "muon_adamw": 0.4}
     r = {
         "rows": [{"task": "heldout_char_lm", "horizon": 200, "learned": 2.0, "anchors": anchors}],

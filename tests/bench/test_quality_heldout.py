@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import common, quality_heldout  # noqa: E402
 from benchmarks import heldout_single as single  # noqa: E402
-from benchmarks.report_sections import render_quality_heldout  # noqa: E402
+from benchmarks.report_heldout import render_quality_heldout  # noqa: E402
 from learned_opt import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT  # noqa: E402
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # benchmarks/ is a folder of the checkout, not installed
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import report, report_sections  # noqa: E402
+from benchmarks import report, report_speed  # noqa: E402
 
 NEW_ROW = {
     "workload": "w", "params": 10, "tensors": 2, "load": "as is", "threads": 1,
@@ -25,18 +25,18 @@ def _result(row: dict, **extra) -> dict:
 
 
 def test_step_tables_name_their_columns_and_the_first_steps():
-    new = report_sections.render_step_overhead(
+    new = report_speed.render_step_overhead(
         _result(NEW_ROW, cold_start={"first_step_seconds": 0.4})
     )
     assert "eager reference: step / AdamW" in new and "the first step took 0.4 s" in new
     assert "learned_reference" not in new  # private names
-    brief = report_sections.render_step_overhead_brief(_result(NEW_ROW))
+    brief = report_speed.render_step_overhead_brief(_result(NEW_ROW))
     assert "| w | 10 | 1 | 4.0x | 1.50x |" in brief
 
 
 def test_the_cold_start_says_when_and_what():
     cold = {"first_step_seconds": 0.04, "note": "Another run took longer."}
-    text = report_sections.render_step_overhead(_result(NEW_ROW, cold_start=cold))
+    text = report_speed.render_step_overhead(_result(NEW_ROW, cold_start=cold))
     assert "Measured 2026-12-01 on x86_64" in text
     assert "the first step took 0.04 s" in text and "Another run took longer." in text
 

@@ -60,7 +60,7 @@ def test_score_cuts_the_curves_to_the_row_horizon():
 def test_a_diverged_side_scores_zero_and_the_table_says_so():
     """As the suites' step speedups: no common level when a side diverged (its smoothed
     curve is all inf), so both speedups are 0 and no seconds are recorded."""
-    from benchmarks.report_sections import render_wallclock
+    from benchmarks.report_speed import render_wallclock
 
     rule = {"curve": [float("inf")] * 3, "seconds": [1.0, 2.0, 3.0], "ready_step": None}
     adamw = {"curve": [4.0, 3.0, 2.0], "seconds": [1.0, 2.0, 3.0], "ready_step": None}
@@ -124,12 +124,12 @@ def test_one_side_runs_and_records_cumulative_seconds():
 
 
 def test_the_tables_say_how_often_each_side_trained():
-    from benchmarks import report_sections
+    from benchmarks import report_speed
 
     r = {"timing_seed": 0, "cache": "empty",
          "summary": {"median_wall_speedup": 1.1, "median_speedup": 1.4}}  # fmt: skip
-    assert "trained once in a new process" in report_sections.render_wallclock_headline(r)
-    text = report_sections.render_wallclock_headline({**r, "repeats": 3})
+    assert "trained once in a new process" in report_speed.render_wallclock_headline(r)
+    text = report_speed.render_wallclock_headline({**r, "repeats": 3})
     assert (
         "trained 3 times, each in a new process, the repeats taking turns, and timed by the median"
         in text
