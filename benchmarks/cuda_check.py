@@ -266,7 +266,7 @@ def sync(device: torch.device) -> None:
 
 class Synced:
     """``step()`` runs ``fn`` and waits for the device, so host wall time (as measured by
-    ``step_overhead.time_interleaved``) covers the whole GPU work."""
+    ``speed_common.time_interleaved``) covers the whole GPU work."""
 
     def __init__(self, fn: Callable, device: torch.device):
         self.fn, self.device = fn, device
@@ -283,7 +283,7 @@ def import_from(folder: Path, name: str):
     return importlib.import_module(name)
 
 
-#: size label -> (vocab, d_model, layers) of ``step_overhead.transformer_shapes``
+#: size label -> (vocab, d_model, layers) of ``speed_common.transformer_shapes``
 GPU_SIZES = {"10M": (8000, 256, 10), "100M": (32000, 768, 12)}
 CPU_SIZES = {"tiny": (500, 32, 2)}
 CUDA_TESTS = [
@@ -381,7 +381,7 @@ def check_step_timing(ctx: Context, r: dict) -> None:
     optimizers step one shared parameter set per size."""
     from learned_opt import LearnedOptimizer
 
-    so = import_from(ROOT / "benchmarks", "step_overhead")
+    so = import_from(ROOT / "benchmarks", "speed_common")
     sizes = GPU_SIZES if ctx.cuda else CPU_SIZES
     warmup, repeats = (2, 5) if ctx.cuda else (1, 2)
     r.update(warmup=warmup, repeats=repeats, rows=[])
@@ -425,7 +425,7 @@ def check_flat_timing(ctx: Context, r: dict) -> None:
     from learned_opt.segments import FlatLayout
     from learned_opt.step import flat_step, init_flat_state
 
-    so = import_from(ROOT / "benchmarks", "step_overhead")
+    so = import_from(ROOT / "benchmarks", "speed_common")
     dims, workers = (so.SIZES["1M"], 8) if ctx.cuda else (CPU_SIZES["tiny"], 2)
     shapes = so.transformer_shapes(*dims)
     layout = FlatLayout(tuple(map(str, range(len(shapes)))), tuple(shapes))

@@ -7,7 +7,7 @@ Run from the repository root on a machine with two or more GPUs::
 
 The package is laid out from the checkout into a temporary folder first on the path (as
 ``cuda_check.py`` does). One process per GPU (``launch_local``), backend NCCL. Per model
-size (``step_overhead.GPT``, about 10M and 110M parameters, ``--batch`` sequences of 64
+size (``speed_common.GPT``, about 10M and 110M parameters, ``--batch`` sequences of 64
 tokens; fresh processes per size) every rank trains its own copy under DDP AdamW (the
 baseline), D-Adam, and the learned optimizer with learned mixing (blocking and overlapped;
 its kernel compiled first), on a ring and the exponential graph, and Decent-DP's ring when
@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 from benchmarks.cuda_check import build_installed_layout, sync, use_layout  # noqa: E402
 from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
 
-#: size label -> (vocab, d_model, layers) of ``step_overhead.GPT`` (sequences of 64 tokens)
+#: size label -> (vocab, d_model, layers) of ``speed_common.GPT`` (sequences of 64 tokens)
 SIZES = {"10M": (4000, 256, 12), "100M": (16000, 768, 12), "tiny": (500, 32, 2)}
 GPU_SIZES, QUICK_SIZES = ["10M", "100M"], ["tiny"]
 TOPOLOGIES = ("ring", "exponential")
@@ -80,7 +80,7 @@ def _configs(rank: int, world: int, spec: dict, device: torch.device):
     optimizers (whose kernels get compiled) and ``name: reason`` of those left out."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from benchmarks.step_overhead import GPT
+    from benchmarks.speed_common import GPT
     from learned_opt import LearnedOptimizer
     from learned_opt.distributed import GossipOptimizer, dadam, get_topology
 
@@ -133,7 +133,7 @@ def _train_step(x: torch.Tensor, y: torch.Tensor):
 
 def _bench(rank: int, world: int, spec: dict) -> dict:
     """One rank (under ``launch_local``): every configuration of one size, timed in turns."""
-    from benchmarks.step_overhead import compile_kernels
+    from benchmarks.speed_common import compile_kernels
     from learned_opt.distributed import GossipOptimizer
     from learned_opt.kernel import compiling_enabled
 
