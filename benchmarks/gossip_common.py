@@ -1,9 +1,12 @@
-"""What the gossip benchmarks share: how they time configurations in turns, and what they
-record about where and how they ran."""
+"""What the gossip benchmarks share: how they time configurations in turns, what they record
+about where and how they ran, and Decent-DP (the peer they are timed against) when it is
+importable (``pip install --no-deps --target DIR decent-dp loguru``, ``PYTHONPATH=DIR``;
+never a dependency)."""
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -56,3 +59,37 @@ def time_in_turns(
             if r:
                 times[name].append((time.perf_counter() - start) * 1e3 / steps)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+DECENT_DP_HINT = "pip install --no-deps --target DIR decent-dp loguru, then PYTHONPATH=DIR"
+
+
+class DecentDPStep:
+    """Decent-DP steps inside backward (its hooks); nothing to do in zero_grad or step."""
+
+    def zero_grad(self):
+        pass
+
+    def step(self, loss=None):
+        pass
+
+
+def decent_dp(model: Callable[[], torch.nn.Module], world: int, fused: bool = False):
+    """``(wrapper, None)``: Decent-DP's wrapper of ``model()`` on its ring, with Adam at lr
+    1e-3 (its own example optimizer, torch's default Adam, or with ``fused`` the fused Adam
+    that ``dadam`` steps with); ``(None, why)`` where it cannot run."""
+    try:
+        from decent_dp.ddp import DecentralizedDataParallel
+        from decent_dp.optim import optim_fn_adam
+    except ImportError as exc:
+        return None, f"decent_dp is not importable ({exc}); {DECENT_DP_HINT}"
+    if world % 2:
+        return None, f"Decent-DP's ring needs an even number of ranks, got {world}"
+    if fused:
+
+        def fn(named):
+            return torch.optim.Adam([p for _, p in named], lr=1e-3, fused=True)
+
+    else:
+        fn = functools.partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
+    return DecentralizedDataParallel(model(), fn, topology="ring", _local_world_size=world), None

@@ -43,7 +43,12 @@ from learned_opt.distributed.distance_kernel import Distances
 from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
-from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
+from benchmarks.gossip_common import (  # noqa: E402
+    DecentDPStep,
+    decent_dp,
+    gossip_run_info,
+    time_in_turns,
+)
 
 RESULTS = Path(__file__).parent / "results" / "gossip_step.json"
 WORLD = 4
@@ -80,36 +85,6 @@ class _AllReduceAdam:
         self.comm.all_reduce(flat, 0, "gradient all_reduce").div_(self.comm.world_size)
         torch.nn.utils.vector_to_parameters(flat, [p.grad for p in self.params])
         self.adam.step()
-
-
-class _DecentDP:
-    """Decent-DP steps inside backward (its hooks); nothing to do in zero_grad or step."""
-
-    def zero_grad(self):
-        pass
-
-    def step(self, loss=None):
-        pass
-
-
-def _decent_dp(rank: int, fused: bool):
-    """Decent-DP on its ring with Adam at lr 1e-3: its own example optimizer (torch's
-    default Adam) or, ``fused``, the fused Adam that ``dadam`` steps with."""
-    try:
-        from decent_dp.ddp import DecentralizedDataParallel
-        from decent_dp.optim import optim_fn_adam
-    except ImportError:
-        return None
-    from functools import partial
-
-    if fused:
-
-        def fn(named):
-            return torch.optim.Adam([p for _, p in named], lr=1e-3, fused=True)
-
-    else:
-        fn = partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
-    return DecentralizedDataParallel(mlp(rank), fn, topology="ring", _local_world_size=WORLD)
 
 
 def _configs(rank: int) -> dict:
@@ -185,9 +160,9 @@ def _configs(rank: int) -> dict:
         GossipOptimizer(adam, graph, "learned", overlap=True, net=local.net, metrics_every=0),
     )
     for fused, label in ((False, "Decent-DP Adam one-peer ring"), (True, FUSED_DECENT_DP)):
-        peer = _decent_dp(rank, fused)
+        peer, _ = decent_dp(lambda: mlp(rank), WORLD, fused)
         if peer is not None:
-            out[label] = (peer, _DecentDP())
+            out[label] = (peer, DecentDPStep())
     return out
 
 

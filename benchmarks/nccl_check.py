@@ -37,14 +37,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(ROOT))  # after the laid-out package
 from benchmarks.cuda_check import build_installed_layout, sync, use_layout  # noqa: E402
-from benchmarks.gossip_common import gossip_run_info, time_in_turns  # noqa: E402
+from benchmarks.gossip_common import (  # noqa: E402
+    DecentDPStep,
+    decent_dp,
+    gossip_run_info,
+    time_in_turns,
+)
 
 #: size label -> (vocab, d_model, layers) of ``speed_common.GPT`` (sequences of 64 tokens)
 SIZES = {"10M": (4000, 256, 12), "100M": (16000, 768, 12), "tiny": (500, 32, 2)}
 GPU_SIZES, QUICK_SIZES = ["10M", "100M"], ["tiny"]
 TOPOLOGIES = ("ring", "exponential")
 BASELINE, PEER = "DDP AdamW", "Decent-DP Adam ring"
-DECENT_DP_HINT = "pip install --no-deps --target DIR decent-dp loguru, then PYTHONPATH=DIR"
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -59,20 +63,6 @@ class _LossOf(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.gpt.loss((x, y))
-
-
-def _decent_dp(model, world: int):
-    """Decent-DP's model wrapper on its ring (it steps and exchanges inside backward), or
-    ``None`` and the reason it cannot run."""
-    try:
-        from decent_dp.ddp import DecentralizedDataParallel
-        from decent_dp.optim import optim_fn_adam
-    except ImportError as exc:
-        return None, f"decent_dp is not importable ({exc}); {DECENT_DP_HINT}"
-    if world % 2:
-        return None, f"Decent-DP's ring needs an even number of ranks, got {world}"
-    fn = functools.partial(optim_fn_adam, lr=1e-3, weight_decay=0.0)
-    return DecentralizedDataParallel(model(), fn, topology="ring", _local_world_size=world), None
 
 
 def _configs(rank: int, world: int, spec: dict, device: torch.device):
@@ -107,11 +97,9 @@ def _configs(rank: int, world: int, spec: dict, device: torch.device):
             opt = GossipOptimizer(learned[name], graph, "learned", timeout=timeout,
                                   overlap=overlap, metrics_every=0)  # fmt: skip
             configs[name] = (net, opt)
-    peer, reason = _decent_dp(model, world)
+    peer, reason = decent_dp(model, world)
     if peer is not None:
-        from benchmarks.gossip_step import _DecentDP
-
-        configs[PEER] = (peer, _DecentDP())
+        configs[PEER] = (peer, DecentDPStep())
     return configs, learned, {PEER: reason} if reason else {}
 
 
