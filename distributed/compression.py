@@ -59,6 +59,12 @@ Compressors (``compression=``):
   rounding loses stays in ``x_i - h_i`` and is sent later): 4 or 6 bytes per entry kept;
 - ``"sign"``: one bit per entry and one float32 scale (the mean magnitude) per tensor;
 - ``"int8"``: one int8 per entry and one float32 scale (max magnitude / 127) per tensor.
+- ``"topk:R:B"``: top-k with its values in ``B`` bits (2, 4 or 8; 16 is bfloat16, the
+  plain ``"topk:R"``): the indices as above, then ``ceil(k B / 8)`` bytes of packed codes
+  and one float32 scale per tensor (:func:`quantize`);
+- ``"randk:R:B"``: ``ceil(R * n)`` entries drawn at random, the same draw on every rank in
+  the same call; no indices are sent, only the int64 seed of the draw (8 bytes), the packed
+  ``B``-bit values (16: bfloat16) and, below 16 bits, one float32 scale per tensor.
 """
 
 from __future__ import annotations
@@ -73,28 +79,90 @@ from .mixing import mix
 _INT16_MAX = 32767
 
 
-class TopK:
-    """Largest entries by magnitude: payload ``[int16/int32 indices, bfloat16 values]`` per
-    tensor (values of other float dtypes than float32 and bfloat16 are sent as they are)."""
+BITS = (2, 4, 8, 16)
 
-    def __init__(self, ratio: float):
+
+def quantize(values: Tensor, bits: int) -> list[Tensor]:
+    """``values`` in ``bits`` bits: ``[packed uint8 codes, float32 scale]``. The ``2^B``
+    levels sit at odd multiples of ``scale`` (``+-scale, +-3 scale, ...``, no zero), the
+    outermost at ``R = min(max |v|, 3 rms(v))``; values beyond are clipped (what is lost
+    stays in the sender's error feedback). ``bits`` 16 is bfloat16, without a scale."""
+    if bits == 16:
+        return [values.to(torch.bfloat16)]
+    v = values.float()
+    levels = 2**bits
+    rms = v.square().mean().sqrt()
+    scale = (torch.minimum(v.abs().max(), 3 * rms) / (levels - 1)).clamp_min(1e-30)
+    codes = ((v / scale + (levels - 1)) / 2).round_().clamp_(0, levels - 1).to(torch.uint8)
+    per = 8 // bits
+    codes = torch.cat([codes, codes.new_zeros((-codes.numel()) % per)]).view(-1, per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    return [(codes << shifts).sum(1, dtype=torch.uint8), scale.reshape(1)]
+
+
+def dequantize(payload: list[Tensor], bits: int, n: int) -> Tensor:
+    """The ``n`` values :func:`quantize` sent (float32; bfloat16 at 16 bits)."""
+    if bits == 16:
+        return payload[0]
+    packed, scale = payload
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+    codes = ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).reshape(-1)[:n]
+    return (2 * codes.float() - (2**bits - 1)) * scale
+
+
+class TopK:
+    """Largest entries by magnitude: payload ``[int16/int32 indices, values]`` per tensor,
+    the values in bfloat16 (``bits`` 16; other float dtypes than float32 and bfloat16 are
+    sent as they are) or in ``bits`` bits (:func:`quantize`)."""
+
+    def __init__(self, ratio: float, bits: int = 16):
         if not 0 < ratio <= 1:
             raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
-        self.ratio = ratio
+        if bits not in BITS:
+            raise ValueError(f"value bits must be one of {BITS}, got {bits}")
+        self.ratio, self.bits = ratio, bits
 
     def compress(self, d: Tensor) -> list[Tensor]:
         flat = d.reshape(-1)
         k = max(1, math.ceil(self.ratio * flat.numel()))
         idx = flat.abs().topk(k, sorted=False).indices
         values = flat[idx]
-        if values.dtype == torch.float32:
-            values = values.to(torch.bfloat16)
+        if values.dtype == torch.float32 or self.bits < 16:
+            values = quantize(values, self.bits)
+        else:
+            values = [values]
         small = flat.numel() <= _INT16_MAX
-        return [idx.to(torch.int16 if small else torch.int32), values]
+        return [idx.to(torch.int16 if small else torch.int32), *values]
 
     def add_(self, h: Tensor, payload: list[Tensor]) -> None:
-        idx, values = payload
+        idx, values = payload[0], dequantize(payload[1:], self.bits, len(payload[0]))
         h.view(-1).index_add_(0, idx.long(), values.to(h.dtype))
+
+
+class RandK:
+    """``ceil(R n)`` entries at random: payload ``[int64 seed, values]`` per tensor (values as
+    :class:`TopK` sends them). The draws come from one generator seeded at 0, so every rank
+    that compresses the same tensors in the same order draws the same entries."""
+
+    def __init__(self, ratio: float, bits: int = 16):
+        TopK(ratio, bits)  # the same checks
+        self.ratio, self.bits = ratio, bits
+        self._gen = torch.Generator().manual_seed(0)
+
+    def _indices(self, seed: Tensor, n: int) -> Tensor:
+        k = max(1, math.ceil(self.ratio * n))
+        return torch.randperm(n, generator=torch.Generator().manual_seed(int(seed)))[:k]
+
+    def compress(self, d: Tensor) -> list[Tensor]:
+        flat = d.reshape(-1)
+        seed = torch.randint(0, 2**62, (1,), generator=self._gen)
+        values = flat[self._indices(seed, flat.numel()).to(flat.device)]
+        return [seed, *quantize(values, self.bits)]
+
+    def add_(self, h: Tensor, payload: list[Tensor]) -> None:
+        idx = self._indices(payload[0], h.numel()).to(h.device)
+        values = dequantize(payload[1:], self.bits, len(idx))
+        h.view(-1).index_add_(0, idx, values.to(h.dtype))
 
 
 class Sign:
@@ -136,7 +204,7 @@ def default_consensus_step(spec: str) -> float:
     """A ``gamma`` at which the compressed mix stays stable (see the module doc):
     ``min(0.5, 4 R)`` for ``"topk:R"``, 0.5 for ``"sign"`` and ``"int8"``."""
     compressor = get_compressor(spec)
-    if isinstance(compressor, TopK):
+    if isinstance(compressor, (TopK, RandK)):
         return min(0.5, 4.0 * compressor.ratio)
     return 0.5
 
@@ -146,23 +214,28 @@ def default_drift_correction(spec: str) -> float:
     for ``"topk:R"`` (``gamma / 80`` at the default ``gamma``), 0 (off) for ``"sign"`` and
     ``"int8"``."""
     compressor = get_compressor(spec)
-    return compressor.ratio / 20.0 if isinstance(compressor, TopK) else 0.0
+    return compressor.ratio / 20.0 if isinstance(compressor, (TopK, RandK)) else 0.0
 
 
 def get_compressor(spec: str):
-    """``"topk:R"``, ``"sign"`` or ``"int8"`` (see the module doc)."""
+    """``"topk:R[:B]"``, ``"randk:R[:B]"``, ``"sign"`` or ``"int8"`` (see the module doc)."""
     if spec == "sign":
         return Sign()
     if spec == "int8":
         return Int8()
-    if spec.startswith("topk:"):
+    kind, _, rest = spec.partition(":")
+    if kind in ("topk", "randk") and rest:
+        ratio, _, bits = rest.partition(":")
         try:
-            ratio = float(spec.split(":", 1)[1])
+            ratio, bits = float(ratio), int(bits or 16)
         except ValueError:
             ratio = float("nan")
         if ratio == ratio:
-            return TopK(ratio)
-    raise ValueError(f"unknown compression {spec!r}; use 'topk:R' (0 < R <= 1), 'sign' or 'int8'")
+            return (TopK if kind == "topk" else RandK)(ratio, bits)
+    raise ValueError(
+        f"unknown compression {spec!r}; use 'topk:R[:B]' or 'randk:R[:B]' (0 < R <= 1, "
+        "B in 2, 4, 8, 16 bits), 'sign' or 'int8'"
+    )
 
 
 class ErrorFeedback:

@@ -44,6 +44,7 @@ from .averaging import all_reduce_mean_
 from .gossip import GossipOptimizer
 from .local import GossipLocal, gossip_local
 from .mixing import RULES
+from .outer import DEFAULT_COMPRESSION, DEFAULT_LOCAL_STEPS, OUTER_RULES, OuterStep, outer_rule
 from .process_group import ProcessGroupCommunicator
 from .topology import Topology, get_topology, list_topologies
 
@@ -134,6 +135,10 @@ class GossipStrategy(DDPStrategy):
             0 disables them.
         average_at_end: when ``fit`` ends, replace every rank's model by the average of all
             ranks' models (the result of training), as the torchrun entry point evaluates it.
+        outer_step: one of ``"nesterov"``, ``"learned"``, ``"demo"``: no gossip; local steps,
+            then one compressed outer step shared by all ranks by this rule
+            (:class:`~learned_opt.distributed.outer.OuterStep`; ``outer_kwargs``:
+            ``local_steps``, ``compression``, ``lr``, by default the mode's).
         gossip_kwargs: further keyword arguments for each
             :class:`~learned_opt.distributed.GossipOptimizer`, and
         communicator_kwargs: for the
@@ -159,6 +164,8 @@ class GossipStrategy(DDPStrategy):
         timeout: float = 60.0,
         metrics_every: int | None = None,
         average_at_end: bool = True,
+        outer_step: str | None = None,
+        outer_kwargs: Mapping[str, Any] | None = None,
         gossip_kwargs: Mapping[str, Any] | None = None,
         communicator_kwargs: Mapping[str, Any] | None = None,
         start_method: str = "popen",
@@ -179,6 +186,10 @@ class GossipStrategy(DDPStrategy):
             raise ValueError(f"metrics_every must be an int >= 0 or None, got {metrics_every!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if outer_step is not None and outer_step not in OUTER_RULES:
+            raise ValueError(f"unknown outer_step {outer_step!r}; choose from {OUTER_RULES}")
+        if outer_step is not None and mixing is not None:
+            raise ValueError("outer_step replaces the gossip: leave mixing unset")
         for name, given, reserved in (
             ("gossip_kwargs", gossip_kwargs, _RESERVED),
             ("communicator_kwargs", communicator_kwargs, {"topology", "group", "timeout"}),
@@ -201,6 +212,10 @@ class GossipStrategy(DDPStrategy):
         self.topology, self.mixing, self.checkpoint = topology, mixing, checkpoint
         self.gossip_timeout, self.metrics_every = float(timeout), metrics_every
         self.average_at_end = average_at_end
+        self.outer_step = outer_step
+        self.outer_kwargs = {"local_steps": DEFAULT_LOCAL_STEPS, "compression": DEFAULT_COMPRESSION,
+                             "lr": None, **(outer_kwargs or {})}  # fmt: skip
+        self.rounds: dict[int, OuterStep] = {}  # by id() of the user's optimizer, outer_step
         self.gossip_kwargs = dict(gossip_kwargs or {})
         self.communicator_kwargs = dict(communicator_kwargs or {})
         self.gossips: dict[int, GossipOptimizer] = {}  # by id() of the user's optimizer
@@ -245,6 +260,13 @@ class GossipStrategy(DDPStrategy):
         self._every = trainer.log_every_n_steps if every is None else every
         if self.mixing == "allreduce":
             return
+        if self.outer_step is not None:
+            kw = dict(self.outer_kwargs)
+            factory, decay = outer_rule(self.outer_step, kw.pop("lr"))
+            self.rounds = {id(opt): OuterStep(
+                [p for g in opt.param_groups for p in g["params"]], factory, rank=self.global_rank,
+                world_size=self.world_size, decay=decay, **kw) for opt in self.optimizers}  # fmt: skip
+            return
         for opt in self.optimizers:
             local = _LocalStep(opt)
             net = local.mixing_net()
@@ -265,8 +287,10 @@ class GossipStrategy(DDPStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs):
         """The local step through the precision plugin, then exchange and mix."""
         gossip = self.gossips.get(id(optimizer))
-        if gossip is None:  # allreduce (gradients were averaged after backward)
+        if gossip is None:  # allreduce (gradients were averaged after backward), outer_step
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if id(optimizer) in self.rounds:
+                self.rounds[id(optimizer)].step()
         else:
             local: _LocalStep = gossip.local
             local.pending = functools.partial(self._local_step, optimizer, model=model, **kwargs)
@@ -365,6 +389,8 @@ class GossipStrategy(DDPStrategy):
     on_validation_end = on_test_end = on_predict_end = _use_own_model
 
     def on_train_end(self) -> None:
+        for rounds in self.rounds.values():
+            rounds.flush()  # every rank ends on the anchor
         if self.average_at_end:
             self.average_model_()
 

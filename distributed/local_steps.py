@@ -291,17 +291,20 @@ class SimulatedLocalSteps:
     """N :class:`LocalSteps` ranks in one process, over stacked tensors ``[N, *shape]``.
 
     ``params`` are the stacked tensors (rank ``i``'s tensor is row ``i``; a round writes
-    into them, so views of a flat buffer work); the keyword arguments are
-    :class:`LocalSteps`'s. Call :meth:`step` after every simulated local step of all ranks.
+    into them, so views of a flat buffer work); the keyword arguments are those of ``kind``,
+    the per-rank class: :class:`LocalSteps` (the default) or
+    :class:`~.outer.OuterStep` (its ``topology`` sets the ranks). Call :meth:`step` after
+    every simulated local step of all ranks.
     """
 
-    def __init__(self, params: Sequence[Tensor], outer: OuterFactory, **kwargs):
+    def __init__(self, params: Sequence[Tensor], outer: OuterFactory, kind=None, **kwargs):
         topology: Topology = kwargs["topology"]
         n = topology.world_size
         for p in params:
             if p.shape[0] != n:
                 raise ValueError(f"stacked tensor has {p.shape[0]} workers, topology has {n}")
-        self.ranks = [LocalSteps([p[i] for p in params], outer, rank=i, **kwargs)
+        kind = kind or LocalSteps
+        self.ranks = [kind([p[i] for p in params], outer, rank=i, **kwargs)
                       for i in range(n)]  # fmt: skip
         self.local_steps = self.ranks[0].local_steps
         self.count = 0

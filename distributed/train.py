@@ -14,6 +14,8 @@ under launchers that leave them running (``launch_local``) and through frozen ra
 ``--local-steps H`` takes H local steps between exchanges instead (DiLoCo class,
 :class:`~.local_steps.LocalSteps`: the anchors' and the tracked pseudo-gradients'
 differences, compressed by ``--compression``, then an outer step, ``--outer``).
+``--outer-step RULE`` (``nesterov``, ``learned``, ``demo``) takes local steps, then one
+compressed outer step shared by all ranks (:class:`~.outer.OuterStep`, an all-gather).
 ``--overlap`` moves the exchange behind the next forward and backward pass;
 ``--step-deadline S`` waits at most S seconds for a neighbour, and mixes a late exchange
 when it arrives. With CUDA, a rank uses ``cuda:(LOCAL_RANK mod GPUs)``, and NCCL when every
@@ -46,6 +48,7 @@ from .compression import default_consensus_step, get_compressor
 from .gossip import GossipOptimizer, fused_where_supported
 from .local_steps import LocalSteps, nesterov
 from .mixing import parse_robust
+from .outer import DEFAULT_COMPRESSION, DEFAULT_LOCAL_STEPS, OUTER_RULES, OuterStep, outer_rule
 from .process_group import ProcessGroupCommunicator
 from .topology import get_topology, list_topologies
 
@@ -162,11 +165,14 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         unset = (args.consensus_step, args.drift_correction)
         if args.compression is None and any(v is not None for v in unset):
             p.error("--local-steps: --consensus-step and --drift-correction need --compression")
-        if topology is not None and args.compression is not None and topology.period != 1:
+        static = args.outer_step is not None  # the shared outer step gathers from every rank
+        if topology is not None and args.compression and topology.period != 1 and not static:
             p.error(
                 f"--local-steps with --compression needs a static topology; {args.topology} "
                 f"changes every step (period {topology.period})"
             )
+        if args.outer_step is not None and args.outer is not None:
+            p.error("--outer goes with the anchors' gossip; --outer-step is the shared outer step")
     elif args.outer is not None or args.outer_lr is not None:
         p.error("--outer and --outer-lr go with --local-steps")
     if args.outer_lr is not None and not 0 < args.outer_lr < float("inf"):
@@ -280,9 +286,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--outer-lr", type=float, default=None, help="default: 1.0 (sgd), 0.7 (nesterov)"
     )
+    p.add_argument(
+        "--outer-step",
+        choices=OUTER_RULES,
+        default=None,
+        help="local steps, then one compressed outer step shared by all ranks (DiLoCo/DeMo "
+        f"class) by this rule; --local-steps defaults to {DEFAULT_LOCAL_STEPS}, --compression "
+        f"to {DEFAULT_COMPRESSION}",
+    )
     p.add_argument("--metrics-every", type=int, default=10, help="consensus distance every k steps")
     p.add_argument("--logdir", default=None, help="TensorBoard folder (one subfolder per rank)")
     args = p.parse_args(argv)
+    if args.outer_step is not None:
+        args.local_steps = DEFAULT_LOCAL_STEPS if args.local_steps is None else args.local_steps
+        args.compression = args.compression or DEFAULT_COMPRESSION
     if args.mixing is None:
         learned = args.optimizer == "learned" and args.local_steps is None
         args.mixing = "learned" if learned else "metropolis"
@@ -359,7 +376,12 @@ def train(args: argparse.Namespace) -> dict:
 
         writer = SummaryWriter(os.path.join(args.logdir, f"rank{rank}"))
     rounds = None
-    if args.local_steps:
+    if args.outer_step:
+        opt = local
+        factory, decay = outer_rule(args.outer_step, args.outer_lr)
+        rounds = OuterStep(params, factory, local_steps=args.local_steps, rank=rank,
+                           world_size=world, compression=args.compression, decay=decay)  # fmt: skip
+    elif args.local_steps:
         opt = local
         rounds = LocalSteps(
             params,
@@ -433,8 +455,9 @@ def train(args: argparse.Namespace) -> dict:
         "mixing": args.mixing,
         "topology": args.topology,
         "compression": args.compression,
-        "drift_correction": comm.drift_correction if rounds is None else rounds.beta,
+        "drift_correction": getattr(rounds, "beta", 0.0) if rounds else comm.drift_correction,
         "local_steps": args.local_steps,
+        "outer_step": args.outer_step,
         "workers": world,
         "steps": args.steps,
         "survivors": comm.members,

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from learned_opt.distributed import get_topology
 from learned_opt.distributed.local_steps import LocalSteps, SimulatedLocalSteps, nesterov
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def sgd(lr=1.0):
@@ -170,41 +164,3 @@ def test_a_neighbour_missing_from_a_round_raises_and_moves_nothing():
         ls.finish({1: payload})
     assert torch.equal(ls.params[0], before[0]) and torch.equal(ls.anchors[0], before[1])
     assert ls.rounds == 0
-
-
-def test_benchmark_quick_writes_valid_json(tmp_path, monkeypatch):
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from benchmarks import common
-    from benchmarks import local_steps as bench
-
-    monkeypatch.setattr(common, "RESULTS", tmp_path)
-    assert bench.main(["--quick", "--out", "quick"]) == 0
-    data = json.loads((tmp_path / "quick.json").read_text())
-    assert data["validation"]["table"] and data["validation"]["chosen"]["nesterov"]
-    assert data["validation"]["chosen"]["sgd"]["H"] == 1
-    assert [f["min_bytes_reduction_x"] for f in data["validation"]["frontier"]] == list(
-        bench.FRONTIER
-    )
-    rows = data["heldout"]["rows"]
-    assert rows and all({"loss_ratio", "bytes_reduction_x", "passes"} <= set(r) for r in rows)
-    assert {r["outer"] for r in rows} == {"nesterov", "learned", "sgd"}
-
-
-def test_the_frontier_takes_the_best_median_among_variants_sending_few_enough_bytes():
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    from benchmarks import local_steps as bench
-
-    def variant(outer, median, worst, fewer):
-        return {"outer": outer, "H": 1, "density": 0.1, "outer_lr": 1.0,
-                "median_loss_ratio": median, "max_loss_ratio": worst,
-                "min_bytes_reduction_x": fewer}  # fmt: skip
-
-    tables = [variant("sgd", 0.9, 1.5, 8.0), variant("nesterov", 1.2, 1.3, 12.0),
-              variant("learned", 1.1, 3.0, 40.0), variant("nesterov", 2.0, 2.5, 120.0)]  # fmt: skip
-    best = {f["min_bytes_reduction_x"]: f["best"] for f in bench.frontier(tables)}
-    assert best[5.0]["outer"] == "sgd"  # lowest median among all four
-    assert best[10.0]["median_loss_ratio"] == 1.1  # the sgd one sends too many bytes
-    assert best[30.0]["outer"] == "learned" and best[100.0]["median_loss_ratio"] == 2.0
-    assert bench.frontier(tables[:1])[-1]["best"] is None  # none sends 100x fewer

@@ -1,0 +1,215 @@
+"""Local steps and one compressed outer step shared by all ranks (DiLoCo, DeMo, SparseLoCo).
+
+Each rank trains on its own for ``H`` local steps, then takes one *round*. Per rank ``i``
+and parameter tensor (``x_i`` the trained parameters, ``xa`` the anchor, the same on every
+rank)::
+
+    D_i  = xa - x_i                          the pseudo-gradient of the H local steps
+    b_i  = decay * b_i + D_i                 error feedback (decay 1) or DeMo's decoupled
+                                             momentum (decay < 1)
+    q_i  = C(b_i);   b_i -= q_i              send the compressed part, keep the rest
+    g    = (1/N) sum_j q_j                   every rank decodes every rank's q_j, in rank order
+    xa   = outer(xa, grad=g);   x_i = xa     the same outer step on every rank
+
+Every rank sends its ``q_i`` to every other (an all-gather; counted as a ring all-gather
+sends it: ``N - 1`` payloads per rank and round, on any topology that holds a ring).
+Since every rank applies the same ``g`` in the same order of float operations, the anchors
+stay bitwise equal and the averaged model *is* the anchor: there is no consensus error for
+the compression to slow, unlike gossip of the anchors (:mod:`.local_steps`). What ``C``
+drops stays in ``b_i`` and is sent later.
+
+Outer rules (:func:`outer_rule`):
+
+- ``"nesterov"``: DiLoCo's, SGD with Nesterov momentum, on error feedback;
+- ``"learned"``: the shipped :class:`~learned_opt.LearnedOptimizer` on error feedback; its
+  per-tensor adaptation sets the step from the pseudo-gradient's statistics;
+- ``"demo"``: decoupled momentum as in DeMo: ``b_i`` is the momentum itself (decay 0.9),
+  its compressed part is what moves the anchor (plain SGD), the rest keeps building.
+
+Compressors: any of :mod:`.compression`; the mode's default is :data:`DEFAULT_COMPRESSION`
+(top-k at 2 % with 4-bit values). Bytes are counted in the encoding sent: indices (or the
+random-k seed), packed values and scales (:class:`OuterStep.bytes_sent`).
+
+Two drivers run the same per-rank object, :class:`OuterStep`: the single-process
+simulator (:class:`~.local_steps.SimulatedLocalSteps` with ``kind=OuterStep``) and a real
+rank, :meth:`OuterStep.step` after every inner step (``torch.distributed.all_gather`` of
+the packed payload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .compression import get_compressor
+
+#: The outer rules of the mode, in the order they are reported.
+OUTER_RULES = ("nesterov", "learned", "demo")
+#: The mode's defaults, one for every setting (chosen on the validation settings of
+#: ``benchmarks/local_steps.py``): the local steps between rounds and the compressor.
+DEFAULT_LOCAL_STEPS = 50
+DEFAULT_COMPRESSION = "topk:0.02:4"
+#: Outer learning rates and buffer decays per rule.
+OUTER_LR = {"nesterov": 0.7, "learned": 10.0, "demo": 1.0}
+DECAY = {"nesterov": 1.0, "learned": 1.0, "demo": 0.9}
+
+
+def outer_rule(name: str, lr: float | None = None):
+    """``(factory, decay)`` of the outer rule ``name`` (see the module doc); ``lr`` defaults
+    to :data:`OUTER_LR`. The factory builds a rank's optimizer over its anchors."""
+    if name not in OUTER_RULES:
+        raise ValueError(f"unknown outer rule {name!r}; choose one of {OUTER_RULES}")
+    lr = OUTER_LR[name] if lr is None else lr
+    if not 0 < lr < float("inf"):
+        raise ValueError(f"outer lr must be finite and > 0, got {lr}")
+    if name == "nesterov":
+        return (lambda a: torch.optim.SGD(a, lr=lr, momentum=0.9, nesterov=True)), DECAY[name]
+    if name == "demo":
+        return (lambda a: torch.optim.SGD(a, lr=lr)), DECAY[name]
+    from learned_opt import LearnedOptimizer, load_checkpoint
+    from learned_opt.checkpoint import DEFAULT_CHECKPOINT
+
+    net = load_checkpoint(DEFAULT_CHECKPOINT)[0]
+    return (lambda a: LearnedOptimizer(a, net=net, lr=lr, compile=False)), DECAY[name]
+
+
+def _nbytes(payload: list[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in payload)
+
+
+class OuterStep:
+    """One rank's anchor, buffer ``b_i``, compressor and outer optimizer (see the module doc).
+
+    Args:
+        params: this rank's parameter tensors (trained in place by the inner optimizer;
+            a round writes the new anchor into them). Every rank starts from the same.
+        outer: builds the outer optimizer over the anchors (:func:`outer_rule`'s factory).
+        local_steps: ``H``, >= 1.
+        rank: this rank.
+        world_size: the ranks taking part (or ``topology``'s, which is not used otherwise).
+        compression: a spec of :func:`~.compression.get_compressor`.
+        decay: the buffer's decay, in (0, 1]: 1 is error feedback, below 1 DeMo's momentum.
+        group: the ``torch.distributed`` group of :meth:`step` (None: the default group).
+
+    ``bytes_sent`` counts the bytes this rank has sent; ``rounds`` the rounds taken.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        outer,
+        *,
+        local_steps: int,
+        rank: int,
+        world_size: int | None = None,
+        topology=None,
+        compression: str = DEFAULT_COMPRESSION,
+        decay: float = 1.0,
+        group=None,
+    ):
+        if world_size is None and topology is not None:
+            world_size = topology.world_size  # the all-gather needs no more of it
+        if world_size is None:
+            raise ValueError("OuterStep needs world_size (or a topology)")
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps must be an int >= 1, got {local_steps!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the {world_size} ranks")
+        if not 0 < decay <= 1:
+            raise ValueError(f"decay must be in (0, 1], got {decay}")
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("OuterStep got no parameters")
+        self.compressor = get_compressor(compression)
+        self.local_steps, self.world_size, self.rank = local_steps, world_size, rank
+        self.compression, self.decay, self.group = compression, decay, group
+        self.count = self.rounds = self.bytes_sent = 0
+        self.anchors = [p.detach().clone().requires_grad_(True) for p in self.params]
+        self.outer = outer(self.anchors)
+        if not isinstance(self.outer, torch.optim.Optimizer):
+            raise ValueError(f"outer must build a torch.optim.Optimizer, got {type(self.outer)}")
+        self.buffers = [torch.zeros_like(p.detach()) for p in self.params]
+        self._sent: list[Tensor] = []
+
+    @property
+    def neighbors(self) -> list[int]:
+        """Every other rank: each receives this rank's payload."""
+        return [j for j in range(self.world_size) if j != self.rank]
+
+    def correct(self) -> None:
+        """Nothing to add between rounds (the simulator's driver calls it every step)."""
+
+    @torch.no_grad()
+    def encode(self, steps: int | None = None) -> list[Tensor]:
+        """The round's first half: what this rank sends to every other (counted in
+        ``bytes_sent``). ``steps`` is accepted for the simulator's driver."""
+        payload = []
+        for a, p, b in zip(self.anchors, self.params, self.buffers):
+            b.mul_(self.decay).add_(a.detach() - p.detach())
+            q = self.compressor.compress(b)
+            sent = torch.zeros_like(b)
+            self.compressor.add_(sent, q)
+            b.sub_(sent)
+            payload += q
+        self._sent = payload
+        self.bytes_sent += (self.world_size - 1) * _nbytes(payload)
+        return payload
+
+    @torch.no_grad()
+    def finish(self, received: dict[int, list[Tensor]]) -> None:
+        """The round's second half: decode every rank's payload (``{rank: payload}`` of the
+        others), average, take the outer step and restart from the anchor."""
+        if sorted(received) != self.neighbors:
+            raise RuntimeError(
+                f"rank {self.rank} round {self.rounds}: expected payloads from every other "
+                f"rank, got {sorted(received)}"
+            )
+        payloads = {**received, self.rank: self._sent}
+        parts = len(self._sent) // len(self.anchors)
+        for t, a in enumerate(self.anchors):
+            g = torch.zeros_like(a.detach())
+            for j in range(self.world_size):
+                self.compressor.add_(g, payloads[j][parts * t : parts * (t + 1)])
+            a.grad = g.div_(self.world_size)
+        self.outer.step()
+        for p, a in zip(self.params, self.anchors):
+            a.grad = None
+            p.copy_(a.detach())
+        self.rounds += 1
+
+    def step(self) -> bool:
+        """On a real rank, after the inner optimizer's step: count it, and every ``H``-th
+        call run a round (an all-gather). Returns whether it did."""
+        self.count += 1
+        if self.count % self.local_steps:
+            return False
+        self._exchange_round()
+        return True
+
+    def flush(self) -> bool:
+        """The last, shorter round of a run whose length is not a multiple of ``H`` (every
+        rank must call it); returns whether there was one."""
+        steps = self.count % self.local_steps
+        if steps:
+            self._exchange_round()
+            self.count += self.local_steps - steps
+        return bool(steps)
+
+    def _exchange_round(self) -> None:
+        payload = self.encode()
+        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in payload])
+        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flat, group=self.group)
+        received = {}
+        for j in self.neighbors:
+            out, offset = [], 0
+            for t in payload:  # every rank's payload has the same layout
+                n = t.numel() * t.element_size()
+                raw = gathered[j][offset : offset + n].clone()  # aligned for the view
+                out.append(raw.view(t.dtype).view(t.shape))
+                offset += n
+            received[j] = out
+        self.finish(received)
