@@ -36,7 +36,7 @@ from benchmarks.report_sections import RENDERERS, RESULTS, markdown_table, secti
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 #: Plots the docs show, copied into docs/assets/ (not tracked: ``make docs`` copies them).
-ASSETS = ("quality_heldout.png",)
+ASSETS = ("quality_heldout.png", "local_steps.png")
 
 
 def pages() -> list[Path]:

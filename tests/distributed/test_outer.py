@@ -13,7 +13,12 @@ import torch
 from learned_opt.distributed import get_topology, launch_local
 from learned_opt.distributed.compression import dequantize, get_compressor, quantize
 from learned_opt.distributed.local_steps import SimulatedLocalSteps
-from learned_opt.distributed.outer import OuterStep, outer_rule
+from learned_opt.distributed.outer import (
+    DEFAULT_COMPRESSION,
+    DEFAULT_LOCAL_STEPS,
+    OuterStep,
+    outer_rule,
+)
 from learned_opt.distributed.train import format_summary, parse_args
 
 
@@ -96,10 +101,10 @@ def test_the_anchor_moves_towards_the_ranks_common_optimum(rule):
     """The ranks' quadratics differ, so the compressed pseudo-gradients keep a noise floor
     (each rank sends its own top entries): the anchor goes there, not to the optimum."""
     start = ow.toy_start()
-    params, _ = _simulate(rule, world=4, steps=60)
+    params, _ = _simulate(rule, world=4, steps=150)
     mean_target = [sum(t) / 4 for t in zip(*(ow.toy_targets(i) for i in range(4)))]
     for s, p, t in zip(start, params, mean_target):
-        assert float((p[0] - t).norm()) < 0.6 * float((s - t).norm())
+        assert float((p[0] - t).norm()) < 0.3 * float((s - t).norm())
 
 
 def test_bytes_are_the_payload_to_every_other_rank():
@@ -130,7 +135,7 @@ def test_bad_arguments_raise(kwargs, message):
 
 def test_the_entry_flag_sets_the_modes_defaults():
     args = parse_args(["--optimizer", "adam", "--outer-step", "learned"])
-    assert args.local_steps == 50 and args.compression == "topk:0.02:4"
+    assert args.local_steps == DEFAULT_LOCAL_STEPS and args.compression == DEFAULT_COMPRESSION
     with pytest.raises(SystemExit):
         parse_args(["--optimizer", "adam", "--outer-step", "demo", "--outer", "sgd"])
     with pytest.raises(SystemExit):
