@@ -97,6 +97,19 @@ def score(learned: list[float], tuned: list[float]) -> float:
     return 0.0 if diverged(learned) else speedup(learned, tuned)
 
 
+def row(seed: int, runs: dict[str, dict], base: dict) -> dict:
+    """One draw's row: the rule's step speedup over tuned AdamW (its cached curve) and its
+    time speedup, the step speedup times AdamW's seconds over the rule's in the runs made
+    side by side (0 where the rule diverged), and the anchors' cached step speedups."""
+    spec, rule, adamw = draw(seed), runs["rule"]["curve"], runs["adamw"]
+    steps = score(rule, base["curve"])
+    per_step = adamw["seconds"] / max(runs["rule"]["seconds"], 1e-9)
+    return {"seed": seed, "kind": spec.kind, "horizon": spec.horizon, "rule": steps,
+            "time": steps * per_step, "rule_diverged": diverged(rule), "adamw": base["best"],
+            "seconds": runs["rule"]["seconds"], "adamw_seconds": adamw["seconds"],
+            **base["anchors"]}  # fmt: skip
+
+
 def fill_cache(seeds: list[int], jobs: int, cache: dict, log=print) -> None:
     """Run the AdamW grid and the anchors on every seed the cache lacks, saving as each
     draw completes. Where the best AdamW run sits at an edge of the grid, the grid is
@@ -128,7 +141,7 @@ def fill_cache(seeds: list[int], jobs: int, cache: dict, log=print) -> None:
 
 def summary(rows: list[dict]) -> dict:
     """The rule's and the anchors' geometric means, overall and per kind, and the shares."""
-    names = ("rule", *rules.ANCHORS)
+    names = ("rule", "time", *rules.ANCHORS)
     kinds = {}
     for k in sorted({r["kind"] for r in rows}):
         sub = [r for r in rows if r["kind"] == k]
@@ -168,27 +181,32 @@ def main(argv=None) -> dict:
         return {}
     rows = []
     with ProcessPoolExecutor(args.jobs) as pool:
-        futures = {pool.submit(_run, s, args.side): s for s in seeds}
+        # the rule and the draw's tuned AdamW side run again side by side, for the time score
+        sides = {s: {"rule": args.side, "adamw": cache[draw(s).describe()]["best"]} for s in seeds}
+        futures = {pool.submit(_run, s, side): (s, role)
+                   for s in seeds for role, side in sides[s].items()}  # fmt: skip
+        done: dict[int, dict] = {}
         for fut in as_completed(futures):
-            seed = futures[fut]
-            spec, run = draw(seed), fut.result()
-            base = cache[spec.describe()]
-            rows.append({"seed": seed, "kind": spec.kind, "horizon": spec.horizon,
-                         "rule": score(run["curve"], base["curve"]),
-                         "rule_diverged": diverged(run["curve"]), "adamw": base["best"],
-                         "seconds": run["seconds"], **base["anchors"]})  # fmt: skip
+            seed, role = futures[fut]
+            runs = done.setdefault(seed, {})
+            runs[role] = fut.result()
+            if len(runs) < 2:
+                continue
+            rows.append(row(seed, done.pop(seed), cache[draw(seed).describe()]))
             print(
-                f"[{len(rows)}/{len(seeds)}] seed {seed} {spec.kind}: {rows[-1]['rule']:.2f}x",
+                f"[{len(rows)}/{len(seeds)}] seed {seed} {rows[-1]['kind']}: "
+                f"{rows[-1]['rule']:.2f}x in steps, {rows[-1]['time']:.2f}x in time",
                 flush=True,
             )
     rows.sort(key=lambda r: r["seed"])
-    payload = {"side": args.side, "commit": rules.resolve_commit("HEAD"),
+    payload = {"side": args.side, "commit": rules.resolve_commit("HEAD"), "of": DRAWS,
                "command": command_line("python -m benchmarks.report_draw", argv),
                "minutes": round((time.perf_counter() - start) / 60, 1),
                "summary": summary(rows), "rows": rows}  # fmt: skip
     write_json("report_draw", payload)
     s = payload["summary"]
-    print(f"rule over tuned AdamW: geometric mean {s['geomean']['rule']}x, {s['won']:.0%} of draws "
+    print(f"rule over tuned AdamW: geometric mean {s['geomean']['rule']}x in steps, "
+          f"{s['geomean']['time']}x in time, {s['won']:.0%} of draws "
           f"at 1.0x or better, worst kind {s['worst_kind']}, {s['divergences']} divergences")  # fmt: skip
     return payload
 

@@ -69,3 +69,22 @@ def test_a_section_that_nothing_renders_is_reported(tmp_path, monkeypatch):
 def test_every_page_section_is_served():
     for page in report.pages():
         assert report.unserved(page.read_text()) == [], page
+
+
+def test_the_reporting_draw_says_how_many_of_its_draws_it_covers():
+    from benchmarks import report_choices
+
+    kinds = {"mlp": {"n": 2, "rule": 1.5, "time": 0.8, "sfadamw": 0.5, "prodigy": 0.4, "muon": 1.1}}
+    summary = {"n": 2, "geomean": kinds["mlp"], "won": 0.5, "divergences": 0,
+               "kinds": kinds, "worst_kind": "mlp"}  # fmt: skip
+    partial = {"of": 150, "summary": summary}
+    head = report_choices.report_draw_headline(partial)
+    assert (
+        "the first 2 of its 150 jobs" in head
+        and "**1.50x**" in head
+        and "**0.80x** in time" in head
+    )
+    table = report_choices.report_draw_table(partial)
+    assert "| mlp | 2 | 1.50x | 0.80x | 0.50x | 0.40x | 1.10x |" in table
+    assert "The first 2 of its 150 draws" in table
+    assert "All 2 draws" in report_choices.report_draw_table({"of": 2, "summary": summary})

@@ -41,10 +41,11 @@ def test_the_entry_keeps_the_best_curve_and_the_anchors_speedups():
 
 
 def test_the_summary_names_the_worst_kind_and_the_anchors():
-    rows = [{"kind": "mlp", "rule": 2.0, "rule_diverged": False, "sfadamw": 0.5, "prodigy": 1.0, "muon": 0.0},
-            {"kind": "rnn", "rule": 0.5, "rule_diverged": False, "sfadamw": 1.0, "prodigy": 1.0, "muon": 1.0}]  # fmt: skip
+    rows = [{"kind": "mlp", "rule": 2.0, "time": 1.0, "rule_diverged": False, "sfadamw": 0.5, "prodigy": 1.0, "muon": 0.0},
+            {"kind": "rnn", "rule": 0.5, "time": 0.25, "rule_diverged": False, "sfadamw": 1.0, "prodigy": 1.0, "muon": 1.0}]  # fmt: skip
     s = rd.summary(rows)
     assert s["geomean"]["rule"] == pytest.approx(1.0) and s["won"] == 0.5
+    assert s["geomean"]["time"] == pytest.approx(0.5) and s["kinds"]["rnn"]["time"] == 0.25
     assert s["worst_kind"] == "rnn" and not s["ahead_of_every_anchor_on_every_kind"]
     assert s["kinds"]["mlp"]["muon"] == pytest.approx(1 / 20)  # a diverged anchor counts 1/20
 
@@ -59,5 +60,19 @@ def test_one_whole_report_on_short_draws(tmp_path, monkeypatch):
     monkeypatch.setattr(rd, "write_cache", lambda cache, path=None: None)
     out = rd.main(["--draws", "2", "--jobs", "1", "--side", "adamw:0.003"])
     assert [r["seed"] for r in out["rows"]] == [0, 1]
-    assert set(out["summary"]["geomean"]) == {"rule", *rules.ANCHORS}
+    assert set(out["summary"]["geomean"]) == {"rule", "time", *rules.ANCHORS}
     assert all(r["adamw"].startswith("adamw:") for r in out["rows"])
+    assert all(r["adamw_seconds"] > 0 for r in out["rows"])
+    assert all((r["time"] > 0) != r["rule_diverged"] for r in out["rows"])
+    assert out["of"] == rd.DRAWS
+
+
+def test_a_row_scores_time_from_the_runs_made_side_by_side(monkeypatch):
+    base = {"best": "adamw:0.001", "curve": [2.0] * 10 + [0.5] * 10, "anchors": {"muon": 1.5}}
+    rule = {"curve": [2.0] * 5 + [0.5] * 15, "seconds": 4.0}  # 5 steps sooner, 2x the cost
+    r = rd.row(3, {"rule": rule, "adamw": {"curve": base["curve"], "seconds": 2.0}}, base)
+    assert r["rule"] == pytest.approx(20 / 15)  # as the anchors' score of the same curves
+    assert r["time"] == pytest.approx(r["rule"] / 2) and r["muon"] == 1.5
+    broken = {"curve": [2.0] * 5 + [float("inf")] * 15, "seconds": 1.0}
+    r = rd.row(3, {"rule": broken, "adamw": {"curve": base["curve"], "seconds": 2.0}}, base)
+    assert r["rule"] == 0.0 and r["time"] == 0.0 and r["rule_diverged"]
