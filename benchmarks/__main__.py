@@ -75,9 +75,10 @@ ENTRIES = {
     ),
     "local_steps": Entry(
         "local_steps",
-        "How many fewer bytes do local steps with a compressed outer exchange send, and at "
-        "what loss, against exact per-step gossip?",
-        "about 8 min (--quick 2 min)",
+        "On long runs, how many fewer bytes do local steps with one compressed outer step "
+        "send, and at what loss, against exact per-step gossip? (local_steps_real K: one "
+        "held-out setting on real gloo ranks)",
+        "about 35 min on one thread (--quick seconds)",
     ),
     "robust": Entry(
         "robust_gossip",

@@ -108,7 +108,7 @@ def run(setting: dict, variant: dict | None) -> dict:
         sim = SimulatedLocalSteps(
             traj.tensors(), factory, kind=OuterStep, local_steps=variant["H"],
             topology=get_topology(setting["topology"], setting["workers"]),
-            compression=variant["compression"], decay=decay,
+            compression=variant["compression"], decay=variant.get("decay", decay),
         )  # fmt: skip
     diverged = False
     for _ in range(steps):
@@ -126,7 +126,8 @@ def run(setting: dict, variant: dict | None) -> dict:
 
 
 def label(v: dict) -> str:
-    return f"{v['rule']} lr={v['lr']:g} H={v['H']} {v['compression']}"
+    decay = f" decay={v['decay']:g}" if "decay" in v else ""
+    return f"{v['rule']} lr={v['lr']:g}{decay} H={v['H']} {v['compression']}"
 
 
 def row(setting: dict, exact: dict, v: dict, got: dict) -> dict:
@@ -198,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results")
-    parser.add_argument("--real", type=int, default=None, metavar="K",
-                        help="run held-out setting K on real gloo ranks through the torchrun "
-                        "entry (the default rule, and exact gossip) and add it to the JSON")  # fmt: skip
+    parser.add_argument("--explore", nargs="+", default=None, metavar="RULE:LR[:DECAY]",
+                        help="validation settings only, at the chosen H and compressor: these "
+                        "rules (e.g. learned:1 learned:1:0.9) to local_steps_explore.json")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.real is not None:
-        return real_ranks(args.real, args.out or "local_steps")
+    if args.explore:
+        return explore(args.explore, args.out or "local_steps_explore")
     start = time.perf_counter()
     validation, heldout, grid = VALIDATION, HELDOUT, GRID
     if args.quick:
@@ -263,50 +264,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def real_ranks(k: int, out: str) -> int:
-    """Held-out setting ``k`` on real gloo ranks (``launch_local``, the torchrun entry's
-    :func:`~learned_opt.distributed.train.launched`): exact per-step gossip and the mode with
-    the rule of the lowest simulated loss ratio among those that passed at the chosen default
-    (among all when none did), as the simulation ran them;
-    their bytes and losses go beside the simulated rows, under ``real_ranks``."""
-    from learned_opt.distributed import launch_local
-    from learned_opt.distributed.train import launched
-
-    path = RESULTS / f"{out}.json"
-    payload = json.loads(path.read_text())
-    s, chosen = HELDOUT[k], payload["validation"]["chosen"]
-    sim = [r for r in payload["heldout"]["rows"] if r["task"] == s["task"] and
-           r["H"] == chosen["H"]]  # fmt: skip
-    best = min(sim, key=lambda r: (not r["passes"], r["loss_ratio"]))
-    argv = ["--task", s["task"], "--steps", str(s["horizon"]), "--topology", s["topology"],
-            "--partition", s["partition"], "--alpha", str(s["alpha"]), "--seed", str(s["seed"]),
-            "--optimizer", "adam", "--lr", str(INNER_LR), "--timeout", "300",
-            "--metrics-every", str(s["horizon"])]  # fmt: skip
-    mode = ["--outer-step", best["rule"], "--outer-lr", str(best["lr"]), "--local-steps",
-            str(best["H"]), "--compression", best["compression"]]  # fmt: skip
-    got = {}
-    for name, extra in (("exact", ["--mixing", "metropolis"]), (best["rule"], mode)):
-        start = time.perf_counter()
-        res = launch_local(launched, s["workers"], [*argv, *extra], timeout=3600, pg_timeout=300)
-        got[name] = {"test_loss": res[0]["test_loss"],
-                     "bytes_per_rank": res[0]["bytes_per_step"] * s["horizon"],
-                     "seconds": round(time.perf_counter() - start, 1)}  # fmt: skip
-        print(f"real ranks, {name}: {got[name]}", flush=True)
-    exact = got.pop("exact")
-    ((rule, mine),) = got.items()
-    payload["real_ranks"] = {
-        "setting": s, "rule": rule, "lr": best["lr"], "H": best["H"],
-        "compression": best["compression"], "exact": exact, "mode": mine,
-        "loss_ratio": mine["test_loss"] / exact["test_loss"],
-        "bytes_reduction_x": exact["bytes_per_rank"] / mine["bytes_per_rank"],
-        "simulated": {"loss_ratio": best["loss_ratio"], "final": best["final"],
-                      "exact_final": best["exact_final"],
-                      "bytes_per_rank": best["bytes_per_rank"],
-                      "exact_bytes_per_rank": best["exact_bytes_per_rank"]},
-        "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.local_steps",
-                                ["--real", str(k)]),
-    }  # fmt: skip
-    write_json(out, payload)
+def explore(specs: list[str], out: str) -> int:
+    """Variants of the outer rules on the validation settings only, at the H and compressor
+    that ``local_steps.json`` chose (never on the held-out settings)."""
+    chosen = json.loads((RESULTS / "local_steps.json").read_text())["validation"]["chosen"]
+    variants = []
+    for spec in specs:
+        rule, lr, *decay = spec.split(":")
+        v = dict(rule=rule, lr=float(lr), H=chosen["H"], compression=chosen["compression"])
+        variants.append({**v, **({"decay": float(decay[0])} if decay else {})})
+    rows = sweep(VALIDATION, variants, {})
+    write_json(out, {"benchmark": "local_steps_explore", "chosen": chosen, "rows": rows,
+                     "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m "
+                                             "benchmarks.local_steps", ["--explore", *specs]),
+                     **machine()})  # fmt: skip
     return 0
 
 

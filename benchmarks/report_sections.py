@@ -172,15 +172,18 @@ def _real_ranks(x: dict | None) -> str:
     if not x:
         return ""
     s, sim = x["setting"], x["simulated"]
+    runs = "; ".join(
+        f"{how} test loss {x[n]['test_loss']:.4g} ({x['loss_ratio'][n]:.3f}x exact), "
+        f"{x[n]['bytes_per_rank']:,.0f} bytes per rank"
+        for n, how in (("torchrun", "the torchrun entry"), ("lightning", "`GossipStrategy`"))
+    )
     return (
-        f"\n\nOn {s['workers']} real gloo ranks (the torchrun entry, `{x['command']}`), "
-        f"{s['task']} with {x['rule']} at H={x['H']}: test loss {x['mode']['test_loss']:.4g} "
-        f"(simulated {sim['final']:.4g}) against exact gossip's {x['exact']['test_loss']:.4g} "
-        f"(simulated {sim['exact_final']:.4g}), {x['mode']['bytes_per_rank']:,.0f} bytes per "
-        f"rank (simulated {sim['bytes_per_rank']:,.0f}) against "
-        f"{x['exact']['bytes_per_rank']:,.0f} (simulated {sim['exact_bytes_per_rank']:,.0f}; "
-        f"the entry's exchanges also carry the loss and a header): {x['loss_ratio']:.3f}x the "
-        f"loss at {x['bytes_reduction_x']:.0f}x fewer bytes."
+        f"\n\nOn {s['workers']} real gloo ranks (`{x['command']}`), {s['task']} with "
+        f"{x['rule']} {x['lr']:g} at H={x['H']}: {runs}; simulated {sim['final']:.4g} "
+        f"({sim['loss_ratio']:.3f}x), {sim['bytes_per_rank']:,.0f} bytes. Exact gossip there: "
+        f"{x['exact']['test_loss']:.4g} and {x['exact']['bytes_per_rank']:,.0f} bytes per rank "
+        f"(simulated {sim['exact_final']:.4g} and {sim['exact_bytes_per_rank']:,.0f}; the "
+        "entry's exchanges also carry the loss and a header)."
     )
 
 

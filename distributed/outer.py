@@ -22,7 +22,8 @@ Outer rules (:func:`outer_rule`):
 
 - ``"nesterov"``: DiLoCo's, SGD with Nesterov momentum, on error feedback;
 - ``"learned"``: the shipped :class:`~learned_opt.LearnedOptimizer` on error feedback; its
-  per-tensor adaptation sets the step from the pseudo-gradient's statistics;
+  per-tensor adaptation sets the step from the pseudo-gradient's statistics (made for
+  inner steps, it ended 1.2x to 2.6x Nesterov's loss on the benchmark's held-out runs);
 - ``"demo"``: decoupled momentum as in DeMo: ``b_i`` is the momentum itself (decay 0.9),
   its compressed part is what moves the anchor (plain SGD), the rest keeps building.
 
