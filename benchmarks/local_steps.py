@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results")
-    parser.add_argument("--explore", nargs="+", default=None, metavar="RULE:LR[:DECAY]",
-                        help="validation settings only, at the chosen H and compressor: these "
-                        "rules (e.g. learned:1 learned:1:0.9) to local_steps_explore.json")  # fmt: skip
+    parser.add_argument("--explore", nargs="+", default=None, metavar="RULE:LR[:DECAY[:SPEC]]",
+                        help="validation settings only, at the chosen H (and compressor unless "
+                        "SPEC): these variants (e.g. learned:1 demo:1:0.9:randk:0.1:4) to "
+                        "local_steps_explore.json")  # fmt: skip
     args = parser.parse_args(argv)
     if args.explore:
         return explore(args.explore, args.out or "local_steps_explore")
@@ -265,16 +266,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def explore(specs: list[str], out: str) -> int:
-    """Variants of the outer rules on the validation settings only, at the H and compressor
-    that ``local_steps.json`` chose (never on the held-out settings)."""
+    """Variants of the outer rules on the validation settings only, at the H (and unless
+    given, the compressor) that ``local_steps.json`` chose (never on the held-out settings)."""
     chosen = json.loads((RESULTS / "local_steps.json").read_text())["validation"]["chosen"]
     variants = []
     for spec in specs:
-        rule, lr, *decay = spec.split(":")
-        v = dict(rule=rule, lr=float(lr), H=chosen["H"], compression=chosen["compression"])
-        variants.append({**v, **({"decay": float(decay[0])} if decay else {})})
+        rule, lr, *rest = spec.split(":", 3)
+        v = dict(rule=rule, lr=float(lr), H=chosen["H"],
+                 compression=rest[1] if len(rest) > 1 else chosen["compression"])  # fmt: skip
+        variants.append({**v, **({"decay": float(rest[0])} if rest else {})})
     rows = sweep(VALIDATION, variants, {})
-    write_json(out, {"benchmark": "local_steps_explore", "chosen": chosen, "rows": rows,
+    path = RESULTS / f"{out}.json"
+    if path.exists():  # earlier explorations stay, with their own commands
+        old = json.loads(path.read_text())
+        rows = old["rows"] + rows
+        specs = [*old.get("specs", []), *specs]
+    write_json(out, {"benchmark": "local_steps_explore", "specs": specs, "chosen": chosen, "rows": rows,
                      "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m "
                                              "benchmarks.local_steps", ["--explore", *specs]),
                      **machine()})  # fmt: skip
