@@ -260,7 +260,10 @@ class GossipStrategy(DDPStrategy):
         self._every = trainer.log_every_n_steps if every is None else every
         if self.mixing == "allreduce":
             return
-        if self.outer_step is not None:
+        if self.outer_step is not None:  # every rank starts its rounds from one anchor: the
+            # ranks' average (a resumed run's ranks hold their own models)
+            if self.world_size > 1:
+                all_reduce_mean_(self._float_state().values(), comm, 0, "outer step start")
             kw = dict(self.outer_kwargs)
             factory, decay = outer_rule(self.outer_step, kw.pop("lr"))
             self.rounds = {id(opt): OuterStep(
