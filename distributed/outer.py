@@ -25,7 +25,8 @@ Outer rules (:func:`outer_rule`):
   per-tensor adaptation sets the step from the pseudo-gradient's statistics (made for
   inner steps, it ended 1.2x to 2.6x Nesterov's loss on the benchmark's held-out runs);
 - ``"demo"``: decoupled momentum as in DeMo: ``b_i`` is the momentum itself (decay 0.9),
-  its compressed part is what moves the anchor (plain SGD), the rest keeps building.
+  its compressed part is what moves the anchor (plain SGD on the mean; DeMo itself steps by
+  the sign of the aggregate), the rest keeps building.
 
 Compressors: any of :mod:`.compression`; the mode's default is :data:`DEFAULT_COMPRESSION`
 (top-k at 5 % with 4-bit values). Bytes are counted in the encoding sent: indices (or the
@@ -44,6 +45,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from learned_opt import LearnedOptimizer, load_checkpoint
+from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 
 from .compression import get_compressor
 
@@ -72,9 +76,6 @@ def outer_rule(name: str, lr: float | None = None):
         return (lambda a: torch.optim.SGD(a, lr=lr, momentum=0.9, nesterov=True)), DECAY[name]
     if name == "demo":
         return (lambda a: torch.optim.SGD(a, lr=lr)), DECAY[name]
-    from learned_opt import LearnedOptimizer, load_checkpoint
-    from learned_opt.checkpoint import DEFAULT_CHECKPOINT
-
     net = load_checkpoint(DEFAULT_CHECKPOINT)[0]
     return (lambda a: LearnedOptimizer(a, net=net, lr=lr, compile=False)), DECAY[name]
 
