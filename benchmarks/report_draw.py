@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, as_completed, wait
 from pathlib import Path
 
@@ -113,26 +114,30 @@ def row(seed: int, runs: dict[str, dict], base: dict) -> dict:
 def fill_cache(seeds: list[int], jobs: int, cache: dict, log=print) -> None:
     """Run the AdamW grid and the anchors on every seed the cache lacks, saving as each
     draw completes. Where the best AdamW run sits at an edge of the grid, the grid is
-    extended by a factor of 3 that way (twice at most)."""
+    extended by a factor of 3 that way (twice at most). Runs are handed out a few at a time,
+    a draw's extension before any new draw, so draws complete in order and a stopped fill
+    loses only the draws in flight."""
     todo = [s for s in seeds if draw(s).describe() not in cache]
     if not todo:
         return
     log(f"report_draw: tuning AdamW and running the anchors on {len(todo)} draws")
+    queue = deque((s, side) for s in todo for side in ADAMW_SIDES + rules.ANCHORS)
     runs: dict[int, dict] = {}
     with ProcessPoolExecutor(jobs) as pool:
-        pending = {pool.submit(_run, s, side): (s, side)
-                   for s in todo for side in ADAMW_SIDES + rules.ANCHORS}  # fmt: skip
-        while pending:
+        pending: dict = {}
+        while queue or pending:
+            while queue and len(pending) < jobs:
+                seed, side = queue.popleft()
+                pending[pool.submit(_run, seed, side)] = (seed, side)
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
                 seed, side = pending.pop(fut)
                 runs.setdefault(seed, {})[side] = fut.result()
-                if any(s == seed for s, _ in pending.values()):
+                if any(s == seed for s, _ in [*pending.values(), *queue]):
                     continue
                 beyond = edge(runs[seed])
                 if beyond is not None:
-                    pending.update({pool.submit(_run, seed, side): (seed, side)
-                                    for side in adamw_sides([beyond])})  # fmt: skip
+                    queue.extendleft((seed, side) for side in reversed(adamw_sides([beyond])))
                     continue
                 cache[draw(seed).describe()] = baseline_entry(runs.pop(seed))
                 write_cache(cache)

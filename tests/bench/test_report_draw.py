@@ -76,3 +76,21 @@ def test_a_row_scores_time_from_the_runs_made_side_by_side(monkeypatch):
     broken = {"curve": [2.0] * 5 + [float("inf")] * 15, "seconds": 1.0}
     r = rd.row(3, {"rule": broken, "adamw": {"curve": base["curve"], "seconds": 2.0}}, base)
     assert r["rule"] == 0.0 and r["time"] == 0.0 and r["rule_diverged"]
+
+
+def _edge_run(seed, side):
+    """Seed 0's best AdamW run sits at the grid's top edge; every other seed's inside it."""
+    lr = float(side.split(":")[1]) if side.startswith("adamw:") else 0.0
+    final = 0.5 - lr if seed == 0 else 0.5 if lr == 1e-3 else 1.0
+    return {"curve": [2.0] * 5 + [final] * 15, "seconds": 0.1}
+
+
+def test_draws_complete_in_order_with_their_extensions_first(monkeypatch):
+    """A draw's extension runs before the next draw's runs, so a stopped fill keeps every
+    draw before the one in flight."""
+    monkeypatch.setattr(rd, "_run", _edge_run)
+    monkeypatch.setattr(rd, "write_cache", lambda cache, path=None: None)
+    logs, cache = [], {}
+    rd.fill_cache([0, 1, 2], 1, cache, log=logs.append)
+    assert [line.split()[2] for line in logs[1:]] == ["0", "1", "2"]
+    assert cache[draw(0).describe()]["best"] == "adamw:0.27"  # extended twice, to 0.09 then 0.27
