@@ -34,6 +34,13 @@ def decide_table(r: dict) -> str:
     return head + "\n\n" + markdown_table(["kind", "draws", "steps", "time"], rows)
 
 
+def _pinned(side: str, commit: str | None) -> str:
+    """A side as the ledger has it, with ``.`` (the checkout then) named by its commit."""
+    if commit and (side == "." or side.startswith(".:")):
+        return commit + side[1:]
+    return side
+
+
 @section("decide:ledger")
 def ledger_table(_: dict) -> str:
     rows = []
@@ -41,7 +48,8 @@ def ledger_table(_: dict) -> str:
         s = e.get("steps")
         outcome = (f"{_interval(s)}; {'ships' if s['ships'] else 'does not ship'}"
                    if s else e["status"])  # fmt: skip
-        rows.append([e["date"], f"`{e['a']}`", f"`{e['b']}`",
+        a, b = (_pinned(e[k], e.get(f"{k}_commit")) for k in "ab")
+        rows.append([e["date"], f"`{a}`", f"`{b}`",
                      f"{e['first_seed']}-{e['first_seed'] + e['draws'] - 1}", outcome])  # fmt: skip
     return markdown_table(
         ["date", "A", "B", "seeds", "A over B in steps (interval); verdict"], rows

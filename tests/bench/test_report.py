@@ -88,3 +88,13 @@ def test_the_reporting_draw_says_how_many_of_its_draws_it_covers():
     assert "| mlp | 2 | 1.50x | 0.80x | 0.50x | 0.40x | 1.10x |" in table
     assert "The first 2 of its 150 draws" in table
     assert "All 2 draws" in report_choices.report_draw_table({"of": 2, "summary": summary})
+
+
+def test_the_ledger_names_this_checkout_by_its_commit():
+    from benchmarks.report_choices import _pinned
+
+    assert _pinned(".:step_mult=0.003", "380c96c") == "380c96c:step_mult=0.003"
+    assert _pinned(".", "380c96c") == "380c96c"
+    assert (
+        _pinned("bbd8f5d", "bbd8f5d") == "bbd8f5d" and _pinned("adamw:0.001", None) == "adamw:0.001"
+    )
