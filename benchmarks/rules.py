@@ -116,15 +116,16 @@ def _muon(params):
     params = list(params)
     matrices = [p for p in params if p.dim() == 2 and min(p.shape) > 1 and max(p.shape) < 4096]
     rest = [p for p in params if all(p is not q for q in matrices)]
-    return _Pair(torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01),
-                 torch.optim.AdamW(rest, lr=3e-3))  # fmt: skip
+    # a model without hidden matrices (a linear model) is AdamW's alone, and the reverse
+    opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01)] if matrices else []
+    return _Pair(*opts, *([torch.optim.AdamW(rest, lr=3e-3)] if rest else []))
 
 
 class _Pair:
     """Two optimizers stepped as one (Muon on matrices, AdamW on the rest)."""
 
     def __init__(self, *opts):
-        self.opts = [o for o in opts if o.param_groups[0]["params"]]
+        self.opts = list(opts)
         self.param_groups = [g for o in self.opts for g in o.param_groups]
 
     def zero_grad(self, set_to_none: bool = True):

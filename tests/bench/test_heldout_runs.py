@@ -67,3 +67,16 @@ def test_sampled_ranks_are_scored_on_their_own_samples_and_partitions_on_the_who
     assert len(run["curve"]) == 3 and run["population_final"] > 0
     assert dec.setting_key(setting).endswith("|objective=ranks|gridNone")
     assert "objective" not in dec.setting_key(dict(setting, partition="dirichlet"))
+
+
+def test_the_muon_anchor_takes_models_without_matrices_or_without_the_rest():
+    from benchmarks import rules
+
+    for model in (nn.Linear(5, 1), nn.Linear(5, 4, bias=False)):
+        opt = rules._muon(model.parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        model(torch.randn(8, 5)).square().mean().backward()
+        opt.step()
+        assert len(opt.opts) == 1 and all(
+            not torch.equal(a, b) for a, b in zip(before, model.parameters())
+        )
