@@ -195,7 +195,19 @@ class MetaCLI(LightningCLI):
                 + (f"; export with: learned-opt export {last} out.pt" if last else ""),
                 flush=True,
             )
+        _close_process_group()
 
     def validate(self, model, **kwargs):
         """``Trainer.validate``, always loading with ``weights_only=True``."""
         return self.trainer.validate(model, **{**kwargs, "weights_only": True})
+
+
+def _close_process_group() -> None:
+    """After a data-parallel fit, the ranks meet once more and close their process group, so
+    that none exits while the group's threads are alive (under load, a rank's exit then
+    aborted with "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
