@@ -1,13 +1,11 @@
 """Renderers of the sections on how the rule is chosen (see ``report.py``): ``decide`` (the
 latest decision, overall and per kind), ``decide:ledger`` (every decision of the ledger),
-``report_draw`` (the shipped rule and the anchors per kind) and ``report_draw:headline``; and
-the records of the choices made before: the validation family's (``validation_handset_now``)
-and the meta-training stages' (``meta_training_stages``)."""
+``report_draw`` (the shipped rule and the anchors per kind) and ``report_draw:headline``."""
 
 from __future__ import annotations
 
 from benchmarks.decide import KIND_FLOOR, read_ledger
-from benchmarks.report_sections import SCHEDULE_PHRASES, _x, markdown_table, section
+from benchmarks.report_sections import markdown_table, section
 from benchmarks.rules import ANCHORS
 
 ANCHOR_NAMES = {"sfadamw": "schedule-free AdamW", "prodigy": "Prodigy (cosine)",
@@ -107,93 +105,3 @@ def decide_headline(r: dict) -> str:
             f"validation problems: **{s['geomean']:.3f}x** fewer steps [{low:.3f}, {high:.3f}] on "
             f"{s['n']} fresh draws, {'a win' if s['ships'] else 'not a win'}; kinds below "
             f"{KIND_FLOOR}: {fallen} ([decisions](docs/results.md#decisions-on-fresh-draws)).")  # fmt: skip
-
-
-# The validation family's last record (its script is in git at ``40411a9``)
-
-
-def _cell(run: dict | None) -> str:
-    if run is None:
-        return "-"
-    return _x(run["speedup"]) + (" (diverged)" if run.get("diverged") else "")
-
-
-def _single(r: dict) -> str:
-    anchors = [a for a in r["anchors"] if any(a in row.get("anchors", {}) for row in r["single"])]
-    rows = [
-        [row["task"], row["horizon"], row["kind"], _cell(row["learned"]),
-         _x(row["learned"].get("wall_speedup"))]
-        + [_cell(row.get("anchors", {}).get(a)) for a in anchors]
-        for row in r["single"]
-    ]  # fmt: skip
-    s = r["summary"]
-    rows.append(
-        ["**median**", "", "", f"**{_x(s['median_speedup'])}**", _x(s["median_wall_speedup"])]
-        + [_x(s["anchors_median_speedup"].get(a)) for a in anchors]
-    )
-    header = ["problem", "steps", "kind", "rule", "rule, wall-clock"] + [f"`{a}`" for a in anchors]
-    return markdown_table(header, rows)
-
-
-@section("validation_handset_now")
-def render_validation(r: dict) -> str:
-    s = r["summary"]
-    side = r["side"]
-    fields = ", ".join(f"{k}={v}" for k, v in (side.get("fields") or {}).items())
-    summary = (
-        f"Small problems (at most 300 steps): median {_x(s['median_speedup_short'])}; runs of"
-        f" 1000 steps or more: median {_x(s['median_speedup_long'])}; lowest row"
-        f" {_x(s['min_speedup'])}; rows below 0.9x: {', '.join(s['rows_below_0.9']) or 'none'};"
-        f" divergences: {s['divergences']}."
-    )
-    return (
-        _single(r)
-        + "\n\n"
-        + (
-            summary
-            + f" Step speedup against AdamW tuned per problem and horizon (constant or cosine,"
-            f" rates {', '.join(f'{x:g}' for x in r['adamw_grid'])}), the median over seeds"
-            f" {', '.join(map(str, r['seeds']))}; anchors at their documented settings, untuned."
-            f" Rule: `{side.get('checkpoint', side.get('label'))}`"
-            + (f" with {fields}" if fields else "")
-            + SCHEDULE_PHRASES.get(r.get("schedule", "constant"), "")
-            + f". Measured {r['date']} on {r['machine']}, torch {r['torch']}, commit"
-            f" {r['commit']}. Wall time {r['wall_seconds'] / 60:.0f} min. Command:"
-            f" `{r['command']}`." + (f" {r['note']}" if r.get("note") else "")
-        )
-    )
-
-
-@section("meta_training_stages")
-def render_meta_stages(r: dict) -> str:
-    """The meta-training stages against the hand-set rule (written by ``benchmarks/meta_stages.py``,
-    in git at ``c2adf13``, from the stages' validation records)."""
-
-    def pairs(row: dict) -> str:
-        p = row.get("paired") or {}
-        if row is r["rows"][0] or not p.get("pairs"):
-            return "-"
-        return f"{p['geomean']:.2f} ({p['ahead']} / {p['behind']} of {p['pairs']})"
-
-    rows = [
-        [f"`{row['rule']}`", row["date"], f"**{_x(row['median'])}**",
-         f"{row['times_reference']:.2f}", pairs(row), _x(row["median_short"]),
-         _x(row["median_long"]), _x(row["lowest"]), ", ".join(row["below_0.9"]) or "none"]
-        for row in r["rows"]
-    ]  # fmt: skip
-    header = ["rule", "validated", "median", "times the hand-set rule",
-              "row by row (ahead / behind)", "small problems", "runs of 1000+ steps",
-              "lowest row", "rows below 0.9x"]  # fmt: skip
-    verdict = "meets" if r["target_met"] else "does not meet"
-    return (
-        markdown_table(header, rows)
-        + f"\n\nSingle-worker validation family, step speedup against tuned AdamW (the first"
-        f" row is the hand-set rule, `{r['reference']}.json`; each stage was validated against"
-        f" it at the same code). The best stage, `{r['best_stage']}`, reaches"
-        f" {r['best_times_reference']:.2f} times the hand-set rule's median, and so"
-        f" {verdict} the {r['target_times_reference']:.2f} times a meta-trained checkpoint"
-        f" must reach before it may ship. Row by row: the geometric mean of the stage's"
-        f" step speedup over the hand-set rule's on every problem and seed both ran, and on"
-        f" how many the stage was ahead and behind. Generated from the records by"
-        f" `{r['command']}`."
-    )
