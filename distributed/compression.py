@@ -54,9 +54,12 @@ test_compression.py``); ``sign`` and ``int8`` stay stable at 0.5. The default,
 
 Compressors (``compression=``):
 
-- ``"topk:R"``: the largest ``ceil(R * n)`` entries of each tensor by magnitude: indices as
-  int16 (tensors of up to 32,767 entries) or int32, values rounded to bfloat16 (what the
-  rounding loses stays in ``x_i - h_i`` and is sent later): 4 or 6 bytes per entry kept;
+- ``"topk:R"``: the largest ``ceil(R * n)`` entries of each tensor by magnitude: the
+  indices sorted, in the shortest of three lossless fixed-length codes (:mod:`.indices`:
+  Elias-Fano, about 6.3 bits per index at 5 %, a bitmap when denser, nothing when all are
+  kept), values rounded to bfloat16 in the same order (what the rounding loses stays in
+  ``x_i - h_i`` and is sent later). Until the index code, indices went as int16 or int32
+  (2 or 4 bytes each);
 - ``"sign"``: one bit per entry and one float32 scale (the mean magnitude) per tensor;
 - ``"int8"``: one int8 per entry and one float32 scale (max magnitude / 127) per tensor.
 - ``"topk:R:B"``: top-k with its values in ``B`` bits (2, 4 or 8; 16 is bfloat16, the
@@ -74,26 +77,30 @@ import math
 import torch
 from torch import Tensor
 
+from . import indices
+from .indices import PayloadError
 from .mixing import mix
-
-_INT16_MAX = 32767
-
 
 BITS = (2, 4, 8, 16)
 
 
-def quantize(values: Tensor, bits: int) -> list[Tensor]:
+def quantize(values: Tensor, bits: int, order: Tensor | None = None) -> list[Tensor]:
     """``values`` in ``bits`` bits: ``[packed uint8 codes, float32 scale]``. The ``2^B``
     levels sit at odd multiples of ``scale`` (``+-scale, +-3 scale, ...``, no zero), the
     outermost at ``R = min(max |v|, 3 rms(v))``; values beyond are clipped (what is lost
-    stays in the sender's error feedback). ``bits`` 16 is bfloat16, without a scale."""
+    stays in the sender's error feedback). ``bits`` 16 is bfloat16, without a scale.
+    ``order``: a permutation the codes are sent in (the scale is computed on ``values``
+    as given, so the order sent changes no bit of what is received)."""
     if bits == 16:
+        values = values if order is None else values[order]
         return [values.to(torch.bfloat16)]
     v = values.float()
     levels = 2**bits
     rms = v.square().mean().sqrt()
     scale = (torch.minimum(v.abs().max(), 3 * rms) / (levels - 1)).clamp_min(1e-30)
     codes = ((v / scale + (levels - 1)) / 2).round_().clamp_(0, levels - 1).to(torch.uint8)
+    if order is not None:
+        codes = codes[order]
     per = 8 // bits
     codes = torch.cat([codes, codes.new_zeros((-codes.numel()) % per)]).view(-1, per)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
@@ -101,9 +108,18 @@ def quantize(values: Tensor, bits: int) -> list[Tensor]:
 
 
 def dequantize(payload: list[Tensor], bits: int, n: int) -> Tensor:
-    """The ``n`` values :func:`quantize` sent (float32; bfloat16 at 16 bits)."""
+    """The ``n`` values :func:`quantize` sent (float32; bfloat16 at 16 bits);
+    :class:`~.indices.PayloadError` if ``payload`` does not hold them."""
     if bits == 16:
+        if len(payload) != 1 or payload[0].dim() != 1 or payload[0].numel() != n:
+            raise PayloadError(f"expected {n} values, got {[tuple(t.shape) for t in payload]}")
         return payload[0]
+    want = -(-n * bits // 8)
+    shapes = [(t.dtype, tuple(t.shape)) for t in payload]
+    if shapes != [(torch.uint8, (want,)), (torch.float32, (1,))]:
+        raise PayloadError(
+            f"{n} values in {bits} bits take {want} uint8 bytes and a float32 scale, got {shapes}"
+        )
     packed, scale = payload
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
     codes = ((packed.unsqueeze(1) >> shifts) & (2**bits - 1)).reshape(-1)[:n]
@@ -111,9 +127,10 @@ def dequantize(payload: list[Tensor], bits: int, n: int) -> Tensor:
 
 
 class TopK:
-    """Largest entries by magnitude: payload ``[int16/int32 indices, values]`` per tensor,
-    the values in bfloat16 (``bits`` 16; other float dtypes than float32 and bfloat16 are
-    sent as they are) or in ``bits`` bits (:func:`quantize`)."""
+    """Largest entries by magnitude: payload ``[indices, values]`` per tensor, the indices
+    sorted in :mod:`.indices`' code, the values in their order, in bfloat16 (``bits`` 16;
+    other float dtypes than float32 and bfloat16 are sent as they are) or in ``bits`` bits
+    (:func:`quantize`)."""
 
     def __init__(self, ratio: float, bits: int = 16):
         if not 0 < ratio <= 1:
@@ -122,21 +139,29 @@ class TopK:
             raise ValueError(f"value bits must be one of {BITS}, got {bits}")
         self.ratio, self.bits = ratio, bits
 
+    def k(self, n: int) -> int:
+        """The entries kept of a tensor of ``n``."""
+        return max(1, math.ceil(self.ratio * n))
+
     def compress(self, d: Tensor) -> list[Tensor]:
         flat = d.reshape(-1)
-        k = max(1, math.ceil(self.ratio * flat.numel()))
-        idx = flat.abs().topk(k, sorted=False).indices
+        idx = flat.abs().topk(self.k(flat.numel()), sorted=False).indices
+        order = idx.argsort()  # sent sorted; the values quantized as found (same scale)
         values = flat[idx]
         if values.dtype == torch.float32 or self.bits < 16:
-            values = quantize(values, self.bits)
+            values = quantize(values, self.bits, order)
         else:
-            values = [values]
-        small = flat.numel() <= _INT16_MAX
-        return [idx.to(torch.int16 if small else torch.int32), *values]
+            values = [values[order]]
+        return [indices.encode(idx[order], flat.numel()), *values]
 
     def add_(self, h: Tensor, payload: list[Tensor]) -> None:
-        idx, values = payload[0], dequantize(payload[1:], self.bits, len(payload[0]))
-        h.view(-1).index_add_(0, idx.long(), values.to(h.dtype))
+        """``h += `` the entries ``payload`` carries; :class:`~.indices.PayloadError`, before
+        ``h`` is touched, when ``payload`` is not what a :meth:`compress` of ``h``'s size
+        sends."""
+        n = h.numel()
+        idx = indices.decode(payload[0], n, self.k(n))
+        values = dequantize(payload[1:], self.bits, len(idx))
+        h.view(-1).index_add_(0, idx.to(h.device), values.to(h.dtype))
 
 
 class RandK:
@@ -160,7 +185,10 @@ class RandK:
         return [seed, *quantize(values, self.bits)]
 
     def add_(self, h: Tensor, payload: list[Tensor]) -> None:
-        idx = self._indices(payload[0], h.numel()).to(h.device)
+        seed = payload[0] if payload else None
+        if seed is None or seed.dtype != torch.int64 or seed.shape != (1,):
+            raise PayloadError(f"random-k payload must start with one int64 seed, got {seed}")
+        idx = self._indices(seed, h.numel()).to(h.device)
         values = dequantize(payload[1:], self.bits, len(idx))
         h.view(-1).index_add_(0, idx, values.to(h.dtype))
 
@@ -297,7 +325,10 @@ class ErrorFeedback:
         else:
             parts = len(payload) // len(self.copies[peer])
             for t, h in enumerate(self.copies[peer]):
-                self.compressor.add_(h, payload[parts * t : parts * (t + 1)])
+                try:
+                    self.compressor.add_(h, payload[parts * t : parts * (t + 1)])
+                except PayloadError as e:
+                    raise PayloadError(f"rank {peer}'s payload, tensor {t}: {e}") from None
         return self.copies[peer]
 
     def mix_(self, t: int, y: Tensor, copies: list[Tensor], weights: list) -> None:

@@ -32,8 +32,9 @@ local step followed by gossip of the parameters (tested).
 The public copies start at the common initial parameters (and the tracker's at zero), so no
 round sends anything whole: every rank must start from the same parameters (a seeded
 initialisation, as :mod:`.train` and the simulator do). Bytes are counted as sent: each
-round's payload (:mod:`.compression`: 4 bytes per top-k entry of a tensor of up to 32,767
-entries, else 6; float32 whole without compression) once per neighbour.
+round's payload (:mod:`.compression`: per top-k entry its bfloat16 value and about
+``log2(1 / R) + 2`` bits of index, :mod:`.indices`; float32 whole without compression) once
+per neighbour.
 
 Two drivers run the same per-rank object, :class:`LocalSteps`:
 

@@ -29,8 +29,9 @@ Outer rules (:func:`outer_rule`):
   the sign of the aggregate), the rest keeps building.
 
 Compressors: any of :mod:`.compression`; the mode's default is :data:`DEFAULT_COMPRESSION`
-(top-k at 5 % with 4-bit values). Bytes are counted in the encoding sent: indices (or the
-random-k seed), packed values and scales (:class:`OuterStep.bytes_sent`).
+(top-k at 5 % with 4-bit values). Bytes are counted in the encoding sent: indices (sorted,
+in :mod:`.indices`' code; for random-k its seed), packed values and scales
+(:class:`OuterStep.bytes_sent`), the length of the buffer :meth:`OuterStep.step` gathers.
 
 Two drivers run the same per-rank object, :class:`OuterStep`: the single-process
 simulator (:class:`~.local_steps.SimulatedLocalSteps` with ``kind=OuterStep``) and a real
@@ -50,6 +51,7 @@ from learned_opt import LearnedOptimizer, load_checkpoint
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 
 from .compression import get_compressor
+from .indices import PayloadError
 
 #: The outer rules of the mode, in the order they are reported.
 OUTER_RULES = ("nesterov", "learned", "demo")
@@ -80,8 +82,21 @@ def outer_rule(name: str, lr: float | None = None):
     return (lambda a: LearnedOptimizer(a, net=net, lr=lr, compile=False)), DECAY[name]
 
 
-def _nbytes(payload: list[Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in payload)
+def wire(payload: list[Tensor]) -> Tensor:
+    """The one uint8 buffer a rank sends: its payload's tensors, byte for byte, in order."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in payload])
+
+
+def unwire(buf: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The tensors of a received :func:`wire` buffer, laid out as ``like`` (every rank's
+    payload has the same dtypes and lengths)."""
+    out, offset = [], 0
+    for t in like:
+        n = t.numel() * t.element_size()
+        raw = buf[offset : offset + n].clone()  # aligned for the view
+        out.append(raw.view(t.dtype).view(t.shape))
+        offset += n
+    return out
 
 
 class OuterStep:
@@ -159,7 +174,7 @@ class OuterStep:
             b.sub_(sent)
             payload += q
         self._sent = payload
-        self.bytes_sent += (self.world_size - 1) * _nbytes(payload)
+        self.bytes_sent += (self.world_size - 1) * wire(payload).numel()
         return payload
 
     @torch.no_grad()
@@ -176,7 +191,12 @@ class OuterStep:
         for t, a in enumerate(self.anchors):
             g = torch.zeros_like(a.detach())
             for j in range(self.world_size):
-                self.compressor.add_(g, payloads[j][parts * t : parts * (t + 1)])
+                try:
+                    self.compressor.add_(g, payloads[j][parts * t : parts * (t + 1)])
+                except PayloadError as e:  # before any anchor moved
+                    raise PayloadError(
+                        f"rank {self.rank} round {self.rounds}: rank {j}'s payload, tensor {t}: {e}"
+                    ) from None
             a.grad = g.div_(self.world_size)
         self.outer.step()
         for p, a in zip(self.params, self.anchors):
@@ -204,16 +224,7 @@ class OuterStep:
 
     def _exchange_round(self) -> None:
         payload = self.encode()
-        flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in payload])
+        flat = wire(payload)
         gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
         dist.all_gather(gathered, flat, group=self.group)
-        received = {}
-        for j in self.neighbors:
-            out, offset = [], 0
-            for t in payload:  # every rank's payload has the same layout
-                n = t.numel() * t.element_size()
-                raw = gathered[j][offset : offset + n].clone()  # aligned for the view
-                out.append(raw.view(t.dtype).view(t.shape))
-                offset += n
-            received[j] = out
-        self.finish(received)
+        self.finish({j: unwire(gathered[j], payload) for j in self.neighbors})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learned_opt.distributed import get_topology
+from learned_opt.distributed import get_topology, indices
 from learned_opt.distributed.local_steps import LocalSteps, SimulatedLocalSteps, nesterov
 
 
@@ -76,8 +76,9 @@ def test_bytes_are_counted_once_per_neighbour():
         sim = SimulatedLocalSteps(params, nesterov(), local_steps=3, topology=topo,
                                   compression="topk:0.1", tracking=tracking)  # fmt: skip
         assert [sim.step() for _ in range(3)] == [False, False, True]
-        # 10 entries as int16 + bfloat16 (4 bytes), 4,000 as int32 + bfloat16 (6 bytes)
-        assert sim.bytes_per_rank == factor * 2 * (10 * 4 + 4000 * 6)
+        # 10 and 4,000 entries: coded indices (:mod:`indices`) and bfloat16 values
+        one = indices.nbytes(100, 10) + 10 * 2 + indices.nbytes(40_000, 4000) + 4000 * 2
+        assert sim.bytes_per_rank == factor * 2 * one
     exact = SimulatedLocalSteps([torch.zeros(4, 100)], sgd(), local_steps=1, topology=topo,
                                 compression=None, tracking=False)  # fmt: skip
     exact.step()

@@ -38,9 +38,9 @@ def test_quantize_packs_bits_and_rounds_to_the_nearest_level(bits):
 @pytest.mark.parametrize(
     "spec, nbytes",
     [
-        ("topk:0.02:4", 20 * 2 + 10 + 4),  # int16 indices, 20 values in 4 bits, a scale
-        ("topk:0.02:2", 20 * 2 + 5 + 4),
-        ("topk:0.02", 20 * 2 + 20 * 2),  # bfloat16 values
+        ("topk:0.02:4", 19 + 10 + 4),  # 20 of 1,000 indices in 151 bits, 4-bit values, a scale
+        ("topk:0.02:2", 19 + 5 + 4),
+        ("topk:0.02", 19 + 20 * 2),  # bfloat16 values
         ("randk:0.02:4", 8 + 10 + 4),  # a seed, no indices
         ("randk:0.03:8", 8 + 30 + 4),
     ],
