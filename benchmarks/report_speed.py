@@ -148,12 +148,9 @@ def render_step_overhead_brief(result: dict) -> str:
 def render_cuda_check(r: dict) -> str:
     checks, env = r["checks"], r["checks"]["environment"]["result"]
     rows = [
-        [name, c["status"], "; ".join(
-            filter(None, [c.get("error"), c.get("reason"), c.get("expected") and
-                          f"expected: {c['expected']}"])
-        )]
+        [name, c["status"], "; ".join(filter(None, [c.get("error"), c.get("reason")]))]
         for name, c in checks.items()
-    ]  # fmt: skip
+    ]
     status = markdown_table(["check", "result", "note"], rows)
     step = checks.get("step_timing", {}).get("result", {}).get("rows", [])
     timing = markdown_table(
@@ -164,20 +161,9 @@ def render_cuda_check(r: dict) -> str:
             for s in step
         ],
     )  # fmt: skip
-    flat = checks.get("flat_step_timing", {}).get("result", {})
-    flat_rows = [
-        [f["width"], f["pass"], f"{f['median_ms']:.1f}", f"{f['elements_per_s'] / 1e6:.0f}M"]
-        for f in flat.get("rows", [])
-    ]
-    flat_table = markdown_table(["width", "pass", "ms", "elements/s"], flat_rows)
     parts = [status]
     if step:
         parts.append(f"Step time on the GPU, the optimizers taking turns:\n\n{timing}")
-    if flat_rows:
-        parts.append(
-            f"`flat_step` (meta-training) on {flat.get('workers')} workers x "
-            f"{flat.get('elements_per_worker', 0):,} elements:\n\n{flat_table}"
-        )
     if r.get("runs"):
         runs = "; ".join(f"{run['date'][11:16]} UTC: {run['checks']}" for run in r["runs"])
         parts.append(f"The checks come from {len(r['runs'])} runs on one machine ({runs}).")

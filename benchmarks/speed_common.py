@@ -81,8 +81,6 @@ MODELS = {
 }
 #: name -> (vocab, d_model, layers) of transformer-shaped tensor sets (optimizer step only).
 SHAPES = {"shapes-10M": (8000, 256, 10), "shapes-100M": (16000, 768, 14)}
-#: size label -> (vocab, d_model, layers); used by ``benchmarks/cuda_check.py``.
-SIZES = {"1M": (2000, 128, 4), "10M": (8000, 256, 10)}
 
 
 def transformer_shapes(vocab: int, d: int, layers: int) -> list[tuple[int, ...]]:
