@@ -11,9 +11,7 @@ optimizer factory ``module:function``, a callable ``(params, lr_mult) -> Optimiz
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
-import json
 import math
 import statistics
 import time
@@ -24,7 +22,6 @@ import torch
 
 from benchmarks import rules
 from learned_opt import LearnedOptimizer, load_checkpoint, wsd_schedule
-from learned_opt.checkpoint import resolve_checkpoint
 from learned_opt.kernel import compile_after_seconds
 from learned_opt.meta_train.evaluation import final_loss
 from learned_opt.tasks import get_task
@@ -47,37 +44,6 @@ LR_MULTS = (1.0, 0.3, 3.0)
 def is_factory(side: str) -> bool:
     """Whether a learned side names a ``module:function`` factory rather than a checkpoint."""
     return ":" in side and not Path(side).exists()
-
-
-def code_hash() -> str:
-    """A hash of the learned optimizer's code: the core package, the mixing code in
-    ``learned_opt.distributed`` and the simulated inner training the decentralized rows
-    run (``learned_opt.meta_train.inner``), source by source."""
-    import learned_opt
-    import learned_opt.distributed
-    import learned_opt.meta_train.inner as inner
-
-    packages = (learned_opt, learned_opt.distributed)
-    sources = [p for pkg in packages for p in sorted(Path(pkg.__file__).parent.glob("*.py"))]
-    h = hashlib.sha256()
-    for path in [*sources, Path(inner.__file__)]:
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:10]
-
-
-def side_id(side: str) -> str | None:
-    """A learned side's cache identity: a checkpoint's name, a hash of what it steps with
-    (its config and theta, not its card: an edited card must not throw the runs
-    away) and the :func:`code_hash` (a changed rule or changed code is
-    evaluated afresh); ``None`` for a factory, whose code cannot be pinned down."""
-    if is_factory(side):
-        return None
-    net, _ = load_checkpoint(resolve_checkpoint(side))
-    configs = {**net.config.to_dict(), **net.mixing.to_dict()}
-    h = hashlib.sha256(json.dumps(configs, sort_keys=True).encode())
-    for name, tensor in sorted(net.state_dict().items()):
-        h.update(name.encode() + b"\0" + tensor.detach().cpu().contiguous().numpy().tobytes())
-    return f"{side}@{h.hexdigest()[:12]}+code-{code_hash()}"
 
 
 def _checkpoint_factory(checkpoint: str, params, lr_mult: float) -> torch.optim.Optimizer:

@@ -22,9 +22,9 @@ MAX_EXTENSIONS = 2
 
 class JobQueue:
     """Jobs by priority (lower first, then submission order), ``width`` at a time in
-    ``executor``. Without an executor nothing ever runs (jobs are only recorded)."""
+    ``executor``."""
 
-    def __init__(self, executor: Executor | None, width: int = 1):
+    def __init__(self, executor: Executor, width: int = 1):
         self.executor, self.width = executor, width
         self.priority = 0
         self._waiting: list = []
@@ -53,8 +53,6 @@ class JobQueue:
     def wait_any(self) -> list[tuple[object, Future]]:
         """Fill the pool, wait until a job ends, and return ``(ticket, future)`` of those
         that ended."""
-        if self.executor is None:
-            raise RuntimeError("this queue has no executor: its jobs never run")
         while self._waiting and len(self._running) < self.width:
             _, _, ticket, fn, args, kwargs = heapq.heappop(self._waiting)
             self._running[self.executor.submit(fn, *args, **kwargs)] = ticket

@@ -13,7 +13,7 @@ baselines tuned afresh per seed) and scored by the median over the seeds of its 
 the step times behind the wall-clock speedups are measured at seed 0 only.
 
 Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json.gz``,
-so evaluating a new checkpoint only runs the learned side. Writes
+so evaluating a new checkpoint only runs the learned side (every time: its runs are not cached). Writes
 ``benchmarks/results/quality_heldout.json`` (``--quick``: ``quality_heldout_quick.json``)
 and a PNG of loss curves beside it.
 
@@ -36,7 +36,6 @@ at any seed; ``divergences`` counts such rows and entries once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ import torch
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
 from benchmarks.common import RESULTS, Cache, command_line, curves_png, machine, write_json
-from benchmarks.job_queue import AdamWGrid, JobQueue, run_jobs
+from benchmarks.job_queue import AdamWGrid, run_jobs
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import final_loss, speedup
 from learned_opt.tasks import get_task, list_heldout_tasks
@@ -61,10 +60,6 @@ COST = {"heldout_logreg_l2": 0, "heldout_autoencoder": 1, "heldout_convnet_bn": 
 #: Bumped whenever what a cached baseline run measures changes.
 CACHE_VERSION = 1
 CACHE = RESULTS / f"quality_heldout_baselines_v{CACHE_VERSION}.json.gz"
-#: Learned-side runs of checkpoints, keyed by the checkpoint's content and the code's hash,
-#: so a rerun of the same command (say, after a change to the report) only assembles. Not
-#: committed: it is valid only for the code that wrote it.
-LEARNED_CACHE = RESULTS / f"quality_heldout_learned_v{CACHE_VERSION}.json.gz"
 
 
 def _setting(task, workers, topology, alpha, horizon, every=1) -> dict:
@@ -108,13 +103,6 @@ class Suite(AdamWGrid):
         scored = self.checkpoints and args.schedule == "constant"
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
                          for seed in self.seeds] if scored else []  # fmt: skip
-        self.learned_cache = Cache(LEARNED_CACHE)
-        # a schedule makes other runs than the constant multiplier's: cached apart
-        suffix = "" if args.schedule == "constant" else f"@{args.schedule}"
-        self.side_ids = {
-            side: None if (sid := single.side_id(side)) is None else sid + suffix
-            for side in self.sides
-        }
         self.learned: dict = {}  # (side, task, mult, steps, seed) -> curve
         self.timing: dict = {}  # (side, task) -> ms per step
         self.dec_learned: dict = {}  # (side, setting key) -> result
@@ -128,21 +116,8 @@ class Suite(AdamWGrid):
         return {SHORT, LONG.get(task, DEFAULT_LONG)}
 
     # ------------------------------------------------------------------ scheduling
-    def _learned_key(self, kind: str, key: tuple) -> str | None:
-        sid = self.side_ids[key[0]]
-        return None if sid is None else "|".join([kind, sid, *map(str, key[1:])])
-
-    def _store(self, kind: str) -> dict:
-        return {"learned": self.learned, "timing": self.timing, "dec_learned": self.dec_learned}[
-            kind
-        ]
-
     def submit_learned(self, pool, kind: str, key: tuple, task: str, fn, *args, **kwargs):
-        """Submit a learned-side job unless the learned cache holds its result."""
-        cache_key = self._learned_key(kind, key)
-        if cache_key is not None and cache_key in self.learned_cache.data:
-            self._store(kind)[key] = self.learned_cache.data[cache_key]
-            return
+        """Submit a learned-side job; its result goes to ``self.<kind>[key]``."""
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 
     def submit_all(self, pool) -> None:
@@ -217,10 +192,10 @@ class Suite(AdamWGrid):
             what = f"AdamW {key.split('|', 2)[2]}: final {final_loss(out['curve']):.4g}"
             self.maybe_extend(pool, task, int(key.rsplit("|", 1)[1]))
         elif kind == "learned":
-            self._keep(kind, key, out["curve"])
+            self.learned[key] = out["curve"]
             what = f"{key[0]} x{key[2]:g} seed {key[4]}: final {final_loss(out['curve']):.4g}"
         elif kind == "timing":
-            self._keep(kind, key, out["ms_per_step"])
+            self.timing[key] = out["ms_per_step"]
             what = f"{key[0]} timing: " + ", ".join(
                 f"{k} {v:.1f} ms" for k, v in out["ms_per_step"].items()
             )
@@ -230,16 +205,10 @@ class Suite(AdamWGrid):
                 f"{k} lr {out[k]['lr']:g} final {out[k]['final']:.4g}" for k in dec.BASELINES
             )
         else:
-            self._keep(kind, key, out)
+            self.dec_learned[key] = out
             what = f"{key[0]} decentralized: final {final_loss(out['curve']):.4g}"
         secs = f" ({out['seconds']} s)" if "seconds" in out else ""
         print(f"[{self.done}/{total}] {task} {what}{secs}", flush=True)
-
-    def _keep(self, kind: str, key: tuple, value) -> None:
-        self._store(kind)[key] = value
-        cache_key = self._learned_key(kind, key)
-        if cache_key is not None:
-            self.learned_cache.get(cache_key, lambda: value)
 
 
 # ----------------------------------------------------------------------------- rows
@@ -456,9 +425,6 @@ def main(argv: list[str] | None = None) -> int:
                         "single-worker rows only; see benchmarks.heldout_single.run)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default=None, help="result name under benchmarks/results/")
-    parser.add_argument("--cached-only", action="store_true",
-                        help="run nothing: assemble the result from the caches (what is "
-                        "missing is left out and the result marked partial)")  # fmt: skip
     args = parser.parse_args(argv)
     sides = list(args.checkpoint) + list(args.factory)
     if args.seeds is not None and len(set(args.seeds)) != len(args.seeds):
@@ -476,12 +442,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # what machine() records
     name = args.out or ("quality_heldout_quick" if args.quick else "quality_heldout")
-    previous = RESULTS / f"{name}.json"
-    measured = {}  # --cached-only keeps the record of the run that measured
-    if args.cached_only and previous.exists():
-        old = json.loads(previous.read_text())
-        measured = {k: old[k] for k in ("command", "wall_seconds", "load_average", "date")
-                    if k in old}  # fmt: skip
     suite = Suite(args)
     start = time.perf_counter()
     command = command_line("python -m benchmarks.quality_heldout", argv)
@@ -492,15 +452,11 @@ def main(argv: list[str] | None = None) -> int:
         payload, panels = assemble(suite, time.perf_counter() - start)
         payload.update(load_average=round(sum(loads) / len(loads), 1), command=command.strip(),
                        schedule=args.schedule)  # fmt: skip
-        payload = {**payload, **machine(), **measured}
+        payload = {**payload, **machine()}
         write_json(name, payload, quiet=quiet)
         return payload, panels
 
-    if args.cached_only:
-        suite.submit_all(JobQueue(None))
-        print(f"--cached-only: {len(suite.pending)} jobs not run", flush=True)
-    else:
-        run_jobs(suite, args.jobs, lambda: snapshot(quiet=True))
+    run_jobs(suite, args.jobs, lambda: snapshot(quiet=True))
     payload, panels = snapshot(quiet=False)
     curves_png(name, panels, ncols=5)
     s = payload["summary"]
