@@ -33,34 +33,15 @@ BASELINES = {"D-SGD": "sgd", "D-Adam": "adam", "DSGT": "dsgt"}
 
 
 def setting_key(setting: dict) -> str:
-    """The cache key of a setting's tuned baselines (each over its full grid); a
-    "sampled" setting's names its objective (see :func:`averaged_train_loss`)."""
-    objective = "|objective=ranks" if partition_of(setting) == "sampled" else ""
-    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + objective + "|gridNone"
+    """The cache key of a setting's tuned baselines (each over its full grid)."""
+    return "dec|" + "|".join(f"{k}={setting[k]}" for k in sorted(setting)) + "|gridNone"
 
 
-def partition_of(setting: dict) -> str:
-    """A setting's partition: its ``partition`` field, else the suite's "dirichlet" (the
-    field is left out of the held-out settings, so their cache keys stay as they were)."""
-    return setting.get("partition", "dirichlet")
-
-
-def averaged_train_loss(task, traj, population: bool = False) -> float:
-    """The decentralized objective at the workers' average (inf if not finite): the mean
-    of the workers' losses on their own data. Where the workers' shards partition the
-    training set that is the loss on the whole training set. Where each drew its own
-    sample (``partition="sampled"``: overlapping, skewed, some examples in no shard) it
-    is the loss on their samples together, which the training minimises; the whole
-    training set is then a population under label shift (``population=True``)."""
+def averaged_train_loss(task, traj) -> float:
+    """The decentralized objective at the workers' average (inf if not finite): its loss on
+    the whole training set, which the workers' label-skewed shards partition."""
     avg = {k: v.mean(0) for k, v in traj.layout.unflatten(traj.params).items()}
-    shards = torch.cat(list(traj.batches.shards))
-    whole = len(shards) == task.data.num_train and bool(
-        (torch.sort(shards).values == torch.arange(task.data.num_train)).all()
-    )
-    if whole or population:
-        loss = task.evaluate(avg, split="train", max_examples=task.data.num_train)["loss"]
-    else:
-        loss = task.evaluate(avg, split="train", indices=shards)["loss"]
+    loss = task.evaluate(avg, split="train", max_examples=task.data.num_train)["loss"]
     return loss if math.isfinite(loss) else math.inf
 
 
@@ -70,7 +51,7 @@ def run_averaged(task_name: str, opt: InnerOptimizer, setting: dict) -> dict:
     step ``t + 1`` (evaluated every ``setting["every"]`` steps and held in between)."""
     task = get_task(task_name)
     steps, every = setting["horizon"], setting["every"]
-    traj = new_trajectory(task, setting["workers"], setting["topology"], partition_of(setting),
+    traj = new_trajectory(task, setting["workers"], setting["topology"], "dirichlet",
                           setting["alpha"], setting.get("seed", 0), steps)  # fmt: skip
     curve: list[float] = []
     value = math.inf
@@ -82,10 +63,7 @@ def run_averaged(task_name: str, opt: InnerOptimizer, setting: dict) -> dict:
         if t % every == 0 or t == steps - 1:
             value = float(f"{averaged_train_loss(task, traj):.6g}")
         curve.append(value)
-    out = {"curve": curve, "consensus": consensus_distance(traj)}
-    if partition_of(setting) == "sampled":
-        out["population_final"] = averaged_train_loss(task, traj, population=True)
-    return out
+    return {"curve": curve, "consensus": consensus_distance(traj)}
 
 
 def baseline_job(task_name: str, setting: dict) -> dict:
@@ -121,7 +99,7 @@ def time_inner_steps(task_name: str, opts: dict[str, InnerOptimizer], setting: d
     """Median ms of one simulated step of all workers per optimizer, taking turns."""
     task = get_task(task_name)
     trajs = {
-        name: new_trajectory(task, setting["workers"], setting["topology"], partition_of(setting),
+        name: new_trajectory(task, setting["workers"], setting["topology"], "dirichlet",
                              setting["alpha"], 0, steps + warmup)
         for name in opts
     }  # fmt: skip
