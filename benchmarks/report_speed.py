@@ -25,10 +25,6 @@ STEP_COLUMNS = (
     ("training step / AdamW", "learned_default_train_ratio"),
     ("eager reference: step / AdamW", "learned_reference_step_ratio"),
     ("eager reference: training step / AdamW", "learned_reference_train_ratio"),
-    ("no orthogonalisation: step / AdamW", "learned_no_ortho_step_ratio"),
-    ("no orthogonalisation: training step / AdamW", "learned_no_ortho_train_ratio"),
-    ("Newton-Schulz every step: step / AdamW", "learned_ns_every_step_step_ratio"),
-    ("Newton-Schulz every step: training step / AdamW", "learned_ns_every_step_train_ratio"),
     ("Muon + AdamW: step / AdamW", "muon_adamw_step_ratio"),
     ("Muon + AdamW: training step / AdamW", "muon_adamw_train_ratio"),
 )

@@ -9,8 +9,6 @@ norm (optimizer step and training step), and transformer-shaped tensors of 10M a
 parameters with random gradients (optimizer step). Every optimizer steps its own copy,
 taking turns step by step, so only ratios are reported: the shipped rule's kernel
 (``learned_default``, timed once compiled) and eager reference (``learned_reference``);
-``--no-ortho`` (every tensor in the Adam form) and ``--ns-every-step`` (Newton-Schulz at
-every step) for what orthogonalising costs and what keeping the Gram polynomial saves;
 ``torch.optim.Muon`` with AdamW (``muon_adamw``) for scale. The first step and the kernel's
 readiness in a new process with an empty cache are measured in a subprocess
 (``cold_start``); then the contended workloads again beside two busy processes, in
@@ -20,7 +18,6 @@ readiness in a new process with an empty cache are measured in a subprocess
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -59,43 +56,23 @@ CONTENDED = ["transformer-0.5M", "shapes-10M"]
 NO_EAGER = ["shapes-100M"]
 
 
-def optimizers(params_of, device: str, eager: bool = True, variants=()) -> dict:
-    """Every optimizer compared, each on its own copy of the parameters (see the module);
-    ``variants``: names of :data:`VARIANTS` to time too."""
+def optimizers(params_of, device: str, eager: bool = True) -> dict:
+    """Every optimizer compared, each on its own copy of the parameters (see the module)."""
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
     if device == "cuda":
         opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
     opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
         opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
-    for name in variants:
-        opts[name] = LearnedOptimizer(params_of())
-        opts[name].config_transform = VARIANTS[name]
     opts["muon_adamw"] = muon_adamw(params_of(), opts["learned_default"].config)
     return opts
 
 
-def _adam_form(cfg):
-    """The rule with every tensor in the Adam form (no Newton-Schulz): ``learned_no_ortho``."""
-    return dataclasses.replace(cfg, output="adam")
-
-
-def _ns_every_step(cfg):
-    """The rule with Newton-Schulz at every step (``learned_ns_every_step``)."""
-    return dataclasses.replace(cfg, ns_every=1)
-
-
-#: The rule's variants a run may time beside it: name -> its config transform.
-VARIANTS = {"learned_no_ortho": _adam_form, "learned_ns_every_step": _ns_every_step}
-
-
-def workload(name: str, device: str, variants=()):
+def workload(name: str, device: str):
     """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
     if name in SHAPES:
         shapes = transformer_shapes(*SHAPES[name])
-        opts = optimizers(
-            lambda: make_params(shapes), device, eager=name not in NO_EAGER, variants=variants
-        )
+        opts = optimizers(lambda: make_params(shapes), device, eager=name not in NO_EAGER)
 
         def opt_step(opt):
             def run():
@@ -115,7 +92,7 @@ def workload(name: str, device: str, variants=()):
         models[len(models)] = model
         return model.parameters()
 
-    opts = optimizers(params_of, device, variants=variants)
+    opts = optimizers(params_of, device)
     gen = torch.Generator().manual_seed(0)
     batches = [models[0].batch(gen) for _ in range(4)]
 
@@ -140,11 +117,11 @@ def workload(name: str, device: str, variants=()):
     return n, tensors, opts, steps
 
 
-def measure(names, device, warmup, repeats, label="", rows=None, save=None, variants=()):
+def measure(names, device, warmup, repeats, label="", rows=None, save=None):
     """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
     rows = [] if rows is None else rows
     for name in names:
-        n, tensors, opts, steps = workload(name, device, variants)
+        n, tensors, opts, steps = workload(name, device)
         waited = compile_kernels(steps, opts)
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
@@ -271,16 +248,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--no-contention", action="store_true")
     ap.add_argument(
-        "--no-ortho",
-        action="store_true",
-        help="also time the rule without orthogonalisation (learned_no_ortho)",
-    )
-    ap.add_argument(
-        "--ns-every-step",
-        action="store_true",
-        help="also time the rule with Newton-Schulz at every step (learned_ns_every_step)",
-    )
-    ap.add_argument(
         "--contention-blocks", type=int, default=3,
         help="blocks measured with two busy processes, each with fresh ones (the median is "
         "reported: under load, how the scheduler slices a short and a long step swings "
@@ -344,9 +311,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
-    chosen = {"learned_no_ortho": args.no_ortho, "learned_ns_every_step": args.ns_every_step}
-    variants = [name for name in VARIANTS if chosen[name]]
-    measure(names, device, args.warmup, args.repeats, "as is", rows, save, variants)
+    measure(names, device, args.warmup, args.repeats, "as is", rows, save)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]
         blocks = []
