@@ -41,11 +41,8 @@ def child(spec: dict) -> dict:
     import torch
 
     from benchmarks import heldout_single as single
-    from learned_opt import kernel
 
     torch.set_num_threads(1)
-    if spec.get("compile_after_seconds") is not None:
-        kernel.COMPILE_AFTER_SECONDS = spec["compile_after_seconds"]
     built = []
     if spec["side"] == "adamw":
         base = single.adamw(spec["lr"])
@@ -163,8 +160,7 @@ def median_run(runs: list[dict]) -> dict:
             "ready_steps": ready}  # fmt: skip
 
 
-def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = None,
-            log=print, repeats: int = 1) -> list[dict]:  # fmt: skip
+def measure(rows: list[dict], warm_cache: bool, log=print, repeats: int = 1) -> list[dict]:
     """Run every row's two sides in fresh processes and score them. A task's rule runs
     once, to its longest horizon (a held multiplier: the shorter row is its prefix);
     AdamW runs once per distinct rate and schedule (a held rate likewise). With
@@ -185,8 +181,7 @@ def measure(rows: list[dict], warm_cache: bool, compile_after: float | None = No
         for repeat in range(repeats):
             for key, job in runs.items():
                 if key[0] == "rule":
-                    spec = {"task": key[1], "side": key[2], "schedule": "constant",
-                            "compile_after_seconds": compile_after}  # fmt: skip
+                    spec = {"task": key[1], "side": key[2], "schedule": "constant"}
                     cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) \
                         if warm_cache else tempfile.mkdtemp(dir=root)  # fmt: skip
                     if warm_cache and repeat == 0:  # fill the cache first, untimed
@@ -226,13 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         help="time the rule with the compile cache of an earlier run",
     )
     parser.add_argument(
-        "--compile-after-seconds",
-        type=float,
-        metavar="S",
-        help="queue the kernel's compile after S eager seconds instead of "
-        "learned_opt.kernel.COMPILE_AFTER_SECONDS (to compare thresholds)",
-    )
-    parser.add_argument(
         "--repeats", type=int, default=1, metavar="N",
         help="run every side N times, taking turns, and time it by the median (default 1)",
     )  # fmt: skip
@@ -249,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no rows of {SUITES[args.suite]} match --tasks {args.tasks}")
     start = time.perf_counter()
     print(f"wallclock: {len(rows)} rows of {SUITES[args.suite]}, one fresh process per side")
-    scored = measure(rows, args.warm_cache, args.compile_after_seconds, repeats=args.repeats)
+    scored = measure(rows, args.warm_cache, repeats=args.repeats)
     import torch
 
     from learned_opt import kernel
@@ -258,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "wallclock", "suite": args.suite, "source": SUITES[args.suite],
         "cache": "warm" if args.warm_cache else "empty", "threads": 1,
         "kernel_route": "aot_package",  # built by a child, loaded by the training process
-        "compile_after_seconds": (kernel.COMPILE_AFTER_SECONDS if args.compile_after_seconds
-                                  is None else args.compile_after_seconds),
+        "compile_after_seconds": kernel.COMPILE_AFTER_SECONDS,
         "timing_seed": TIMING_SEED, "repeats": args.repeats, "rows": scored,
         "summary": summarise(scored),
         "wall_seconds": round(time.perf_counter() - start, 1),
