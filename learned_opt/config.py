@@ -80,12 +80,6 @@ class NetConfig:
     lr_adapt_min: float = -4.0
     lr_adapt_max: float = 7.0
     lr_adapt_brake: float = 0.1
-    # The rate's factor on a falling step (a negative cosine), in (0, 1]. The cosine is a
-    # one-step hypergradient: under minibatch noise the step just taken along the last
-    # batch's noise raises the next gradient against it, so the cosine's mean is negative
-    # at steps that a longer horizon would still take, and the multipliers sink towards
-    # the floor. Below 1 the step falls more slowly than it rises. 1: symmetric.
-    lr_adapt_shrink: float = 1.0
     # The ceiling for orthogonalised matrices (None: lr_adapt_max). The adaptation's signal
     # is cos(g_t, m1_{t-1}), dominated by the momentum's top singular directions, while an
     # orthogonalised step moves every direction by the same amount: the gradient can keep
@@ -127,10 +121,6 @@ class NetConfig:
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if not 0 < float(self.lr_adapt_shrink) <= 1:
-            raise ValueError(
-                f"NetConfig.lr_adapt_shrink must be in (0, 1], got {self.lr_adapt_shrink!r}"
-            )
         if not float(self.lr_adapt_rate) >= 0:
             raise ValueError(f"NetConfig.lr_adapt_rate must be >= 0, got {self.lr_adapt_rate!r}")
         if not float(self.lr_adapt_min) <= 0 <= float(self.lr_adapt_max):
@@ -278,9 +268,8 @@ class MixingConfig:
         or simulated): ``rule`` with its adapted step multipliers' ceiling lowered to
         ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, their rate
         ``lr_adapt_rate_gossip`` and its matrices' signal-to-noise exponent
-        ``ortho_snr_gossip`` where set, and a symmetric adaptation (``lr_adapt_shrink`` 1:
-        the gossip bounds were chosen with it). The bounds and rate apply only where
-        ``rule`` adapts step sizes. Memoised (every step asks for it)."""
+        ``ortho_snr_gossip`` where set. The bounds and rate apply only where ``rule``
+        adapts step sizes. Memoised (every step asks for it)."""
         return _under_gossip(self, rule)
 
     def to_dict(self) -> dict:
@@ -304,14 +293,10 @@ def _under_gossip(mixing: MixingConfig, cfg: NetConfig) -> NetConfig:
     snr = cfg.ortho_snr if mixing.ortho_snr_gossip is None else mixing.ortho_snr_gossip
     if not cfg.adapts_lr:
         ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
-    new = (ceiling, floor, rate, snr, 1.0)
-    old = (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr)
-    if new == (*old, cfg.lr_adapt_shrink):
+    new = (ceiling, floor, rate, snr)
+    if new == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr):
         return cfg
-    return replace(
-        cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr,
-        lr_adapt_shrink=1.0,
-    )  # fmt: skip
+    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr)
 
 
 def split_config(config: dict, mixing: dict | None = None) -> tuple[NetConfig, MixingConfig]:

@@ -95,7 +95,7 @@ def adapt_log_lr(
     dot product:
 
         c = cos(g_t, m1_{t-1}),   brake = min(1, rms(g_t) / (lr_adapt_brake * rms_v))
-        log_lr <- clamp(log_lr + lr_adapt_rate * c * (brake if c > 0 else shrink), lo, hi)
+        log_lr <- clamp(log_lr + lr_adapt_rate * c * (brake if c > 0 else 1), lo, hi)
 
     The bounds hold the whole multiplier ``lr * exp(log_lr)`` (``lr``: the user's step
     multiplier) within ``[exp(lr_adapt_min), exp(ceiling)]``, widened to contain ``lr``
@@ -114,16 +114,14 @@ def adapt_log_lr(
     after reaching zero training loss). The sums are over each tensor of
     ``g * m1``, ``g^2`` and ``m1^2``, ``v_mean`` the mean of ``v`` and ``numel`` the
     tensor's size; all broadcast (per-tensor values, leading dims stack rows). Zero
-    momentum (the first step) gives a zero cosine. ``shrink`` (``lr_adapt_shrink``) slows
-    the fall alone: the one-step cosine is biased low under minibatch noise.
+    momentum (the first step) gives a zero cosine.
     """
     norms = safe_sqrt(g_sum_squares) * safe_sqrt(m_sum_squares)
     cosine = g_dot_m / (norms + TINY)
     v_hat = corrected_v_mean(v_mean, step)
     rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
     brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
-    shrink = cfg.lr_adapt_rate * cfg.lr_adapt_shrink
-    rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, shrink)
+    rate = torch.where(cosine > 0, cfg.lr_adapt_rate * brake, cfg.lr_adapt_rate)
     mult = torch.as_tensor(lr, dtype=log_lr.dtype, device=log_lr.device)
     log_mult = torch.log(torch.clamp(mult, min=TINY))
     lo = torch.clamp(cfg.lr_adapt_min - log_mult, max=0.0)

@@ -78,19 +78,8 @@ def test_brake_slows_growth_only_when_gradients_shrink():
     assert _adapt((-1.0, 1.0, 1.0), g_ms=(brake / 4) ** 2) == pytest.approx(-rate, rel=1e-4)
 
 
-def test_shrink_slows_only_the_fall():
-    rate = ADAPT.lr_adapt_rate
-    half = replace(ADAPT, lr_adapt_shrink=0.5)
-    assert _adapt((-1.0, 1.0, 1.0), cfg=half) == pytest.approx(-rate / 2, rel=1e-4)
-    assert _adapt((1.0, 1.0, 1.0), cfg=half) == pytest.approx(rate, rel=1e-4)
-    # the default is the symmetric rule, and so is the rule under gossip
-    assert _adapt((-1.0, 1.0, 1.0)) == pytest.approx(-rate, rel=1e-4)
-    assert MIXING.under_gossip(half).lr_adapt_shrink == 1.0
-
-
 @pytest.mark.parametrize(
-    "lr, variant",
-    [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling"), (1.0, "shrink")],
+    "lr, variant", [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling")]
 )
 def test_the_optimizer_matches_the_differentiable_path(lr, variant):
     # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
@@ -102,8 +91,6 @@ def test_the_optimizer_matches_the_differentiable_path(lr, variant):
         cfg = replace(cfg, ortho_max_dim=60, adam_max_width=40)
     if variant == "ortho_ceiling":
         cfg = replace(cfg, lr_adapt_max_ortho=0.5)
-    if variant == "shrink":
-        cfg = replace(cfg, lr_adapt_shrink=0.3)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -348,9 +335,6 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_min": 0.5}, "lr_adapt_min"),
         ({"lr_adapt_max": -1.0}, "lr_adapt_max"),
         ({"lr_adapt_brake": 0.0}, "lr_adapt_brake"),
-        ({"lr_adapt_shrink": 0.0}, "lr_adapt_shrink"),
-        ({"lr_adapt_shrink": 1.5}, "lr_adapt_shrink"),
-        ({"lr_adapt_shrink": float("nan")}, "lr_adapt_shrink"),
         ({"lr_adapt_max_gossip": -1.0}, "lr_adapt_max_gossip"),
         ({"lr_adapt_min_gossip": 0.5}, "lr_adapt_min_gossip"),
         ({"lr_adapt_min_gossip": float("nan")}, "lr_adapt_min_gossip"),
