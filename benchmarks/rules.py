@@ -39,13 +39,16 @@ ANCHORS = ("sfadamw", "prodigy", "muon")
 
 def parse_side(side: str) -> tuple[str, dict]:
     """``(ref, fields)`` of a learned side: ``"bbd8f5d:lr_adapt_rate=0"`` ->
-    ``("bbd8f5d", {"lr_adapt_rate": 0.0})``."""
+    ``("bbd8f5d", {"lr_adapt_rate": 0.0})``; ``true`` and ``false`` are booleans."""
     ref, _, rest = side.partition(":")
     fields = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"side {side!r}: expected field=value, got {item!r}")
+        if value.lower() in ("true", "false"):
+            fields[key] = value.lower() == "true"
+            continue
         try:
             fields[key] = int(value) if value.lstrip("-").isdigit() else float(value)
         except ValueError:

@@ -80,6 +80,13 @@ class NetConfig:
     lr_adapt_min: float = -4.0
     lr_adapt_max: float = 7.0
     lr_adapt_brake: float = 0.1
+    # Read every tensor's cosine against its 0.99 momentum (m's second row, kept for this:
+    # 12 bytes of state per float32 parameter instead of 8), as a row-sparse table's always
+    # is. The cosine is a one-step hypergradient: the 0.9 momentum holds a tenth of the
+    # last minibatch's noise, the step along it raises the next gradient against it, so
+    # under noise the cosine is biased low and the step sizes sink to the floor; the 0.99
+    # momentum holds a hundredth. False: the 0.9 momentum (see step.adapt_row).
+    lr_adapt_slow: bool = False
     # The ceiling for orthogonalised matrices (None: lr_adapt_max). The adaptation's signal
     # is cos(g_t, m1_{t-1}), dominated by the momentum's top singular directions, while an
     # orthogonalised step moves every direction by the same amount: the gradient can keep
@@ -121,6 +128,8 @@ class NetConfig:
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.lr_adapt_slow, bool):
+            raise ValueError(f"NetConfig.lr_adapt_slow must be a bool, got {self.lr_adapt_slow!r}")
         if not float(self.lr_adapt_rate) >= 0:
             raise ValueError(f"NetConfig.lr_adapt_rate must be >= 0, got {self.lr_adapt_rate!r}")
         if not float(self.lr_adapt_min) <= 0 <= float(self.lr_adapt_max):
@@ -268,8 +277,9 @@ class MixingConfig:
         or simulated): ``rule`` with its adapted step multipliers' ceiling lowered to
         ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, their rate
         ``lr_adapt_rate_gossip`` and its matrices' signal-to-noise exponent
-        ``ortho_snr_gossip`` where set. The bounds and rate apply only where ``rule``
-        adapts step sizes. Memoised (every step asks for it)."""
+        ``ortho_snr_gossip`` where set, the adaptation reading the 0.9 momentum
+        (``lr_adapt_slow`` off: the gossip bounds were chosen with it). The bounds and rate
+        apply only where ``rule`` adapts step sizes. Memoised (every step asks for it)."""
         return _under_gossip(self, rule)
 
     def to_dict(self) -> dict:
@@ -293,10 +303,14 @@ def _under_gossip(mixing: MixingConfig, cfg: NetConfig) -> NetConfig:
     snr = cfg.ortho_snr if mixing.ortho_snr_gossip is None else mixing.ortho_snr_gossip
     if not cfg.adapts_lr:
         ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
-    new = (ceiling, floor, rate, snr)
-    if new == (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr):
+    new = (ceiling, floor, rate, snr, False)
+    old = (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr)
+    if new == (*old, cfg.lr_adapt_slow):
         return cfg
-    return replace(cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr)
+    return replace(
+        cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr,
+        lr_adapt_slow=False,
+    )  # fmt: skip
 
 
 def split_config(config: dict, mixing: dict | None = None) -> tuple[NetConfig, MixingConfig]:

@@ -25,7 +25,7 @@ from .features import compute_dtype, init_state
 from .kernel import Group, Kernels
 from .network import LearnedOptimizerNet, Theta
 from .orthogonal import reuses_gram
-from .step import Parts, active_parts, fit_state_rows, moment_rows
+from .step import Parts, active_parts, fit_state_rows, moment_rows, reads_slow
 
 
 def _finite_nonnegative(value, where: str, given, accepted: str, what: str = "") -> float:
@@ -357,11 +357,11 @@ class LearnedOptimizer(Optimizer):
                 if p.numel() and not p.grad.any():
                     continue
                 sparse = has_empty_rows(p.grad)
-                state.update(init_state(p, moment_rows(self.parts, sparse)))
+                state.update(init_state(p, moment_rows(self.parts, reads_slow(cfg, sparse))))
                 state["nonfinite_skips"] = 0
                 state["sparse_rows"] = sparse
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
-            fit_state_rows(state, self.parts)  # saved, or kept, for a rule reading other rows
+            fit_state_rows(state, self.parts, cfg)  # saved, or kept, for a rule reading others
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
@@ -372,6 +372,12 @@ class LearnedOptimizer(Optimizer):
             items.append((p, p.grad, state))
         return items
 
+    def _rule(self) -> NetConfig:
+        """The config this optimizer steps with: its network's, through
+        ``config_transform`` where one is set (the rule under gossip)."""
+        cfg = self.net.config
+        return cfg if self.config_transform is None else self.config_transform(cfg)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None):
         """One optimisation step; returns the closure's loss (None without a closure)."""
@@ -379,9 +385,7 @@ class LearnedOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure_loss = closure()
-        cfg, parts = self.net.config, self.parts
-        if self.config_transform is not None:
-            cfg = self.config_transform(cfg)
+        cfg, parts = self._rule(), self.parts
         # one kernel call per device and compute dtype for all the groups (see
         # Kernels.step_groups): (group index, Group) each
         by_kind: dict[tuple, list[tuple[int, Group]]] = {}
@@ -483,7 +487,7 @@ class LearnedOptimizer(Optimizer):
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True)
             if "m" in self.state[p]:  # saved by a rule that read other momenta
-                fit_state_rows(self.state[p], self.parts)
+                fit_state_rows(self.state[p], self.parts, self._rule())
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""
