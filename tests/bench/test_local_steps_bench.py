@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import common
 from benchmarks import local_steps as bench
 
@@ -36,3 +38,14 @@ def test_quick_run_writes_bytes_and_loss_side_by_side_and_the_plot(tmp_path, mon
         assert r["bytes_reduction_x"] == r["exact_bytes_per_rank"] / r["bytes_per_rank"] > 1
         assert r["loss_ratio"] == r["final"] / r["exact_final"]
     assert (tmp_path / "quick.png").stat().st_size > 0
+    # the held-out rows again, nothing chosen: the same losses to the bit, the bytes replaced
+    assert bench.main(["--remeasure-bytes", "--out", "quick"]) == 0
+    again = json.loads((tmp_path / "quick.json").read_text())["heldout"]
+    for a, b in zip(rows, again["rows"]):
+        assert (a["final"], a["bytes_per_rank"]) == (b["final"], b["bytes_before"])
+        assert b["bytes_per_rank"] == a["bytes_per_rank"]  # the encoding has not changed since
+    assert "remeasure-bytes" in again["bytes_remeasured"]["command"]
+    data["heldout"]["rows"][0]["final"] += 1e-6  # a loss that does not come out as recorded
+    (tmp_path / "quick.json").write_text(json.dumps(data))
+    with pytest.raises(SystemExit, match="recorded"):
+        bench.main(["--remeasure-bytes", "--out", "quick"])
