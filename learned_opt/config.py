@@ -42,6 +42,11 @@ class NetConfig:
     # and to ortho_step_mult, and the other tensors as "adam".
     output: str = "adam"
     ortho_step_mult: float = 2e-3  # RMS of a matrix's step at zero heads ("ortho" only)
+    # The base step's factor on a row-sparse table (an embedding whose first gradient left
+    # at least half its rows empty; see features.shape_stats). A row steps only while its
+    # momentum holds its last visit, so a rarely seen row moves a few steps' worth per
+    # visit; tuned AdamW takes such models at 10-90 times Adam's default rate. 1: none.
+    table_step_mult: float = 1.0
     ortho_min_dim: int = 2  # smallest dimension of a matrix that is orthogonalised
     # Largest "smaller dimension" of a matrix that is orthogonalised: Newton-Schulz costs
     # about 10 * r^2 * c FLOPs per iteration for r <= c (a 1024 x 1024 matrix: 50 GFLOP a
@@ -80,13 +85,14 @@ class NetConfig:
     lr_adapt_min: float = -4.0
     lr_adapt_max: float = 7.0
     lr_adapt_brake: float = 0.1
-    # Read every tensor's cosine against its 0.99 momentum (m's second row, kept for this:
-    # 12 bytes of state per float32 parameter instead of 8), as a row-sparse table's always
-    # is. The cosine is a one-step hypergradient: the 0.9 momentum holds a tenth of the
-    # last minibatch's noise, the step along it raises the next gradient against it, so
-    # under noise the cosine is biased low and the step sizes sink to the floor; the 0.99
-    # momentum holds a hundredth. False: the 0.9 momentum (see step.adapt_row).
-    lr_adapt_slow: bool = False
+    # The weight w of the 0.99 momentum in what every tensor's cosine is read against,
+    # (1 - w) m_0.9 + w m_0.99, in [0, 1] (a row-sparse table's reads the 0.99 momentum
+    # whatever w). The cosine is a one-step hypergradient: the 0.9 momentum holds a tenth
+    # of the last minibatch's noise, the step along it raises the next gradient against
+    # it, so under noise the cosine is biased low and the step sizes sink to the floor;
+    # the 0.99 momentum holds a hundredth, but sees an oscillation late. Above 0 every
+    # tensor keeps the 0.99 momentum (12 bytes of state per float32 parameter, not 8).
+    lr_adapt_slow: float = 0.0
     # The ceiling for orthogonalised matrices (None: lr_adapt_max). The adaptation's signal
     # is cos(g_t, m1_{t-1}), dominated by the momentum's top singular directions, while an
     # orthogonalised step moves every direction by the same amount: the gradient can keep
@@ -124,12 +130,15 @@ class NetConfig:
             "eps",
             "clip_value",
             "ortho_step_mult",
+            "table_step_mult",
             "lr_adapt_brake",
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if not isinstance(self.lr_adapt_slow, bool):
-            raise ValueError(f"NetConfig.lr_adapt_slow must be a bool, got {self.lr_adapt_slow!r}")
+        if isinstance(self.lr_adapt_slow, bool) or not 0 <= float(self.lr_adapt_slow) <= 1:
+            raise ValueError(
+                f"NetConfig.lr_adapt_slow must be in [0, 1], got {self.lr_adapt_slow!r}"
+            )
         if not float(self.lr_adapt_rate) >= 0:
             raise ValueError(f"NetConfig.lr_adapt_rate must be >= 0, got {self.lr_adapt_rate!r}")
         if not float(self.lr_adapt_min) <= 0 <= float(self.lr_adapt_max):
@@ -277,9 +286,9 @@ class MixingConfig:
         or simulated): ``rule`` with its adapted step multipliers' ceiling lowered to
         ``lr_adapt_max_gossip``, their floor raised to ``lr_adapt_min_gossip``, their rate
         ``lr_adapt_rate_gossip`` and its matrices' signal-to-noise exponent
-        ``ortho_snr_gossip`` where set, the adaptation reading the 0.9 momentum
-        (``lr_adapt_slow`` off: the gossip bounds were chosen with it). The bounds and rate
-        apply only where ``rule`` adapts step sizes. Memoised (every step asks for it)."""
+        ``ortho_snr_gossip`` where set, and the single-worker rule's own fields at the
+        values the gossip rule was chosen with (:data:`SINGLE_WORKER_ONLY`). The bounds and
+        rate apply only where ``rule`` adapts step sizes. Memoised (every step asks for it)."""
         return _under_gossip(self, rule)
 
     def to_dict(self) -> dict:
@@ -290,6 +299,11 @@ class MixingConfig:
     def from_dict(cls, d: dict) -> MixingConfig:
         """Build from :meth:`to_dict` output; unknown keys raise ``ValueError``."""
         return _strict_from_dict(cls, d)
+
+
+#: The fields that hold for single-worker runs alone, and their values under gossip (the
+#: gossip rule was chosen with them).
+SINGLE_WORKER_ONLY = {"lr_adapt_slow": 0.0, "table_step_mult": 1.0}
 
 
 @functools.lru_cache(maxsize=16)
@@ -303,14 +317,11 @@ def _under_gossip(mixing: MixingConfig, cfg: NetConfig) -> NetConfig:
     snr = cfg.ortho_snr if mixing.ortho_snr_gossip is None else mixing.ortho_snr_gossip
     if not cfg.adapts_lr:
         ceiling, floor, rate = cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate
-    new = (ceiling, floor, rate, snr, False)
-    old = (cfg.lr_adapt_max, cfg.lr_adapt_min, cfg.lr_adapt_rate, cfg.ortho_snr)
-    if new == (*old, cfg.lr_adapt_slow):
+    new = {"lr_adapt_max": ceiling, "lr_adapt_min": floor, "lr_adapt_rate": rate,
+           "ortho_snr": snr, **SINGLE_WORKER_ONLY}  # fmt: skip
+    if all(getattr(cfg, k) == v for k, v in new.items()):
         return cfg
-    return replace(
-        cfg, lr_adapt_max=ceiling, lr_adapt_min=floor, lr_adapt_rate=rate, ortho_snr=snr,
-        lr_adapt_slow=False,
-    )  # fmt: skip
+    return replace(cfg, **new)
 
 
 def split_config(config: dict, mixing: dict | None = None) -> tuple[NetConfig, MixingConfig]:

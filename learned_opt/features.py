@@ -192,20 +192,24 @@ def adapt_ceiling(shape, cfg: NetConfig, matrix: bool | None = None) -> float:
     return top
 
 
-def shape_stats(shapes, cfg: NetConfig, like: Tensor, matrices=None) -> Tensor:
+def shape_stats(shapes, cfg: NetConfig, like: Tensor, matrices=None, tables=None) -> Tensor:
     """``(len(shapes), 4)``: 0.1 * log(numel) and 0.5 * rank of each tensor shape (the
-    per-tensor network's shape inputs), its :func:`width_log_factor` and its
-    :func:`adapt_ceiling`. ``matrices`` (one bool per shape; default :func:`is_matrix`) says
-    which take the orthogonalised step."""
+    per-tensor network's shape inputs), the log factor on its base step (its
+    :func:`width_log_factor`, plus ``log(cfg.table_step_mult)`` for a row-sparse table) and
+    its :func:`adapt_ceiling`. ``matrices`` (one bool per shape; default :func:`is_matrix`)
+    says which take the orthogonalised step, ``tables`` (one bool per shape; default none)
+    which are row-sparse tables."""
     matrices = [None] * len(shapes) if matrices is None else matrices
+    tables = tables or (False,) * len(shapes)
+    table_log = math.log(cfg.table_step_mult)
     rows = tuple(
         (
             0.1 * math.log(max(math.prod(s), 1)),
             0.5 * len(s),
-            width_log_factor(s, cfg, matrix),
+            width_log_factor(s, cfg, matrix) + (table_log if table else 0.0),
             adapt_ceiling(s, cfg, matrix),
         )
-        for s, matrix in zip(shapes, matrices)
+        for s, matrix, table in zip(shapes, matrices, tables)
     )
     return constant(rows, like.dtype, like.device)
 

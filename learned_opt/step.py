@@ -91,8 +91,8 @@ def moment_rows(parts: Parts, slow: bool = False) -> int:
 
 def reads_slow(cfg: NetConfig, sparse_rows) -> bool:
     """Whether a tensor's step-size adaptation reads its 0.99 momentum (:func:`adapt_row`):
-    a row-sparse matrix's always does, every tensor's under ``cfg.lr_adapt_slow``."""
-    return bool(sparse_rows) or bool(cfg.lr_adapt_slow)
+    a row-sparse matrix's always does, every tensor's where ``cfg.lr_adapt_slow`` > 0."""
+    return bool(sparse_rows) or cfg.lr_adapt_slow > 0
 
 
 def adapt_row(slow: bool) -> int:
@@ -164,19 +164,21 @@ def init_flat_state(
     return state
 
 
-def adapt_momentum(m: Tensor, layout: FlatLayout, slow: bool = False) -> Tensor:
+def adapt_momentum(m: Tensor, layout: FlatLayout, slow: float = 0.0) -> Tensor:
     """Per element, the momentum before this step that the adaptation reads (``[..., P]``
-    of ``m``'s ``[..., k, P]``; :func:`adapt_row` of each segment; ``slow``: the 0.99
-    momentum of every segment)."""
+    of ``m``'s ``[..., k, P]``): :func:`adapt_row` of each segment, and where ``slow`` (the
+    config's ``lr_adapt_slow``) is above 0, ``(1 - slow) m_0.9 + slow m_0.99`` for the
+    segments that are not row-sparse tables."""
     sparse = layout.sparse_rows or (False,) * len(layout.shapes)
-    if slow or all(sparse):
+    if all(sparse) or slow == 1:
         return m[..., adapt_row(True), :]
+    fast = m[..., adapt_row(False), :]
+    if slow > 0:
+        fast = torch.lerp(fast, m[..., adapt_row(True), :], slow)
     if not any(sparse):
-        return m[..., adapt_row(False), :]
-    if all(sparse):
-        return m[..., adapt_row(True), :]
+        return fast
     mask = segment_expand(constant(sparse, torch.bool, m.device), layout)
-    return torch.where(mask, m[..., adapt_row(True), :], m[..., adapt_row(False), :])
+    return torch.where(mask, m[..., adapt_row(True), :], fast)
 
 
 def reduce_sums(
@@ -272,7 +274,8 @@ def flat_step(
     m_new, v_new = update_moments(g_in, m, v)
     sums = reduce_sums(cfg, layout, ok, g_sum_squares, g_in, m, v_new, masked)
     matrices = layout.matrices(cfg)
-    stats = shape_stats(layout.shapes, cfg, p, matrices)  # for the adaptation and the context
+    # for the adaptation and the context
+    stats = shape_stats(layout.shapes, cfg, p, matrices, layout.sparse_rows)
     new_log_lr = log_lr
     if cfg.adapts_lr:
         sizes = constant(tuple(max(n, 1) for n in layout.numels), p.dtype, p.device)
@@ -406,8 +409,9 @@ def tensor_context(
     the normalisers of the features, the full first-layer bias of the per-element MLP
     (both None when ``parts`` evaluates no per-element MLP), and the step scale
     ``-lr * step_mult * exp(log_scale)``, times ``exp(log_lr)`` when the config adapts
-    step sizes and times each tensor's width factor
-    (:func:`~learned_opt.features.width_log_factor`).
+    step sizes and times each tensor's factor on its base step (the third column of its
+    :func:`~learned_opt.features.shape_stats`: its width factor, and a row-sparse table's
+    ``table_step_mult``).
     """
     stats = stats.expand(*v_mean.shape, 4)
     time = time_features(step, cfg, v_mean) if parts.tensor_net or parts.element_net else None

@@ -111,7 +111,7 @@ def tensor_stats(cfg: NetConfig, p: Tensor, state: dict) -> Tensor:
     which a kernel takes as an input."""
     matrix = is_matrix(tuple(p.shape), cfg) and not state.get("sparse_rows")
     like = p.new_empty((), dtype=compute_dtype(p))
-    return shape_stats((tuple(p.shape),), cfg, like, (matrix,))
+    return shape_stats((tuple(p.shape),), cfg, like, (matrix,), (bool(state.get("sparse_rows")),))
 
 
 def _plain(t: Tensor, shape) -> Tensor:

@@ -79,7 +79,7 @@ def test_sides_parse_and_bad_ones_fail_once():
     assert rules.parse_side("bbd8f5d:lr_adapt_rate=0,ns_steps=5") == (
         "bbd8f5d", {"lr_adapt_rate": 0, "ns_steps": 5})  # fmt: skip
     assert rules.parse_side(".") == (".", {})
-    assert rules.parse_side(".:lr_adapt_slow=true") == (".", {"lr_adapt_slow": True})
+    assert rules.parse_side(".:normalize=true") == (".", {"normalize": True})
     with pytest.raises(ValueError, match="field=value"):
         rules.parse_side(".:lr_adapt_rate")
     with pytest.raises(ValueError, match="not a git revision"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -96,3 +98,41 @@ def test_the_adaptation_reads_each_segment_s_own_momentum():
     torch.testing.assert_close(got, torch.cat([slow[:6], fast[6:10], slow[10:]]))
     dense = FlatLayout(("b",), ((4,),))
     torch.testing.assert_close(adapt_momentum(m[..., :4], dense), m[:, 0, :4])
+    # lr_adapt_slow blends the two momenta for every segment but a table's
+    blend = adapt_momentum(m, layout, 0.25)[0]
+    mixed = 0.75 * fast + 0.25 * slow
+    torch.testing.assert_close(blend, torch.cat([slow[:6], mixed[6:10], slow[10:]]))
+    torch.testing.assert_close(adapt_momentum(m, layout, 1.0)[0], slow)
+
+
+def test_a_table_s_base_step_takes_its_factor():
+    """``table_step_mult`` scales the first step of a row-sparse table's present rows, and
+    of nothing else: not its absent rows, not a dense tensor."""
+    from dataclasses import replace
+
+    from learned_opt import LearnedOptimizer
+    from learned_opt.config import NetConfig
+    from learned_opt.features import shape_stats
+    from learned_opt.network import LearnedOptimizerNet
+
+    cfg = NetConfig(output="ortho", table_step_mult=5.0)
+    stats = shape_stats(((10, 4), (4,)), cfg, torch.zeros(()), (False, False), (True, False))
+    assert stats[:, 2].tolist() == pytest.approx([math.log(5.0), 0.0])
+
+    def first_step(mult):
+        table = torch.nn.Parameter(torch.zeros(10, 4))
+        bias = torch.nn.Parameter(torch.zeros(4))
+        opt = LearnedOptimizer(
+            [table, bias], net=LearnedOptimizerNet(replace(cfg, table_step_mult=mult))
+        )
+        table.grad = torch.zeros(10, 4)
+        table.grad[:3] = 1.0  # 7 of 10 rows absent: a row-sparse table
+        bias.grad = torch.ones(4)
+        opt.step()
+        assert opt.state[table]["sparse_rows"]
+        return table.detach().clone(), bias.detach().clone()
+
+    (t1, b1), (t5, b5) = first_step(1.0), first_step(5.0)
+    torch.testing.assert_close(t5[:3], 5 * t1[:3])
+    assert not t5[3:].any() and not t1[3:].any()
+    torch.testing.assert_close(b5, b1)

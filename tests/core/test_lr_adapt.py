@@ -93,7 +93,7 @@ def test_the_optimizer_matches_the_differentiable_path(lr, variant):
     if variant == "ortho_ceiling":
         cfg = replace(cfg, lr_adapt_max_ortho=0.5)
     if variant == "slow":
-        cfg = replace(cfg, lr_adapt_slow=True)
+        cfg = replace(cfg, lr_adapt_slow=0.5)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -194,7 +194,7 @@ def test_under_gossip_the_step_size_stays_within_the_gossip_bounds():
 
 
 def test_slow_adaptation_keeps_and_reads_the_0_99_momentum():
-    slow = replace(ADAPT, lr_adapt_slow=True)
+    slow = replace(ADAPT, lr_adapt_slow=1.0)
     p = torch.nn.Parameter(torch.zeros(6, 5))
     opt = LearnedOptimizer([p], net=LearnedOptimizerNet(slow, MIXING))
     grads = [torch.randn(6, 5, generator=torch.Generator().manual_seed(t)) for t in range(3)]
@@ -214,7 +214,7 @@ def test_slow_adaptation_keeps_and_reads_the_0_99_momentum():
         float(torch.nn.functional.cosine_similarity(grads[2].flatten(), m[0].flatten(), dim=0))
     )
     # under gossip the adaptation reads the 0.9 momentum, and keeps no second row
-    assert MIXING.under_gossip(slow).lr_adapt_slow is False
+    assert MIXING.under_gossip(slow).lr_adapt_slow == 0.0
     q = torch.nn.Parameter(torch.zeros(6, 5))
     gossip = LearnedOptimizer([q], net=LearnedOptimizerNet(slow, MIXING))
     gossip.config_transform = MIXING.under_gossip
@@ -231,7 +231,9 @@ def test_slow_adaptation_keeps_and_reads_the_0_99_momentum():
     assert loaded.shape[0] == 2 and not loaded[1].any()
     torch.testing.assert_close(loaded[0], before_opt.state[plain]["m"][0])
     with pytest.raises(ValueError, match="lr_adapt_slow"):
-        split_config({"lr_adapt_slow": "yes"})
+        split_config({"lr_adapt_slow": 1.5})
+    with pytest.raises(ValueError, match="lr_adapt_slow"):
+        split_config({"lr_adapt_slow": True})
 
 
 def test_under_gossip_config():
@@ -418,3 +420,12 @@ def test_tensorboard_update_response_handles_an_adapting_config():
     assert curves and all(
         bool(torch.isfinite(torch.as_tensor(u)).all()) for _, u in curves.values()
     )
+
+
+def test_the_single_worker_fields_hold_their_chosen_values_under_gossip():
+    from learned_opt.config import SINGLE_WORKER_ONLY
+
+    alone = replace(ADAPT, lr_adapt_slow=0.5, table_step_mult=4.0)
+    gossip = MIXING.under_gossip(alone)
+    assert {k: getattr(gossip, k) for k in SINGLE_WORKER_ONLY} == SINGLE_WORKER_ONLY
+    assert MIXING.under_gossip(gossip) == gossip
