@@ -19,7 +19,9 @@ Choice, on the validation settings only, before any held-out run: first ``H`` an
 compressor with :data:`FIRST` (DeMo's rule), then each rule's outer lr at that ``H`` and
 compressor (:func:`choose`); lowest worst loss ratio among the variants at >= 100x fewer
 bytes. The held-out settings then run once: each rule at the chosen default, and at the
-other ``H`` of the grid for the frontier.
+other ``H`` of the grid for the frontier. After a change of one outer rule, chosen with
+``--explore`` on the validation settings, ``--rerun-heldout RULE`` runs that rule's
+held-out rows once at its new default and keeps every other row and the exact runs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, machine, write_json
 from learned_opt.distributed.local_steps import SimulatedLocalSteps
-from learned_opt.distributed.outer import OUTER_RULES, OuterStep, outer_rule
+from learned_opt.distributed.outer import OUTER_LR, OUTER_RULES, OuterStep, outer_rule
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_trajectory
 from learned_opt.tasks import get_task
@@ -63,11 +65,13 @@ HELDOUT = [
     _s("digits_cnn_bn", 8, "torus", "dirichlet", 0.3, 2000, 1),
     _s("heldout_autoencoder", 16, "ring", "dirichlet", 0.1, 3000, 1),
 ]
-#: The choice grid: local steps and compressors (with :data:`FIRST`), then each rule's lr.
+#: The choice grid: local steps and compressors (with :data:`FIRST`), then each rule's lr
+#: (the learned rule's 1 is its untuned default, see ``DisplacementScaled``; its grid
+#: 3, 10, 30 was that of its earlier form, sized by the rule's own step).
 GRID = {
     "H": (10, 25),
     "compression": ("topk:0.05:4", "topk:0.02:4"),
-    "lr": {"nesterov": (0.1, 0.3, 0.7), "learned": (3.0, 10.0, 30.0), "demo": (1.0,)},
+    "lr": {"nesterov": (0.1, 0.3, 0.7), "learned": (1.0,), "demo": (1.0,)},
 }
 #: The rule and lr ``H`` and the compressor are chosen with: DeMo's decoupled momentum, the
 #: closest to exact gossip in exploratory runs on the validation LM (1,000 steps, H 10-50,
@@ -207,7 +211,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the held-out rows of local_steps.json again at their recorded "
                         "variants after a change of the wire encoding alone: every loss must "
                         "come out as recorded, to the bit; only the bytes are replaced")  # fmt: skip
+    parser.add_argument("--rerun-heldout", default=None, choices=OUTER_RULES, metavar="RULE",
+                        help="run RULE's held-out rows of local_steps.json once more at its "
+                        "default lr (after a change of the rule chosen with --explore); the "
+                        "other rows and the exact runs stay")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.rerun_heldout:
+        return rerun_heldout(args.rerun_heldout, args.out or "local_steps")
     if args.explore:
         return explore(args.explore, args.out or "local_steps_explore")
     if args.remeasure_bytes:
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         grid = {
             "H": (10, 20),
             "compression": ("topk:0.02:4",),
-            "lr": {"nesterov": (0.7,), "learned": (10.0,), "demo": (1.0,)},
+            "lr": {"nesterov": (0.7,), "learned": (1.0,), "demo": (1.0,)},
         }
     out = args.out or ("local_steps_quick" if args.quick else "local_steps")
     payload = {
@@ -301,15 +311,12 @@ def remeasure_bytes(out: str) -> int:
     payload = json.loads((RESULTS / f"{out}.json").read_text())
     held, rows = payload["heldout"], []
     for r in held["rows"]:
-        s = {k: r[k] for k in HELDOUT[0]}
-        v = {k: r[k] for k in ("rule", "lr", "H", "compression", "decay") if k in r}
+        s, v, exact = _recorded(r)
         got = run(s, v)
         if (got["final"], got["train_final"]) != (r["final"], r["train_final"]):
             raise SystemExit(f"{s['task']} {label(v)}: loss {got['final']!r} / "
                              f"{got['train_final']!r}, recorded {r['final']!r} / "
                              f"{r['train_final']!r}; nothing written")  # fmt: skip
-        exact = {"final": r["exact_final"], "train_final": r["exact_train_final"],
-                 "bytes_per_rank": r["exact_bytes_per_rank"]}  # fmt: skip
         rows.append({**row(s, exact, v, got), "bytes_before": r["bytes_per_rank"]})
         print(f"{s['task']:>20} {label(v):<40} loss as recorded, bytes "
               f"{r['bytes_per_rank']:,.0f} -> {got['bytes_per_rank']:,.0f} "
@@ -322,6 +329,42 @@ def remeasure_bytes(out: str) -> int:
         "distributed/indices.py (validation rows keep the int16/int32 indices' bytes)",
         **machine(),
     }  # fmt: skip
+    write_json(out, payload)
+    plot(payload, RESULTS / f"{out}.png")
+    return 0
+
+
+def _recorded(r: dict) -> tuple[dict, dict, dict]:
+    """A recorded held-out row's setting, variant and exact run."""
+    s = {k: r[k] for k in HELDOUT[0]}
+    v = {k: r[k] for k in ("rule", "lr", "H", "compression", "decay") if k in r}
+    exact = {"final": r["exact_final"], "train_final": r["exact_train_final"],
+             "bytes_per_rank": r["exact_bytes_per_rank"]}  # fmt: skip
+    return s, v, exact
+
+
+def rerun_heldout(rule: str, out: str) -> int:
+    """``rule``'s held-out rows again, once, at its default lr (:data:`OUTER_LR`); the rows
+    they replace are kept under ``heldout["reruns"]``, with the command."""
+    payload = json.loads((RESULTS / f"{out}.json").read_text())
+    held, rows, before = payload["heldout"], [], []
+    for r in held["rows"]:
+        if r["rule"] != rule:
+            rows.append(r)
+            continue
+        s, v, exact = _recorded(r)
+        v["lr"] = OUTER_LR[rule]
+        rows.append(row(s, exact, v, run(s, v)))
+        before.append(r)
+        print(f"{s['task']:>20} {label(v):<40} loss {r['final']:.4g} -> {rows[-1]['final']:.4g} "
+              f"({rows[-1]['loss_ratio']:.3f}x exact)", flush=True)  # fmt: skip
+    payload["validation"]["chosen"][rule] = {"lr": OUTER_LR[rule], "chosen_with": "--explore"}
+    held["rows"], held["summary"] = rows, summary(rows, payload["validation"]["chosen"])
+    held.setdefault("reruns", []).append({
+        "rule": rule, "rows_before": before, **machine(),
+        "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.local_steps",
+                                ["--rerun-heldout", rule]),
+    })  # fmt: skip
     write_json(out, payload)
     plot(payload, RESULTS / f"{out}.png")
     return 0

@@ -45,6 +45,15 @@ def test_quick_run_writes_bytes_and_loss_side_by_side_and_the_plot(tmp_path, mon
         assert (a["final"], a["bytes_per_rank"]) == (b["final"], b["bytes_before"])
         assert b["bytes_per_rank"] == a["bytes_per_rank"]  # the encoding has not changed since
     assert "remeasure-bytes" in again["bytes_remeasured"]["command"]
+    # one rule's held-out rows once more (at its default, the quick grid's lr): the others stay
+    assert bench.main(["--rerun-heldout", "learned", "--out", "quick"]) == 0
+    rerun = json.loads((tmp_path / "quick.json").read_text())["heldout"]
+    mine = [[r for r in x["rows"] if r["rule"] == "learned"] for x in (again, rerun)]
+    assert [r for r in rerun["rows"] if r["rule"] != "learned"] == [
+        r for r in again["rows"] if r["rule"] != "learned"
+    ]
+    assert [r["final"] for r in mine[1]] == [r["final"] for r in mine[0]]  # same rule and lr
+    assert rerun["reruns"][0]["rows_before"] == mine[0]
     data["heldout"]["rows"][0]["final"] += 1e-6  # a loss that does not come out as recorded
     (tmp_path / "quick.json").write_text(json.dumps(data))
     with pytest.raises(SystemExit, match="recorded"):

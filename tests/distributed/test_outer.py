@@ -10,6 +10,7 @@ import outer_workers as ow
 import pytest
 import torch
 
+from learned_opt import LearnedOptimizer
 from learned_opt.distributed import get_topology, launch_local
 from learned_opt.distributed.compression import dequantize, get_compressor, quantize
 from learned_opt.distributed.local_steps import SimulatedLocalSteps
@@ -105,6 +106,39 @@ def test_the_anchor_moves_towards_the_ranks_common_optimum(rule):
     mean_target = [sum(t) / 4 for t in zip(*(ow.toy_targets(i) for i in range(4)))]
     for s, p, t in zip(start, params, mean_target):
         assert float((p[0] - t).norm()) < 0.3 * float((s - t).norm())
+
+
+def _rms(t):
+    return float(t.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("size, lr", [(1e-4, 1.0), (1.0, 1.0), (30.0, 0.5)])
+def test_the_learned_outer_step_is_sized_by_the_pseudo_gradients_momentum(size, lr):
+    """The rule gives the direction, the averaged pseudo-gradients the size: each round
+    moves a tensor by ``lr`` times the RMS of their bias-corrected 0.9 momentum, at any
+    scale of them (the rule's own step, about 2e-3 per element whatever their scale, would
+    not), along the rule's own update; a tensor without a pseudo-gradient stays put."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(40, 24), (24,), (3, 5), (7,)]  # an orthogonalised matrix, Adam-form tensors
+    anchors = [torch.randn(s, generator=gen).requires_grad_(True) for s in shapes]
+    alone = [a.detach().clone().requires_grad_(True) for a in anchors]
+    outer, rule = outer_rule("learned", lr)[0](anchors), LearnedOptimizer(alone, compile=False)
+    momenta = [torch.zeros(s) for s in shapes]
+    for t in range(1, 5):
+        grads = [size * torch.randn(s, generator=gen) for s in shapes[:-1]] + [torch.zeros(7)]
+        before = [[p.detach().clone() for p in ps] for ps in (anchors, alone)]
+        for ps in (anchors, alone):
+            for p, g in zip(ps, grads):
+                p.grad = g.clone()
+        outer.step()
+        rule.step()
+        for a, b, q, c, g, m in zip(anchors, before[0], alone, before[1], grads, momenta):
+            m.mul_(0.9).add_(g, alpha=0.1)
+            u, own = (a.detach() - b).flatten(), (q.detach() - c).flatten()
+            want = lr * _rms(m) / (1 - 0.9**t)  # rel: float32 rounding of u, x about 1
+            assert _rms(u) == pytest.approx(want, rel=2e-3, abs=0)
+            if _rms(g):
+                assert float(u @ own) / float(u.norm() * own.norm()) > 0.9999
 
 
 def test_bytes_are_the_payload_to_every_other_rank():
