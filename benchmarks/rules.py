@@ -176,11 +176,13 @@ def run(spec, side: str) -> dict:
 
     torch.set_num_threads(1)
     job = build(spec)
-    torch.manual_seed(spec.seed)
     make, make_sched = factory(side, spec.horizon)
     start = time.perf_counter()
     opt = make(list(job.model.parameters()))
     sched = make_sched(opt) if make_sched else None
+    # seeded after the optimizer is built: both sides of a draw train on one random stream
+    # (sampling, dropout), whatever building theirs drew (another revision's network)
+    torch.manual_seed(spec.seed)
     if hasattr(opt, "train"):  # schedule-free keeps two points; train mode steps the right one
         opt.train()
     curve = train(opt, sched, job.loss_fn, job.batches, spec.horizon)

@@ -42,6 +42,13 @@ class LearnedOptimizerNet(nn.Module):
         self.mixing = mixing or MixingConfig()  # the mixing head, and the rule under gossip
         c = self.config
         t = c.num_time_features
+        # nn.Linear draws its initial weights from torch's global generator: building an
+        # optimizer must not move a user's random stream (reset_parameters sets them all)
+        with torch.random.fork_rng(devices=[]):
+            self._build_layers(c, t)
+        self.reset_parameters()
+
+    def _build_layers(self, c: NetConfig, t: int) -> None:
         # per-tensor network: tensor statistics + time -> (log step scale, context bias)
         self.tensor_in = nn.Linear(NUM_TENSOR_STATS + t, c.tensor_width)
         self.tensor_out = nn.Linear(c.tensor_width, 1 + c.width)
@@ -53,7 +60,6 @@ class LearnedOptimizerNet(nn.Module):
         # edge head: symmetric edge features + time -> mixing logit
         self.edge_in = nn.Linear(NUM_EDGE_STATS + t, self.mixing.edge_width)
         self.edge_out = nn.Linear(self.mixing.edge_width, 1)
-        self.reset_parameters()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

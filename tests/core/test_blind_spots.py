@@ -136,3 +136,15 @@ def test_a_table_s_base_step_takes_its_factor():
     torch.testing.assert_close(t5[:3], 5 * t1[:3])
     assert not t5[3:].any() and not t1[3:].any()
     torch.testing.assert_close(b5, b1)
+
+
+def test_building_an_optimizer_leaves_the_global_random_stream_alone():
+    """A user's sampling, dropout and shuffling do not depend on whether (or how many
+    times) an optimizer was built: its network's layers draw nothing from torch's global
+    generator."""
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    LearnedOptimizer([nn.Parameter(torch.zeros(3))])
+    LearnedOptimizer([nn.Parameter(torch.zeros(3, 3))])
+    torch.testing.assert_close(torch.rand(4), expected)
