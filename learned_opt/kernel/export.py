@@ -214,7 +214,7 @@ def _one_tensor_of_any_size(stats: Tensor, refresh: bool | None):
         for name in ("segment_sum", "shape_stats", "shape_direction", "ns_due")
     ]
     segments.segment_sum = step_module.segment_sum = one_sum
-    step_module.shape_stats = lambda shapes, cfg, like, matrices=None: stats
+    step_module.shape_stats = lambda shapes, cfg, like, matrices=None, tables=None: stats
     step_module.shape_direction, step_module.ns_due = one_direction, due
     try:
         yield
