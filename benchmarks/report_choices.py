@@ -101,8 +101,9 @@ def decide_headline(r: dict) -> str:
     fallen = ", ".join(s["kinds_below_floor"]) or "none"
     return (f"Every choice of the rule is an A/B on fresh draws of a task distribution of "
             f"{len(r['kinds'])} kinds of training job ([how](docs/guide/choosing.md)). The rule "
-            f"of `{r['a']}`, against the rule of `{r['b']}`, before the last round of changes "
-            f"chosen on the fixed validation problems: **{s['geomean']:.3f}x** fewer steps "
+            f"as it was before the procedure's first accepted change, against the rule before "
+            f"the last round of changes chosen on the fixed validation problems: "
+            f"**{s['geomean']:.3f}x** fewer steps "
             f"[{low:.3f}, {high:.3f}] on "
             f"{s['n']} fresh draws, {'a win' if s['ships'] else 'not a win'}; kinds below "
             f"{KIND_FLOOR}: {fallen} ([decisions](docs/results.md#decisions-on-fresh-draws)).")  # fmt: skip
