@@ -6,9 +6,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from learned_opt import list_pretrained
 from learned_opt.cli import main as learned_opt_main
 from learned_opt.meta_train.cli import meta_cli_main
 from learned_opt.meta_train.data import TaskSeedDataModule
@@ -66,10 +68,14 @@ def test_parse_errors_print_at_most_three_lines(capsys, monkeypatch, args, first
     assert len(lines) <= 3 and lines[0].startswith(f"learned-opt-meta: error: {first}"), lines
 
 
-def test_finetune_config_refers_to_the_shipped_stage1_by_name():
+def test_finetune_config_resumes_the_stage1_of_the_checkout_by_path(monkeypatch):
+    """The stage is a file of the checkout (``meta_train/stages/``), not a shipped name:
+    stage checkpoints stay out of the wheel (issue 76)."""
     text = (CONFIG_DIR / "finetune.yaml").read_text()
-    assert "init_checkpoint: default_stage1" in text
-    MetaTrainModule(init_checkpoint="default_stage1", baseline_cache=None)
+    assert "init_checkpoint: meta_train/stages/default_stage1.pt" in text
+    assert "default_stage1" not in list_pretrained()
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # configs name paths from the root
+    MetaTrainModule(init_checkpoint="meta_train/stages/default_stage1.pt", baseline_cache=None)
 
 
 def test_data_tasks_per_step_follows_the_model_and_runs_are_one_epoch(tmp_path):
