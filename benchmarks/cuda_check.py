@@ -261,16 +261,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class Synced:
-    """``step()`` runs ``fn`` and waits for the device, so host wall time (as measured by
-    ``speed_common.time_interleaved``) covers the whole GPU work."""
+def synced_step(step: Callable, device: torch.device) -> Callable[[], dict]:
+    """``step()`` timed until the device is done (``speed_common.time_turns``' callable)."""
 
-    def __init__(self, fn: Callable, device: torch.device):
-        self.fn, self.device = fn, device
+    def run() -> dict:
+        t0 = time.perf_counter()
+        step()
+        sync(device)
+        return {"step": time.perf_counter() - t0}
 
-    def step(self) -> None:
-        self.fn()
-        sync(self.device)
+    return run
 
 
 #: size label -> (vocab, d_model, layers) of ``speed_common.transformer_shapes``
@@ -388,11 +388,11 @@ def check_step_timing(ctx: Context, r: dict) -> None:
         t0 = time.perf_counter()
         so.compile_kernels({k: o.step for k, o in opts.items()}, opts)
         r.setdefault("compile_seconds", {})[label] = round(time.perf_counter() - t0, 1)
-        ms = so.time_interleaved(
-            {k: Synced(o.step, ctx.device) for k, o in opts.items()}, warmup, repeats
-        )
-        adam = min(ms["adamw_foreach"][0], ms["adamw_fused"][0])
-        for name, (median, best) in ms.items():
+        ms = so.time_turns({k: synced_step(o.step, ctx.device) for k, o in opts.items()},
+                           warmup, repeats)  # fmt: skip
+        adam = min(ms["adamw_foreach"]["step"], ms["adamw_fused"]["step"])
+        for name, t in ms.items():
+            median, best = t["step"], t["step_best"]
             row = {"size": label, "params": n, "optimizer": name, "median_ms": round(median, 3)}
             row.update(best_ms=round(best, 3), ratio_to_best_adamw=round(median / adam, 2))
             r["rows"].append(row)

@@ -19,15 +19,12 @@ Choice, on the validation settings only, before any held-out run: first ``H`` an
 compressor with :data:`FIRST` (DeMo's rule), then each rule's outer lr at that ``H`` and
 compressor (:func:`choose`); lowest worst loss ratio among the variants at >= 100x fewer
 bytes. The held-out settings then run once: each rule at the chosen default, and at the
-other ``H`` of the grid for the frontier. After a change of one outer rule, chosen with
-``--explore`` on the validation settings, ``--rerun-heldout RULE`` runs that rule's
-held-out rows once at its new default and keeps every other row and the exact runs.
+other ``H`` of the grid for the frontier.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -36,7 +33,7 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, machine, write_json
 from learned_opt.distributed.local_steps import SimulatedLocalSteps
-from learned_opt.distributed.outer import OUTER_LR, OUTER_RULES, OuterStep, outer_rule
+from learned_opt.distributed.outer import OUTER_RULES, OuterStep, outer_rule
 from learned_opt.distributed.topology import get_topology
 from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_trajectory
 from learned_opt.tasks import get_task
@@ -112,7 +109,7 @@ def run(setting: dict, variant: dict | None) -> dict:
         sim = SimulatedLocalSteps(
             traj.tensors(), factory, kind=OuterStep, local_steps=variant["H"],
             topology=get_topology(setting["topology"], setting["workers"]),
-            compression=variant["compression"], decay=variant.get("decay", decay),
+            compression=variant["compression"], decay=decay,
         )  # fmt: skip
     diverged = False
     for _ in range(steps):
@@ -130,8 +127,7 @@ def run(setting: dict, variant: dict | None) -> dict:
 
 
 def label(v: dict) -> str:
-    decay = f" decay={v['decay']:g}" if "decay" in v else ""
-    return f"{v['rule']} lr={v['lr']:g}{decay} H={v['H']} {v['compression']}"
+    return f"{v['rule']} lr={v['lr']:g} H={v['H']} {v['compression']}"
 
 
 def row(setting: dict, exact: dict, v: dict, got: dict) -> dict:
@@ -203,25 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", default=None, help="result name under benchmarks/results")
-    parser.add_argument("--explore", nargs="+", default=None, metavar="RULE:LR[:DECAY[:SPEC]]",
-                        help="validation settings only, at the chosen H (and compressor unless "
-                        "SPEC): these variants (e.g. learned:1 demo:1:0.9:randk:0.1:4) to "
-                        "local_steps_explore.json")  # fmt: skip
-    parser.add_argument("--remeasure-bytes", action="store_true",
-                        help="run the held-out rows of local_steps.json again at their recorded "
-                        "variants after a change of the wire encoding alone: every loss must "
-                        "come out as recorded, to the bit; only the bytes are replaced")  # fmt: skip
-    parser.add_argument("--rerun-heldout", default=None, choices=OUTER_RULES, metavar="RULE",
-                        help="run RULE's held-out rows of local_steps.json once more at its "
-                        "default lr (after a change of the rule chosen with --explore); the "
-                        "other rows and the exact runs stay")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.rerun_heldout:
-        return rerun_heldout(args.rerun_heldout, args.out or "local_steps")
-    if args.explore:
-        return explore(args.explore, args.out or "local_steps_explore")
-    if args.remeasure_bytes:
-        return remeasure_bytes(args.out or "local_steps")
     start = time.perf_counter()
     validation, heldout, grid = VALIDATION, HELDOUT, GRID
     if args.quick:
@@ -276,95 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         "exact": [{**s, **exacts[str(sorted(s.items()))]} for s in heldout],
     }
     payload["wall_seconds"] = round(time.perf_counter() - start, 1)
-    write_json(out, payload)
-    plot(payload, RESULTS / f"{out}.png")
-    return 0
-
-
-def explore(specs: list[str], out: str) -> int:
-    """Variants of the outer rules on the validation settings only, at the H (and unless
-    given, the compressor) that ``local_steps.json`` chose (never on the held-out settings)."""
-    chosen = json.loads((RESULTS / "local_steps.json").read_text())["validation"]["chosen"]
-    variants = []
-    for spec in specs:
-        rule, lr, *rest = spec.split(":", 3)
-        v = dict(rule=rule, lr=float(lr), H=chosen["H"],
-                 compression=rest[1] if len(rest) > 1 else chosen["compression"])  # fmt: skip
-        variants.append({**v, **({"decay": float(rest[0])} if rest else {})})
-    rows = sweep(VALIDATION, variants, {})
-    path = RESULTS / f"{out}.json"
-    if path.exists():  # earlier explorations stay, with their own commands
-        old = json.loads(path.read_text())
-        rows = old["rows"] + rows
-        specs = [*old.get("specs", []), *specs]
-    write_json(out, {"benchmark": "local_steps_explore", "specs": specs, "chosen": chosen, "rows": rows,
-                     "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m "
-                                             "benchmarks.local_steps", ["--explore", *specs]),
-                     **machine()})  # fmt: skip
-    return 0
-
-
-def remeasure_bytes(out: str) -> int:
-    """The held-out rows again, nothing chosen: stops at the first loss that differs from
-    the recorded one in any bit (writing nothing), else replaces every row's bytes and the
-    summary, and keeps the bytes before under ``bytes_before``."""
-    payload = json.loads((RESULTS / f"{out}.json").read_text())
-    held, rows = payload["heldout"], []
-    for r in held["rows"]:
-        s, v, exact = _recorded(r)
-        got = run(s, v)
-        if (got["final"], got["train_final"]) != (r["final"], r["train_final"]):
-            raise SystemExit(f"{s['task']} {label(v)}: loss {got['final']!r} / "
-                             f"{got['train_final']!r}, recorded {r['final']!r} / "
-                             f"{r['train_final']!r}; nothing written")  # fmt: skip
-        rows.append({**row(s, exact, v, got), "bytes_before": r["bytes_per_rank"]})
-        print(f"{s['task']:>20} {label(v):<40} loss as recorded, bytes "
-              f"{r['bytes_per_rank']:,.0f} -> {got['bytes_per_rank']:,.0f} "
-              f"({rows[-1]['bytes_reduction_x']:.0f}x fewer)", flush=True)  # fmt: skip
-    held["rows"], held["summary"] = rows, summary(rows, payload["validation"]["chosen"])
-    held["bytes_remeasured"] = {
-        "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.local_steps",
-                                ["--remeasure-bytes"]),
-        "note": "every loss as recorded, to the bit; bytes in the index code of "
-        "distributed/indices.py (validation rows keep the int16/int32 indices' bytes)",
-        **machine(),
-    }  # fmt: skip
-    write_json(out, payload)
-    plot(payload, RESULTS / f"{out}.png")
-    return 0
-
-
-def _recorded(r: dict) -> tuple[dict, dict, dict]:
-    """A recorded held-out row's setting, variant and exact run."""
-    s = {k: r[k] for k in HELDOUT[0]}
-    v = {k: r[k] for k in ("rule", "lr", "H", "compression", "decay") if k in r}
-    exact = {"final": r["exact_final"], "train_final": r["exact_train_final"],
-             "bytes_per_rank": r["exact_bytes_per_rank"]}  # fmt: skip
-    return s, v, exact
-
-
-def rerun_heldout(rule: str, out: str) -> int:
-    """``rule``'s held-out rows again, once, at its default lr (:data:`OUTER_LR`); the rows
-    they replace are kept under ``heldout["reruns"]``, with the command."""
-    payload = json.loads((RESULTS / f"{out}.json").read_text())
-    held, rows, before = payload["heldout"], [], []
-    for r in held["rows"]:
-        if r["rule"] != rule:
-            rows.append(r)
-            continue
-        s, v, exact = _recorded(r)
-        v["lr"] = OUTER_LR[rule]
-        rows.append(row(s, exact, v, run(s, v)))
-        before.append(r)
-        print(f"{s['task']:>20} {label(v):<40} loss {r['final']:.4g} -> {rows[-1]['final']:.4g} "
-              f"({rows[-1]['loss_ratio']:.3f}x exact)", flush=True)  # fmt: skip
-    payload["validation"]["chosen"][rule] = {"lr": OUTER_LR[rule], "chosen_with": "--explore"}
-    held["rows"], held["summary"] = rows, summary(rows, payload["validation"]["chosen"])
-    held.setdefault("reruns", []).append({
-        "rule": rule, "rows_before": before, **machine(),
-        "command": command_line("OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.local_steps",
-                                ["--rerun-heldout", rule]),
-    })  # fmt: skip
     write_json(out, payload)
     plot(payload, RESULTS / f"{out}.png")
     return 0

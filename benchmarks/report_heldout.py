@@ -100,16 +100,6 @@ def _summary_line(side: str, s: dict) -> str:
     )
 
 
-@section("quality_heldout")
-def render_quality_heldout(r: dict) -> str:
-    return _render(r, "quality_heldout")
-
-
-@section("quality_heldout_wsd_half")
-def render_quality_heldout_wsd_half(r: dict) -> str:
-    return _render(r, "quality_heldout_wsd_half")
-
-
 def _seeds(r: dict) -> str:
     """How the rows were taken over the result's seeds."""
     if len(r["seeds"]) == 1:
@@ -122,7 +112,8 @@ def _seeds(r: dict) -> str:
     )
 
 
-def _render(r: dict, name: str) -> str:
+@section("quality_heldout")
+def render_quality_heldout(r: dict, name: str = "quality_heldout") -> str:
     """The held-out suite's tables and summary of ``results/NAME.json``."""
     partial = ""
     if not r["complete"]:
@@ -226,6 +217,11 @@ def render_headline(r: dict) -> str:
         f"{_step_costs(single, dec)}Measured on "
         f"{r['machine']}, torch {r['torch']}."
     )
+
+
+section("quality_heldout_wsd_half")(
+    lambda r: render_quality_heldout(r, "quality_heldout_wsd_half")
+)  # fmt: skip
 
 
 @section("quality_heldout_wsd_half:headline")

@@ -198,16 +198,13 @@ def render_wallclock(r: dict) -> str:
             f"{_x(s['median_adamw_paced_wall_speedup'])}: AdamW's own seconds after the "
             "rule's number of steps, so a cheaper step can reach no more"
         )
-    cache = "an empty compile cache" if r["cache"] == "empty" else "a warm compile cache"
     when = f"compiled in the background once its eager steps had taken {r['compile_after_seconds']:g} s"
-    if r["cache"] != "empty" and r.get("kernel_route") == "aot_package":
-        when = f"was loaded after its first steps where the earlier run had built it, else {when}"
     return (
         markdown_table(header, rows)
         + f"\n\nMedian: **{_x(s['median_speedup'])}** in steps, **{_x(s['median_wall_speedup'])}** "
         f"in wall-clock time with the compile included (the suite's figure, measured once the "
         f"kernel is compiled: {_x(s['median_recorded_wall_speedup'])}{paced}). Each side trained the "
-        f"task {_trained(r)} ({r['threads']} thread, {cache}), at seed {r['timing_seed']}, "
+        f"task {_trained(r)} ({r['threads']} thread, an empty compile cache), at seed {r['timing_seed']}, "
         f"one process at a time; the rule's kernel {when}. Wall-clock speedup: AdamW's "
         f"seconds to the level (the worse of the two best smoothed losses) over the rule's, "
         f"each counted from the optimizer's construction. AdamW at the rate and schedule "
@@ -233,7 +230,7 @@ def render_wallclock_headline(r: dict) -> str:
     s = r["summary"]
     return (
         f"With the compile included (each side trained {_trained(r)}, seed "
-        f"{r['timing_seed']}, {'an empty' if r['cache'] == 'empty' else 'a warm'} compile cache), "
+        f"{r['timing_seed']}, an empty compile cache), "
         f"the single-worker rows' median wall-clock speedup is **{_x(s['median_wall_speedup'])}** "
         f"({_x(s['median_speedup'])} in steps in those runs; "
         f"[table](docs/results.md#wall-clock-time-with-the-compile-included))."

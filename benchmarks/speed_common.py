@@ -1,6 +1,6 @@
 """What the speed benchmarks time, and how: the models and transformer-shaped parameter
 sets (``step_overhead``, the device check and the NCCL check time them), Muon with AdamW
-on the matrices the rule orthogonalises, and the timers that let optimizers take turns."""
+on the matrices the rule orthogonalises, and the timer that lets optimizers take turns."""
 
 from __future__ import annotations
 
@@ -139,27 +139,11 @@ def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:
 PERIOD = 2
 
 
-def time_interleaved(opts: dict, warmup: int, repeats: int) -> dict:
-    """``{name: (median, best)}`` wall time of one ``step()`` per optimizer, in ms (the
-    mean over :data:`PERIOD` consecutive steps), taking turns (used by
-    ``benchmarks/cuda_check.py``)."""
-    for opt in opts.values():
-        for _ in range(warmup * PERIOD):
-            opt.step()
-    times: dict = {name: [] for name in opts}
-    for _ in range(repeats):
-        for name, opt in opts.items():
-            t0 = time.perf_counter()
-            for _ in range(PERIOD):
-                opt.step()
-            times[name].append(1e3 * (time.perf_counter() - t0) / PERIOD)
-    return {name: (statistics.median(t), min(t)) for name, t in times.items()}
-
-
 def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
     """``{name: {part: median ms}}`` of callables ``steps[name]() -> {part: seconds}``,
     each sample the mean of :data:`PERIOD` consecutive calls, taking turns in an order
-    that rotates each round; the first call of each is also reported (``first``, ms)."""
+    that rotates each round; also each part's fastest sample (``<part>_best``) and the
+    first call of each (``first``, ms)."""
     times: dict = {name: {} for name in steps}
     first = {}
     for name, fn in steps.items():
@@ -179,6 +163,10 @@ def time_turns(steps: dict, warmup: int, repeats: int) -> dict:
                 for part, sec in sums.items():
                     times[name].setdefault(part, []).append(1e3 * sec / PERIOD)
     return {
-        name: {**{p: statistics.median(t) for p, t in parts.items()}, "first": first[name]}
+        name: {
+            **{p: statistics.median(t) for p, t in parts.items()},
+            **{f"{p}_best": min(t) for p, t in parts.items()},
+            "first": first[name],
+        }
         for name, parts in times.items()
     }

@@ -12,9 +12,7 @@ steps every run until its kernels are ready, and every run too short to build th
 AdamW (``foreach=True``) each step their own copy of the model, taking turns for
 ``--rounds`` rounds of ``--steps`` steps at one thread; each side's fastest round is kept
 (interference only adds time). The JSON also records how far apart the two revisions'
-parameters are after the timed steps (0: the same step, bitwise). ``--kernel`` times the
-compiled kernels instead: each rule's are built first (in a child process, at
-:func:`~learned_opt.kernel.compile_after_seconds` 0), and the kinds each built are recorded.
+parameters are after the timed steps (0: the same step, bitwise).
 
     OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base HEAD~1
     OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base abb5949 --tasks val_resmlp_ln
@@ -45,29 +43,15 @@ TASKS = (
     "heldout_autoencoder", "val_friedman_mlp", "val_mf_recsys", "val_resmlp_ln",
     "val_lstm_lm", "heldout_convnet_bn", "heldout_char_lm",
 )  # fmt: skip
-#: How revisions from 482aa8a to a597db0 checked a build job's module (by the literal
-#: package name, so that the base revision's build process refused its own recipes).
-_OLD_GUARD = 'job["module"].startswith("learned_opt.")'
 
 
 def import_revision(ref: str):
     """``learned_opt`` at git revision ``ref``, imported apart by
     :func:`benchmarks.rules.import_revision`; returns its ``optimizer`` module and the
-    commit. Its kernels' build processes import that revision too, not this checkout."""
+    commit."""
     commit = rules.resolve_commit(ref)
     package = rules.import_revision(commit)
-    name, folder = package.__name__, Path(package.__file__).parents[1]
-    kernel_py = folder / name / "kernel.py"  # a one-module kernel checks the literal name
-    if kernel_py.exists():
-        renamed = _OLD_GUARD.replace("learned_opt.", f"{name}.")
-        kernel_py.write_text(kernel_py.read_text().replace(_OLD_GUARD, renamed))
-    kernel = importlib.import_module(f"{name}.kernel")
-    if name not in kernel._CHILD:
-        kernel._CHILD = (
-            f"import sys; sys.path.insert(0, {str(folder)!r}); "
-            + kernel._CHILD.replace("learned_opt.kernel", f"{name}.kernel")
-        )
-    return importlib.import_module(f"{name}.optimizer"), commit
+    return importlib.import_module(f"{package.__name__}.optimizer"), commit
 
 
 def base_checkpoint(base_optimizer) -> Path:
@@ -77,57 +61,27 @@ def base_checkpoint(base_optimizer) -> Path:
     return Path(base_optimizer.__file__).parent / "checkpoints" / f"{name}.pt"
 
 
-#: ``--split``'s groups: AdamW's usual weight decay on the matrices, none on the rest.
-SPLIT_DECAY = 0.1
-
-
-def param_groups(params: list, split: bool) -> list:
-    """``params`` as one group, or (``split``) as the usual two: the tensors of two or
-    more dimensions with weight decay :data:`SPLIT_DECAY`, the others (biases, norms)
-    without."""
-    if not split:
-        return params
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": SPLIT_DECAY},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-def measure(
-    task_name: str, base_optimizer, steps: int, rounds: int, split: bool = False,
-    kernel: bool = False,
-) -> dict:  # fmt: skip
-    """Fastest-round ms per step of AdamW, the base revision's rule and this one's, every
-    side on :func:`param_groups` of the model's parameters; with ``kernel``, each rule's
-    compiled kernels, built before the timing (and how many kinds each built)."""
+def measure(task_name: str, base_optimizer, steps: int, rounds: int) -> dict:
+    """Fastest-round ms per step of AdamW, the base revision's rule and this one's."""
     from learned_opt import LearnedOptimizer
-    from learned_opt.kernel import compile_after_seconds
     from learned_opt.tasks import get_task
 
     task = get_task(task_name)
-    base_kernel = importlib.import_module(base_optimizer.__name__.replace("optimizer", "kernel"))
     base_ckpt = base_checkpoint(base_optimizer)
     makers = {
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-        "base": lambda ps: base_optimizer.LearnedOptimizer(
-            ps, checkpoint=base_ckpt, compile=kernel
-        ),
-        "this": lambda ps: LearnedOptimizer(ps, compile=kernel),
+        "base": lambda ps: base_optimizer.LearnedOptimizer(ps, checkpoint=base_ckpt, compile=False),
+        "this": lambda ps: LearnedOptimizer(ps, compile=False),
     }
-    sides, kinds = {}, {}
-    with compile_after_seconds(0), base_kernel.compile_after_seconds(0):
-        for side, make in makers.items():
-            torch.manual_seed(0)
-            model, loss_fn, batches = task.workload(seed=0)
-            loss_fn(next(iter(batches))).backward()
-            opt = make(param_groups(list(model.parameters()), split))
-            for _ in range(4):  # state created, packs built (with kernel: compiles queued)
-                opt.step()
-            if kernel and side != "adamw":
-                if not opt.wait_compiled(timeout=1800):
-                    raise RuntimeError(f"{task_name}: the {side} side's kernels did not build")
-                kinds[side] = len(opt._kernels._entries)
-            sides[side] = (model, opt)
+    sides = {}
+    for side, make in makers.items():
+        torch.manual_seed(0)
+        model, loss_fn, batches = task.workload(seed=0)
+        loss_fn(next(iter(batches))).backward()
+        opt = make(list(model.parameters()))
+        for _ in range(4):  # state created, packs built
+            opt.step()
+        sides[side] = (model, opt)
     best = {side: float("inf") for side in sides}
     for _ in range(rounds):
         for side, (_, opt) in sides.items():
@@ -142,7 +96,6 @@ def measure(
     diff = max(float((p - q).abs().max() / (q.abs().max() + 1e-12)) for p, q in pairs)
     return {
         "parameters": sum(p.numel() for p in sides["adamw"][0].parameters()),
-        **({"kernel_kinds": kinds} if kernel else {}),
         "ms": {side: round(ms, 4) for side, ms in best.items()},
         "x_adamw": {side: round(best[side] / best["adamw"], 3) for side in ("base", "this")},
         "this_over_base": round(best["this"] / best["base"], 3),
@@ -157,25 +110,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--out", default="step_ab", help="result name under benchmarks/results/")
-    ap.add_argument(
-        "--split", action="store_true",
-        help=f"two param groups on every side: weight decay {SPLIT_DECAY} on the matrices, "
-        "none on the rest (AdamW's usual split)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--kernel", action="store_true",
-        help="time the compiled kernels (built first, in a child process each) instead of "
-        "the eager reference",
-    )  # fmt: skip
     args = ap.parse_args(argv)
-    if args.kernel:
-        os.environ["LEARNED_OPT_COMPILE"] = "1"
     torch.set_num_threads(1)
     rows = {}
     base_optimizer, commit = import_revision(args.base)
     for name in args.tasks:
-        rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds, args.split,
-                                 args.kernel)  # fmt: skip
+        rows[name] = r = measure(name, base_optimizer, args.steps, args.rounds)
         print(f"{name}: AdamW {r['ms']['adamw']:.3f} ms, base {r['x_adamw']['base']:.2f}x, "
               f"this {r['x_adamw']['this']:.2f}x, this / base {r['this_over_base']:.2f}",
               flush=True)  # fmt: skip
@@ -188,8 +128,8 @@ def main(argv: list[str] | None = None) -> dict:
         "this": this_commit(),
         "steps": args.steps,
         "rounds": args.rounds,
-        "param_groups": "split" if args.split else "one",
-        "path": "kernel" if args.kernel else "eager reference",
+        "param_groups": "one",
+        "path": "eager reference",
         "rows": rows,
     }
     write_json(args.out, payload)

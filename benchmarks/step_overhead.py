@@ -56,11 +56,9 @@ CONTENDED = ["transformer-0.5M", "shapes-10M"]
 NO_EAGER = ["shapes-100M"]
 
 
-def optimizers(params_of, device: str, eager: bool = True) -> dict:
+def optimizers(params_of, eager: bool = True) -> dict:
     """Every optimizer compared, each on its own copy of the parameters (see the module)."""
     opts = {"adamw_foreach": torch.optim.AdamW(params_of(), lr=1e-3, foreach=True)}
-    if device == "cuda":
-        opts["adamw_fused"] = torch.optim.AdamW(params_of(), lr=1e-3, fused=True)
     opts["learned_default"] = LearnedOptimizer(params_of())
     if eager:
         opts["learned_reference"] = LearnedOptimizer(params_of(), compile=False)
@@ -68,11 +66,11 @@ def optimizers(params_of, device: str, eager: bool = True) -> dict:
     return opts
 
 
-def workload(name: str, device: str):
+def workload(name: str):
     """``(params, tensors, steps)``: per optimizer a callable timing one step of it."""
     if name in SHAPES:
         shapes = transformer_shapes(*SHAPES[name])
-        opts = optimizers(lambda: make_params(shapes), device, eager=name not in NO_EAGER)
+        opts = optimizers(lambda: make_params(shapes), eager=name not in NO_EAGER)
 
         def opt_step(opt):
             def run():
@@ -92,7 +90,7 @@ def workload(name: str, device: str):
         models[len(models)] = model
         return model.parameters()
 
-    opts = optimizers(params_of, device)
+    opts = optimizers(params_of)
     gen = torch.Generator().manual_seed(0)
     batches = [models[0].batch(gen) for _ in range(4)]
 
@@ -117,11 +115,11 @@ def workload(name: str, device: str):
     return n, tensors, opts, steps
 
 
-def measure(names, device, warmup, repeats, label="", rows=None, save=None):
+def measure(names, warmup, repeats, label="", rows=None, save=None):
     """Measure ``names``; append each row to ``rows`` and call ``save()`` after each."""
     rows = [] if rows is None else rows
     for name in names:
-        n, tensors, opts, steps = workload(name, device)
+        n, tensors, opts, steps = workload(name)
         waited = compile_kernels(steps, opts)
         ms = time_turns(steps, warmup, repeats)
         base = ms["adamw_foreach"]
@@ -276,7 +274,6 @@ def main(argv: list[str] | None = None) -> None:
         if not args.no_write:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
-    device = "cpu"
     names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
     load_before = list(os.getloadavg())
     t0 = time.perf_counter()
@@ -311,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
-    measure(names, device, args.warmup, args.repeats, "as is", rows, save)
+    measure(names, args.warmup, args.repeats, "as is", rows, save)
     if not args.no_contention:
         contended = [n for n in CONTENDED if n in names]
         blocks = []
@@ -319,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
             busy = busy_processes(2)
             try:
                 time.sleep(1.0)
-                blocks.append(measure(contended, device, args.warmup, args.repeats, "+2 busy"))
+                blocks.append(measure(contended, args.warmup, args.repeats, "+2 busy"))
             finally:
                 for proc in busy:
                     proc.kill()

@@ -66,8 +66,6 @@ def child(spec: dict) -> dict:
     clock = Clock()
     curve = single.run(spec["task"], factory, spec["steps"], schedule=spec["schedule"],
                        seed=TIMING_SEED, clock=clock)  # fmt: skip
-    if spec.get("fill") and hasattr(built[0], "wait_compiled"):
-        built[0].wait_compiled(timeout=1800)  # fill the cache: exiting would stop the compile
     return {"curve": curve, "seconds": [round(s, 5) for s in clock],
             "ready_step": clock.ready_step}  # fmt: skip
 
@@ -160,7 +158,7 @@ def median_run(runs: list[dict]) -> dict:
             "ready_steps": ready}  # fmt: skip
 
 
-def measure(rows: list[dict], warm_cache: bool, log=print, repeats: int = 1) -> list[dict]:
+def measure(rows: list[dict], log=print, repeats: int = 1) -> list[dict]:
     """Run every row's two sides in fresh processes and score them. A task's rule runs
     once, to its longest horizon (a held multiplier: the shorter row is its prefix);
     AdamW runs once per distinct rate and schedule (a held rate likewise). With
@@ -176,20 +174,15 @@ def measure(rows: list[dict], warm_cache: bool, log=print, repeats: int = 1) -> 
     for r in rows:
         for key in run_keys(r):
             need(key, r["horizon"])
-    caches: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as root:
         for repeat in range(repeats):
             for key, job in runs.items():
                 if key[0] == "rule":
                     spec = {"task": key[1], "side": key[2], "schedule": "constant"}
-                    cache = caches.setdefault(key[1], tempfile.mkdtemp(dir=root)) \
-                        if warm_cache else tempfile.mkdtemp(dir=root)  # fmt: skip
-                    if warm_cache and repeat == 0:  # fill the cache first, untimed
-                        run_fresh({**spec, "steps": job["steps"], "fill": True}, cache)
                 else:
                     spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
-                    cache = tempfile.mkdtemp(dir=root)
                 start = time.perf_counter()
+                cache = tempfile.mkdtemp(dir=root)  # empty: every run compiles afresh
                 job["runs"].append(run_fresh({**spec, "steps": job["steps"]}, cache))
                 log(f"  [{repeat + 1}/{repeats}] {key}: {job['steps']} steps in "
                     f"{time.perf_counter() - start:.1f} s (kernel ready after step "
@@ -216,11 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--suite", choices=sorted(SUITES), default="heldout")
     parser.add_argument("--tasks", nargs="*", help="only these tasks (default: all rows)")
     parser.add_argument(
-        "--warm-cache",
-        action="store_true",
-        help="time the rule with the compile cache of an earlier run",
-    )
-    parser.add_argument(
         "--repeats", type=int, default=1, metavar="N",
         help="run every side N times, taking turns, and time it by the median (default 1)",
     )  # fmt: skip
@@ -237,14 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no rows of {SUITES[args.suite]} match --tasks {args.tasks}")
     start = time.perf_counter()
     print(f"wallclock: {len(rows)} rows of {SUITES[args.suite]}, one fresh process per side")
-    scored = measure(rows, args.warm_cache, repeats=args.repeats)
+    scored = measure(rows, repeats=args.repeats)
     import torch
 
     from learned_opt import kernel
 
     payload = {
         "benchmark": "wallclock", "suite": args.suite, "source": SUITES[args.suite],
-        "cache": "warm" if args.warm_cache else "empty", "threads": 1,
+        "cache": "empty", "threads": 1,
         "kernel_route": "aot_package",  # built by a child, loaded by the training process
         "compile_after_seconds": kernel.COMPILE_AFTER_SECONDS,
         "timing_seed": TIMING_SEED, "repeats": args.repeats, "rows": scored,

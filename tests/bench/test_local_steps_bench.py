@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from benchmarks import common
 from benchmarks import local_steps as bench
 
@@ -38,23 +36,3 @@ def test_quick_run_writes_bytes_and_loss_side_by_side_and_the_plot(tmp_path, mon
         assert r["bytes_reduction_x"] == r["exact_bytes_per_rank"] / r["bytes_per_rank"] > 1
         assert r["loss_ratio"] == r["final"] / r["exact_final"]
     assert (tmp_path / "quick.png").stat().st_size > 0
-    # the held-out rows again, nothing chosen: the same losses to the bit, the bytes replaced
-    assert bench.main(["--remeasure-bytes", "--out", "quick"]) == 0
-    again = json.loads((tmp_path / "quick.json").read_text())["heldout"]
-    for a, b in zip(rows, again["rows"]):
-        assert (a["final"], a["bytes_per_rank"]) == (b["final"], b["bytes_before"])
-        assert b["bytes_per_rank"] == a["bytes_per_rank"]  # the encoding has not changed since
-    assert "remeasure-bytes" in again["bytes_remeasured"]["command"]
-    # one rule's held-out rows once more (at its default, the quick grid's lr): the others stay
-    assert bench.main(["--rerun-heldout", "learned", "--out", "quick"]) == 0
-    rerun = json.loads((tmp_path / "quick.json").read_text())["heldout"]
-    mine = [[r for r in x["rows"] if r["rule"] == "learned"] for x in (again, rerun)]
-    assert [r for r in rerun["rows"] if r["rule"] != "learned"] == [
-        r for r in again["rows"] if r["rule"] != "learned"
-    ]
-    assert [r["final"] for r in mine[1]] == [r["final"] for r in mine[0]]  # same rule and lr
-    assert rerun["reruns"][0]["rows_before"] == mine[0]
-    data["heldout"]["rows"][0]["final"] += 1e-6  # a loss that does not come out as recorded
-    (tmp_path / "quick.json").write_text(json.dumps(data))
-    with pytest.raises(SystemExit, match="recorded"):
-        bench.main(["--remeasure-bytes", "--out", "quick"])

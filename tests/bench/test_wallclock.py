@@ -101,8 +101,7 @@ def test_repeats_take_turns_and_each_side_is_timed_by_its_median(monkeypatch):
         return {"curve": [4.0, 3.0, 2.0], "seconds": slow[side][k], "ready_step": ready[side][k]}
 
     monkeypatch.setattr(wallclock, "run_fresh", fake_run)
-    (row,) = wallclock.measure([_row(horizon=3)], warm_cache=False, log=lambda _: None,
-                               repeats=3)  # fmt: skip
+    (row,) = wallclock.measure([_row(horizon=3)], log=lambda _: None, repeats=3)
     assert calls == ["rule", "adamw"] * 3  # the repeats take turns, not one side's three
     assert row["seconds_rule"] == 6.0 and row["seconds_adamw"] == 3.0  # medians of the 3rd step
     assert row["wall_speedup"] == 0.5 and row["speedup"] == 1.0
