@@ -3,7 +3,9 @@
 A side is one of:
 
 * ``.`` -- the shipped rule of this checkout; ``.:field=value,...`` replaces fields of its
-  config (``.:lr_adapt_rate=0``);
+  config (``.:lr_adapt_rate=0``); the pseudo-field ``schedule=wsd`` pairs the rule with
+  ``wsd_schedule`` over the run, as the quick start does (``.:schedule=wsd``, or
+  ``schedule=wsd0.2`` for another decay fraction);
 * a git revision (``bbd8f5d``, ``HEAD~3``), optionally with ``:field=value,...`` -- the
   shipped single-worker rule of that revision, its ``learned_opt`` and checkpoints taken
   from git into a cache folder and imported as a package of its own, so two revisions step
@@ -96,8 +98,10 @@ def _rule_package(ref: str):
 
 
 def learned_factory(side: str):
-    """``factory(params) -> optimizer`` of a learned side (see the module docstring)."""
+    """``factory(params) -> optimizer`` of a learned side (see the module docstring; its
+    ``schedule`` is :func:`factory`'s)."""
     ref, fields = parse_side(side)
+    fields.pop("schedule", None)
     package = _rule_package(ref)
     opt_cls = importlib.import_module(f"{package.__name__}.optimizer").LearnedOptimizer
     accepted = inspect.signature(opt_cls).parameters
@@ -165,7 +169,23 @@ def factory(side: str, steps: int):
 
         cos = lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=steps)  # noqa: E731
         return lambda p: prodigyopt.Prodigy(p, lr=1.0), cos
-    return learned_factory(side), None
+    return learned_factory(side), learned_schedule(side, steps)
+
+
+def learned_schedule(side: str, steps: int):
+    """``scheduler(opt)`` of a learned side with ``schedule=wsd[FRACTION]``, else ``None``:
+    the multiplier held, then decayed to 0 over the last ``FRACTION`` of the run (the
+    shipped ``wsd_schedule``'s share when not given)."""
+    schedule = parse_side(side)[1].get("schedule")
+    if schedule is None:
+        return None
+    if not (isinstance(schedule, str) and schedule.startswith("wsd")):
+        raise ValueError(f"side {side!r}: schedule must be wsd or wsdFRACTION, got {schedule!r}")
+    from learned_opt.schedules import DECAY_FRACTION, HoldThenDecay
+
+    fraction = float(schedule[3:]) if schedule[3:] else DECAY_FRACTION
+    decay = HoldThenDecay(steps, fraction)  # checks the fraction
+    return lambda o: torch.optim.lr_scheduler.LambdaLR(o, decay)
 
 
 def run(spec, side: str) -> dict:

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from benchmarks import decide, rules
 from learned_opt.tasks.distribution import draw
@@ -86,6 +87,23 @@ def test_sides_parse_and_bad_ones_fail_once():
         rules.factory("no-such-revision", 10)
     with pytest.raises(ValueError, match="no fields"):
         rules.factory(".:no_such_field=1", 10)
+
+
+def test_a_learned_side_takes_the_quick_starts_schedule():
+    p = torch.nn.Parameter(torch.ones(3))
+    make, sched = rules.factory(".:schedule=wsd0.2", 10)
+    opt = make([p])
+    scheduler = sched(opt)
+    factors = []
+    for _ in range(10):
+        factors.append(opt.param_groups[0]["lr"])
+        scheduler.step()
+    assert factors[:9] == [1.0] * 9 and factors[9] == pytest.approx(0.5)  # the last fifth
+    assert rules.factory(".", 10)[1] is None
+    full = rules.factory(".:schedule=wsd", 10)[1](rules.factory(".", 10)[0]([p]))
+    assert full.lr_lambdas[0](5) == pytest.approx(1.0) and full.lr_lambdas[0](7) == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="schedule must be wsd"):
+        rules.factory(".:schedule=cosine", 10)
 
 
 def test_one_whole_decision_on_short_draws(tmp_path, monkeypatch, capsys):
