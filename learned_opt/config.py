@@ -85,14 +85,6 @@ class NetConfig:
     lr_adapt_min: float = -4.0
     lr_adapt_max: float = 7.0
     lr_adapt_brake: float = 0.1
-    # The weight w of the 0.99 momentum in what every tensor's cosine is read against,
-    # (1 - w) m_0.9 + w m_0.99, in [0, 1] (a row-sparse table's reads the 0.99 momentum
-    # whatever w). The cosine is a one-step hypergradient: the 0.9 momentum holds a tenth
-    # of the last minibatch's noise, the step along it raises the next gradient against
-    # it, so under noise the cosine is biased low and the step sizes sink to the floor;
-    # the 0.99 momentum holds a hundredth, but sees an oscillation late. Above 0 every
-    # tensor keeps the 0.99 momentum (12 bytes of state per float32 parameter, not 8).
-    lr_adapt_slow: float = 0.0
     # The ceiling for orthogonalised matrices (None: lr_adapt_max). The adaptation's signal
     # is cos(g_t, m1_{t-1}), dominated by the momentum's top singular directions, while an
     # orthogonalised step moves every direction by the same amount: the gradient can keep
@@ -135,10 +127,6 @@ class NetConfig:
         ):
             if not float(getattr(self, name)) > 0:
                 raise ValueError(f"NetConfig.{name} must be > 0, got {getattr(self, name)!r}")
-        if isinstance(self.lr_adapt_slow, bool) or not 0 <= float(self.lr_adapt_slow) <= 1:
-            raise ValueError(
-                f"NetConfig.lr_adapt_slow must be in [0, 1], got {self.lr_adapt_slow!r}"
-            )
         if not float(self.lr_adapt_rate) >= 0:
             raise ValueError(f"NetConfig.lr_adapt_rate must be >= 0, got {self.lr_adapt_rate!r}")
         if not float(self.lr_adapt_min) <= 0 <= float(self.lr_adapt_max):
@@ -303,7 +291,7 @@ class MixingConfig:
 
 #: The fields that hold for single-worker runs alone, and their values under gossip (the
 #: gossip rule was chosen with them).
-SINGLE_WORKER_ONLY = {"lr_adapt_slow": 0.0, "table_step_mult": 1.0}
+SINGLE_WORKER_ONLY = {"table_step_mult": 1.0}
 
 
 @functools.lru_cache(maxsize=16)

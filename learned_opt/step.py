@@ -73,32 +73,24 @@ class Parts(NamedTuple):
 ALL_PARTS = Parts()
 
 
-def moment_rows(parts: Parts, slow: bool = False) -> int:
+def moment_rows(parts: Parts, sparse_rows: bool = False) -> int:
     """How many of the momenta (``m``'s rows, decays
     :data:`~learned_opt.config.MOMENTUM_DECAYS`) the step under ``parts`` reads: all three
     when a network is evaluated (its features read them), else the momentum that the
     update reads (0.9) and the one that the step-size adaptation reads
-    (:func:`adapt_row`): one row, or two where that is the 0.99 momentum (``slow``: a
-    row-sparse matrix, or every tensor of a rule that sets ``lr_adapt_slow``). The
+    (:func:`adapt_row`): one row, or two for a row-sparse matrix (``sparse_rows``). The
     rows past these are neither read nor updated: they are work that cannot change the
     result of a rule whose heads are zero, and the optimizer keeps only these rows, so
     that such a rule's state is 8 bytes per float32 parameter, as AdamW's (12 for an
     embedding table)."""
     if parts.tensor_net or parts.element_net:
         return 3
-    return 2 if slow else 1
+    return 2 if sparse_rows else 1
 
 
-def reads_slow(cfg: NetConfig, sparse_rows) -> bool:
-    """Whether a tensor's step-size adaptation reads its 0.99 momentum (:func:`adapt_row`):
-    a row-sparse matrix's always does, every tensor's where ``cfg.lr_adapt_slow`` > 0."""
-    return bool(sparse_rows) or cfg.lr_adapt_slow > 0
-
-
-def adapt_row(slow: bool) -> int:
+def adapt_row(sparse_rows: bool) -> int:
     """The momentum (``m``'s row) that the step-size adaptation reads its cosine against:
-    the 0.9 momentum (row 0), and the 0.99 momentum (row 1) for a row-sparse matrix, and
-    for every tensor under ``NetConfig.lr_adapt_slow`` (:func:`reads_slow`).
+    the 0.9 momentum (row 0), and the 0.99 momentum (row 1) for a row-sparse matrix.
 
     A table row sits in a batch now and then, so the 0.9 momentum of a row-sparse matrix
     is mostly the decayed memory of rows that are absent now: its cosine with the present
@@ -106,7 +98,7 @@ def adapt_row(slow: bool) -> int:
     the 0.99 momentum, the signal spans the rows' visits; measured on the validation
     family's recommender: 0.92x tuned AdamW against 0.68x (``validation_sparse_lag.json``),
     and no other row changes (none has a row-sparse matrix)."""
-    return 1 if slow else 0
+    return 1 if sparse_rows else 0
 
 
 def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
@@ -121,14 +113,12 @@ def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
     return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])
 
 
-def fit_state_rows(state: dict, parts: Parts, cfg: NetConfig | None = None) -> None:
+def fit_state_rows(state: dict, parts: Parts) -> None:
     """Fit a tensor's optimizer state (a dict holding ``m``, and its ``sparse_rows`` mark if
     it has one) to the momenta the step under ``parts`` reads for it, in place:
     :func:`fit_moment_rows` to :func:`moment_rows` (saved, or kept, for a rule that read
-    other rows; ``cfg``: the rule it steps with, when it may set ``lr_adapt_slow``)."""
-    sparse = state.get("sparse_rows")
-    rows = moment_rows(parts, reads_slow(cfg, sparse) if cfg is not None else bool(sparse))
-    state["m"] = fit_moment_rows(state["m"], rows)
+    other rows)."""
+    state["m"] = fit_moment_rows(state["m"], moment_rows(parts, bool(state.get("sparse_rows"))))
 
 
 def active_parts(theta: Theta) -> Parts:
@@ -164,17 +154,13 @@ def init_flat_state(
     return state
 
 
-def adapt_momentum(m: Tensor, layout: FlatLayout, slow: float = 0.0) -> Tensor:
+def adapt_momentum(m: Tensor, layout: FlatLayout) -> Tensor:
     """Per element, the momentum before this step that the adaptation reads (``[..., P]``
-    of ``m``'s ``[..., k, P]``): :func:`adapt_row` of each segment, and where ``slow`` (the
-    config's ``lr_adapt_slow``) is above 0, ``(1 - slow) m_0.9 + slow m_0.99`` for the
-    segments that are not row-sparse tables."""
+    of ``m``'s ``[..., k, P]``): :func:`adapt_row` of each segment."""
     sparse = layout.sparse_rows or (False,) * len(layout.shapes)
-    if all(sparse) or slow == 1:
+    if all(sparse):
         return m[..., adapt_row(True), :]
     fast = m[..., adapt_row(False), :]
-    if slow > 0:
-        fast = torch.lerp(fast, m[..., adapt_row(True), :], slow)
     if not any(sparse):
         return fast
     mask = segment_expand(constant(sparse, torch.bool, m.device), layout)
@@ -202,7 +188,7 @@ def reduce_sums(
     sizes = constant(tuple(max(n, 1) for n in layout.numels), g_in.dtype, g_in.device)
     g_dot_m = m_sum_squares = None
     if cfg.adapts_lr:
-        m1 = adapt_momentum(m, layout, cfg.lr_adapt_slow)
+        m1 = adapt_momentum(m, layout)
         g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
     return TensorSums(
         ok, g_sum_squares, safe_sqrt(g_sum_squares / sizes), segment_mean(v_new, layout),
@@ -267,7 +253,7 @@ def flat_step(
         keep = segment_expand(ok, layout)
         zero = torch.zeros((), dtype=p.dtype, device=p.device)
         g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
-    rows = moment_rows(parts, reads_slow(cfg, any(layout.sparse_rows)))
+    rows = moment_rows(parts, any(layout.sparse_rows))
     if m.shape[-2] < rows:
         raise ValueError(f"this step reads {rows} momenta, m holds {m.shape[-2]}")
     m = m[..., :rows, :]  # the rows no evaluated part reads stay as they are

@@ -89,7 +89,6 @@ SPACE: dict[str, Constant] = {
         Constant("lr_adapt_max_ortho", "range", 0.0, 8.0, fallback="lr_adapt_max"),
         Constant("lr_adapt_brake", "log", 1e-2, 1.0),
         Constant("table_step_mult", "log", 0.1, 100.0),
-        Constant("lr_adapt_slow", "clip", 0.0, 1.0, unit=0.1),
         Constant("ortho_nesterov", "range", 0.0, 1.0),
         Constant("ortho_snr", "clip", 0.0, 4.0, unit=0.5),
         Constant("clip_value", "log", 0.5, 30.0),

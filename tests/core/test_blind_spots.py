@@ -103,11 +103,6 @@ def test_the_adaptation_reads_each_segment_s_own_momentum():
     torch.testing.assert_close(got, torch.cat([slow[:6], fast[6:10], slow[10:]]))
     dense = FlatLayout(("b",), ((4,),))
     torch.testing.assert_close(adapt_momentum(m[..., :4], dense), m[:, 0, :4])
-    # lr_adapt_slow blends the two momenta for every segment but a table's
-    blend = adapt_momentum(m, layout, 0.25)[0]
-    mixed = 0.75 * fast + 0.25 * slow
-    torch.testing.assert_close(blend, torch.cat([slow[:6], mixed[6:10], slow[10:]]))
-    torch.testing.assert_close(adapt_momentum(m, layout, 1.0)[0], slow)
 
 
 def test_a_table_s_base_step_takes_its_factor():

@@ -80,7 +80,7 @@ def test_brake_slows_growth_only_when_gradients_shrink():
 
 @pytest.mark.parametrize(
     "lr, variant",
-    [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling"), (1.0, "slow")],
+    [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling")],
 )
 def test_the_optimizer_matches_the_differentiable_path(lr, variant):
     # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
@@ -92,8 +92,6 @@ def test_the_optimizer_matches_the_differentiable_path(lr, variant):
         cfg = replace(cfg, ortho_max_dim=60, adam_max_width=40)
     if variant == "ortho_ceiling":
         cfg = replace(cfg, lr_adapt_max_ortho=0.5)
-    if variant == "slow":
-        cfg = replace(cfg, lr_adapt_slow=0.5)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -191,49 +189,6 @@ def test_under_gossip_the_step_size_stays_within_the_gossip_bounds():
         ADAPT, lambda t, p: torch.ones(50) * (-1) ** t, 60, gossip=True, mixing=no_floor
     )
     assert log_lr == pytest.approx(ADAPT.lr_adapt_min)
-
-
-def test_slow_adaptation_keeps_and_reads_the_0_99_momentum():
-    slow = replace(ADAPT, lr_adapt_slow=1.0)
-    p = torch.nn.Parameter(torch.zeros(6, 5))
-    opt = LearnedOptimizer([p], net=LearnedOptimizerNet(slow, MIXING))
-    grads = [torch.randn(6, 5, generator=torch.Generator().manual_seed(t)) for t in range(3)]
-    for g in grads[:2]:
-        p.grad = g.clone()
-        opt.step()
-    m = opt.state[p]["m"].clone()
-    assert m.shape[0] == 2  # the 0.9 momentum and the 0.99 one, for every tensor
-    before = float(opt.state[p]["log_lr"])
-    p.grad = grads[2].clone()
-    opt.step()
-    # the move is the cosine against the 0.99 row before this step (no brake: full-size g)
-    cos = torch.nn.functional.cosine_similarity(grads[2].flatten(), m[1].flatten(), dim=0)
-    moved = float(opt.state[p]["log_lr"]) - before
-    assert moved == pytest.approx(ADAPT.lr_adapt_rate * float(cos), rel=1e-4, abs=1e-6)
-    assert float(cos) != pytest.approx(
-        float(torch.nn.functional.cosine_similarity(grads[2].flatten(), m[0].flatten(), dim=0))
-    )
-    # under gossip the adaptation reads the 0.9 momentum, and keeps no second row
-    assert MIXING.under_gossip(slow).lr_adapt_slow == 0.0
-    q = torch.nn.Parameter(torch.zeros(6, 5))
-    gossip = LearnedOptimizer([q], net=LearnedOptimizerNet(slow, MIXING))
-    gossip.config_transform = MIXING.under_gossip
-    q.grad = grads[0].clone()
-    gossip.step()
-    assert gossip.state[q]["m"].shape[0] == 1
-    # a state saved by the symmetric rule loads with the second row started at zero
-    plain = torch.nn.Parameter(torch.zeros(6, 5))
-    before_opt = LearnedOptimizer([plain], net=LearnedOptimizerNet(ADAPT, MIXING))
-    plain.grad = grads[0].clone()
-    before_opt.step()
-    opt.load_state_dict(before_opt.state_dict())
-    loaded = opt.state[p]["m"]
-    assert loaded.shape[0] == 2 and not loaded[1].any()
-    torch.testing.assert_close(loaded[0], before_opt.state[plain]["m"][0])
-    with pytest.raises(ValueError, match="lr_adapt_slow"):
-        split_config({"lr_adapt_slow": 1.5})
-    with pytest.raises(ValueError, match="lr_adapt_slow"):
-        split_config({"lr_adapt_slow": True})
 
 
 def test_under_gossip_config():
@@ -425,7 +380,7 @@ def test_tensorboard_update_response_handles_an_adapting_config():
 def test_the_single_worker_fields_hold_their_chosen_values_under_gossip():
     from learned_opt.config import SINGLE_WORKER_ONLY
 
-    alone = replace(ADAPT, lr_adapt_slow=0.5, table_step_mult=4.0)
+    alone = replace(ADAPT, table_step_mult=4.0)
     gossip = MIXING.under_gossip(alone)
     assert {k: getattr(gossip, k) for k in SINGLE_WORKER_ONLY} == SINGLE_WORKER_ONLY
     assert MIXING.under_gossip(gossip) == gossip
