@@ -229,8 +229,8 @@ def render_wsd_headline(r: dict) -> str:
     """One line under the headline: the single-worker rule paired with its schedule."""
     s = r["summary"]
     return (
-        f"With `wsd_schedule` (as in the quick start), the single-worker rows: median "
-        f"**{_x(s['median_speedup_single'])}** in steps, {_x(s['median_wall_speedup_single'])} "
+        "With `wsd_schedule` (held, then to 0 over the last half), the single-worker rows: "
+        f"median **{_x(s['median_speedup_single'])}** in steps, {_x(s['median_wall_speedup_single'])} "
         f"in wall-clock time, lowest setting {_x(s['min_speedup'])}, divergences "
         f"{s['divergences']} ([table](docs/results.md#the-single-worker-rule-with-wsd_schedule))."
     )
