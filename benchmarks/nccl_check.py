@@ -36,7 +36,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.append(str(ROOT))  # after the laid-out package
-from benchmarks.cuda_check import build_installed_layout, sync, use_layout  # noqa: E402
+from benchmarks.device_harness import build_installed_layout, sync, use_layout  # noqa: E402
 from benchmarks.gossip_common import (  # noqa: E402
     DecentDPStep,
     decent_dp,

@@ -213,7 +213,7 @@ def test_job_queue_runs_urgent_jobs_first():
 
 
 def test_headline_is_the_shipped_default_one_rule_for_both():
-    from benchmarks.quality_heldout import headline
+    from benchmarks.heldout_rows import headline
 
     def row(side, speedup, **extra):
         return {"side": side, "task": "t", "horizon": 200, "speedup": speedup,
