@@ -204,12 +204,21 @@ def render_wallclock(r: dict) -> str:
         + f"\n\nMedian: **{_x(s['median_speedup'])}** in steps, **{_x(s['median_wall_speedup'])}** "
         f"in wall-clock time with the compile included (the suite's figure, measured once the "
         f"kernel is compiled: {_x(s['median_recorded_wall_speedup'])}{paced}). Each side trained the "
-        f"task {_trained(r)} ({r['threads']} thread, an empty compile cache), at seed {r['timing_seed']}, "
+        f"task {_trained(r)} ({r['threads']} thread, {_cache(r)}), at seed {r['timing_seed']}, "
         f"one process at a time; the rule's kernel {when}. Wall-clock speedup: AdamW's "
         f"seconds to the level (the worse of the two best smoothed losses) over the rule's, "
         f"each counted from the optimizer's construction. AdamW at the rate and schedule "
         f"tuned for seed {r['timing_seed']} in `{r['source']}`. {_measured(r)} Wall time "
         f"{r['wall_seconds'] / 60:.0f} min. Command: `{r['command']}`."
+    )
+
+
+def _cache(r: dict) -> str:
+    """The rule's compile cache in a wall-clock run (``wallclock.py --cache``)."""
+    if r.get("cache", "empty") == "empty":
+        return "an empty compile cache"
+    return (
+        "a machine that has built before: a compile cache filled beforehand by each task's rule run"
     )
 
 
@@ -230,7 +239,7 @@ def render_wallclock_headline(r: dict) -> str:
     s = r["summary"]
     return (
         f"With the compile included (each side trained {_trained(r)}, seed "
-        f"{r['timing_seed']}, an empty compile cache), "
+        f"{r['timing_seed']}, {_cache(r)}), "
         f"the single-worker rows' median wall-clock speedup is **{_x(s['median_wall_speedup'])}** "
         f"({_x(s['median_speedup'])} in steps in those runs; "
         f"[table](docs/results.md#wall-clock-time-with-the-compile-included))."

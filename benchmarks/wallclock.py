@@ -3,8 +3,8 @@
 The suites' wall-clock columns multiply the step speedup by the ratio of step times once
 the rule's kernel is compiled, leaving out what a first run pays before that. This measures
 it: for every single-worker row of the held-out suite's record (``quality_heldout.json``),
-at its timing seed 0, the rule (multiplier 1) in a new process with an empty inductor cache, and tuned
-AdamW (the row's rate and schedule) in another, one at a time at one thread, each recording
+at its timing seed 0, the rule (multiplier 1) in a new process, and tuned AdamW (the row's
+rate and schedule) in another, one at a time at one thread, each recording
 its loss and the seconds since the optimizer was built after every step. The speedup is the
 ratio of the seconds each needs to reach the level of the step speedup. Beside it: the step
 speedup of the same curves, the suite's steady-state estimate, the step at which the kernel
@@ -13,6 +13,12 @@ after the rule's number of steps: what a step as cheap as AdamW's could reach).
 
     python -m benchmarks.wallclock --suite heldout --repeats 3  # each side's median of 3
 
+The rule's compile cache (``--cache``): ``machine`` (the default), a machine that has built
+before: every timed run starts from a copy of one cache that each task's rule run filled
+beforehand, untimed (the kernel packages are per rule, dtype and kind of tensor, not per
+shape, so this is what any second model on the machine finds); ``empty``, the first model
+ever trained on the machine: every run compiles from nothing.
+
 Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine.
 """
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,6 +73,8 @@ def child(spec: dict) -> dict:
     clock = Clock()
     curve = single.run(spec["task"], factory, spec["steps"], schedule=spec["schedule"],
                        seed=TIMING_SEED, clock=clock)  # fmt: skip
+    if spec.get("fill") and hasattr(built[0], "wait_compiled"):
+        built[0].wait_compiled(timeout=1800)  # fill the cache: exiting would stop the compile
     return {"curve": curve, "seconds": [round(s, 5) for s in clock],
             "ready_step": clock.ready_step}  # fmt: skip
 
@@ -158,14 +167,14 @@ def median_run(runs: list[dict]) -> dict:
             "ready_steps": ready}  # fmt: skip
 
 
-def measure(rows: list[dict], log=print, repeats: int = 1) -> list[dict]:
+def measure(rows: list[dict], log=print, repeats: int = 1, cache: str = "machine") -> list[dict]:
     """Run every row's two sides in fresh processes and score them. A task's rule runs
     once, to its longest horizon (a held multiplier: the shorter row is its prefix);
     AdamW runs once per distinct rate and schedule (a held rate likewise). With
     ``repeats`` above 1 every run is repeated, the repeats taking turns (all runs once,
     then all again), and each side's clock is the median of its runs
     (:func:`median_run`): one run's clock moves from day to day by more than the rows'
-    differences."""
+    differences. ``cache``: see the module."""
     runs: dict[tuple, dict] = {}
 
     def need(key: tuple, steps: int) -> None:
@@ -175,6 +184,14 @@ def measure(rows: list[dict], log=print, repeats: int = 1) -> list[dict]:
         for key in run_keys(r):
             need(key, r["horizon"])
     with tempfile.TemporaryDirectory() as root:
+        machine_cache = tempfile.mkdtemp(dir=root)
+        for key, job in runs.items() if cache == "machine" else ():
+            if key[0] == "rule":  # fill the machine's cache, untimed
+                start = time.perf_counter()
+                spec = {"task": key[1], "side": key[2], "schedule": "constant", "fill": True}
+                run_fresh({**spec, "steps": job["steps"]}, machine_cache)
+                log(f"  filled the compile cache with {key[1]}'s rule run in "
+                    f"{time.perf_counter() - start:.1f} s")  # fmt: skip
         for repeat in range(repeats):
             for key, job in runs.items():
                 if key[0] == "rule":
@@ -182,8 +199,10 @@ def measure(rows: list[dict], log=print, repeats: int = 1) -> list[dict]:
                 else:
                     spec = {"task": key[1], "side": "adamw", "lr": key[2], "schedule": key[3]}
                 start = time.perf_counter()
-                cache = tempfile.mkdtemp(dir=root)  # empty: every run compiles afresh
-                job["runs"].append(run_fresh({**spec, "steps": job["steps"]}, cache))
+                folder = tempfile.mkdtemp(dir=root)  # each run its own copy: none sees another's
+                if key[0] == "rule" and cache == "machine":
+                    shutil.copytree(machine_cache, folder, dirs_exist_ok=True)
+                job["runs"].append(run_fresh({**spec, "steps": job["steps"]}, folder))
                 log(f"  [{repeat + 1}/{repeats}] {key}: {job['steps']} steps in "
                     f"{time.perf_counter() - start:.1f} s (kernel ready after step "
                     f"{job['runs'][-1].get('ready_step')})")  # fmt: skip
@@ -212,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
         "--repeats", type=int, default=1, metavar="N",
         help="run every side N times, taking turns, and time it by the median (default 1)",
     )  # fmt: skip
+    parser.add_argument("--cache", choices=("machine", "empty"), default="machine",
+                        help="the rule's compile cache: filled once beforehand (a machine that "
+                        "has built before; the default) or empty (see the module)")  # fmt: skip
     parser.add_argument("--out", help="result name (default: wallclock_<suite>)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -225,14 +247,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no rows of {SUITES[args.suite]} match --tasks {args.tasks}")
     start = time.perf_counter()
     print(f"wallclock: {len(rows)} rows of {SUITES[args.suite]}, one fresh process per side")
-    scored = measure(rows, repeats=args.repeats)
+    scored = measure(rows, repeats=args.repeats, cache=args.cache)
     import torch
 
     from learned_opt import kernel
 
     payload = {
         "benchmark": "wallclock", "suite": args.suite, "source": SUITES[args.suite],
-        "cache": "empty", "threads": 1,
+        "cache": args.cache, "threads": 1,
         "kernel_route": "aot_package",  # built by a child, loaded by the training process
         "compile_after_seconds": kernel.COMPILE_AFTER_SECONDS,
         "timing_seed": TIMING_SEED, "repeats": args.repeats, "rows": scored,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -101,11 +102,33 @@ def test_repeats_take_turns_and_each_side_is_timed_by_its_median(monkeypatch):
         return {"curve": [4.0, 3.0, 2.0], "seconds": slow[side][k], "ready_step": ready[side][k]}
 
     monkeypatch.setattr(wallclock, "run_fresh", fake_run)
-    (row,) = wallclock.measure([_row(horizon=3)], log=lambda _: None, repeats=3)
+    (row,) = wallclock.measure([_row(horizon=3)], log=lambda _: None, repeats=3, cache="empty")
     assert calls == ["rule", "adamw"] * 3  # the repeats take turns, not one side's three
     assert row["seconds_rule"] == 6.0 and row["seconds_adamw"] == 3.0  # medians of the 3rd step
     assert row["wall_speedup"] == 0.5 and row["speedup"] == 1.0
     assert row["kernel_ready_step"] == 2 and row["kernel_ready_steps"] == [None, 3, 2]
+
+
+def test_a_machine_that_has_built_before_fills_one_cache_that_every_rule_run_copies(
+    monkeypatch,
+):
+    seen = []
+
+    def fake_run(spec, cache):
+        folder = Path(cache)
+        if spec.get("fill"):
+            (folder / "kernel").mkdir()
+            (folder / "kernel" / "package").write_text("built")
+        else:
+            seen.append((spec["side"], (folder / "kernel" / "package").is_file()))
+            (folder / "scratch").write_text("a timed run's own files")
+        return {"curve": [4.0, 3.0, 2.0], "seconds": [1.0, 2.0, 3.0], "ready_step": 1}
+
+    monkeypatch.setattr(wallclock, "run_fresh", fake_run)
+    wallclock.measure([_row(horizon=3)], log=lambda _: None, repeats=2)
+    rule = [ok for side, ok in seen if side != "adamw"]
+    assert rule == [True, True]  # every timed rule run starts from the filled cache
+    assert [ok for side, ok in seen if side == "adamw"] == [False, False]
 
 
 def test_repeats_below_one_is_a_usage_error(capsys):
