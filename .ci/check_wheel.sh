@@ -10,6 +10,8 @@ TORCH_PIN=${TORCH_PIN:-torch==2.13.0}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
+# setuptools reuses build/lib, which keeps files the tree has since removed
+rm -rf build/lib build/bdist.*
 .venv/bin/python -m pip wheel --no-deps -q -w "$work/dist" .
 "$PY" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q "$TORCH_PIN"
