@@ -199,6 +199,8 @@ def render_wallclock(r: dict) -> str:
             "rule's number of steps, so a cheaper step can reach no more"
         )
     when = f"compiled in the background once its eager steps had taken {r['compile_after_seconds']:g} s"
+    if r.get("cache", "empty") != "empty":
+        when = f"was loaded at its first steps where the filled cache held it, else {when}"
     return (
         markdown_table(header, rows)
         + f"\n\nMedian: **{_x(s['median_speedup'])}** in steps, **{_x(s['median_wall_speedup'])}** "

@@ -4,8 +4,8 @@ A side is one of:
 
 * ``.`` -- the shipped rule of this checkout; ``.:field=value,...`` replaces fields of its
   config (``.:lr_adapt_rate=0``); the pseudo-field ``schedule=wsd`` pairs the rule with
-  ``wsd_schedule`` over the run, as the quick start does (``.:schedule=wsd``, or
-  ``schedule=wsd0.2`` for another decay fraction);
+  ``learned_opt.wsd_schedule`` over the run (``.:schedule=wsd``, or ``schedule=wsd0.2``
+  for another decay fraction);
 * a git revision (``bbd8f5d``, ``HEAD~3``), optionally with ``:field=value,...`` -- the
   shipped single-worker rule of that revision, its ``learned_opt`` and checkpoints taken
   from git into a cache folder and imported as a package of its own, so two revisions step
@@ -181,11 +181,10 @@ def learned_schedule(side: str, steps: int):
         return None
     if not (isinstance(schedule, str) and schedule.startswith("wsd")):
         raise ValueError(f"side {side!r}: schedule must be wsd or wsdFRACTION, got {schedule!r}")
-    from learned_opt.schedules import DECAY_FRACTION, HoldThenDecay
+    from learned_opt.schedules import DECAY_FRACTION, wsd_schedule
 
     fraction = float(schedule[3:]) if schedule[3:] else DECAY_FRACTION
-    decay = HoldThenDecay(steps, fraction)  # checks the fraction
-    return lambda o: torch.optim.lr_scheduler.LambdaLR(o, decay)
+    return lambda o: wsd_schedule(o, steps, fraction)
 
 
 def run(spec, side: str) -> dict:

@@ -89,7 +89,7 @@ def test_sides_parse_and_bad_ones_fail_once():
         rules.factory(".:no_such_field=1", 10)
 
 
-def test_a_learned_side_takes_the_quick_starts_schedule():
+def test_a_learned_side_takes_wsd_schedule():
     p = torch.nn.Parameter(torch.ones(3))
     make, sched = rules.factory(".:schedule=wsd0.2", 10)
     opt = make([p])
