@@ -148,3 +148,27 @@ def test_building_an_optimizer_leaves_the_global_random_stream_alone():
     LearnedOptimizer([nn.Parameter(torch.zeros(3))])
     LearnedOptimizer([nn.Parameter(torch.zeros(3, 3))])
     torch.testing.assert_close(torch.rand(4), expected)
+
+
+def test_dead_units_leave_no_subnormal_state():
+    """A unit whose gradient turns exactly zero (a dead unit) keeps a momentum that decays
+    geometrically: 0.9^t falls below float32's smallest normal number by step ~830, and
+    every op reading a subnormal runs several times slower on a CPU. The step flushes
+    those entries to zero, and the live units' state is untouched."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    opt = LearnedOptimizer(layer.parameters(), compile=False)
+    tiny = torch.finfo(torch.float32).tiny
+    x = torch.randn(32, 16)
+    for step in range(1000):
+        opt.zero_grad()
+        out = layer(x)
+        if step >= 5:  # units 4..7 die: their rows get exactly zero gradient from now on
+            out = torch.cat([out[:, :4], out[:, 4:].detach()], dim=1)
+        out.square().mean().backward()
+        opt.step()
+    m = opt.state[layer.weight]["m"]
+    assert not bool(((m != 0) & (m.abs() < tiny)).any())
+    assert m.shape[-2:] == (8, 16)
+    assert bool((m[:, 4:] == 0).all())  # the dead units' momenta
+    assert bool((m[:, :4] != 0).any())
