@@ -15,9 +15,10 @@ after the rule's number of steps: what a step as cheap as AdamW's could reach).
 
 The rule's compile cache (``--cache``): ``machine`` (the default), a machine that has built
 before: every timed run starts from a copy of one cache that each task's rule run filled
-beforehand, untimed (the kernel packages are per rule, dtype and kind of tensor, not per
-shape, so this is what any second model on the machine finds); ``empty``, the first model
-ever trained on the machine: every run compiles from nothing.
+beforehand, untimed, building every kind of tensor it steps even where the run is too
+short to start a compile (the kernel packages are per rule, dtype and kind of tensor, not
+per shape, so this is what a model finds on a machine that has built those kinds);
+``empty``, the first model ever trained on the machine: every run compiles from nothing.
 
 Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine.
 """
@@ -50,6 +51,10 @@ def child(spec: dict) -> dict:
     from benchmarks import heldout_single as single
 
     torch.set_num_threads(1)
+    if spec.get("fill"):  # build every kind of tensor the run steps, however short the run
+        import learned_opt.kernel
+
+        learned_opt.kernel.COMPILE_AFTER_SECONDS = 0
     built = []
     if spec["side"] == "adamw":
         base = single.adamw(spec["lr"])
