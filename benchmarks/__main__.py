@@ -94,10 +94,8 @@ ENTRIES = {
     ),
     "device": Entry(
         "cuda_check",
-        "Does the CUDA path work on this GPU, and what do its steps cost? --nccl: NCCL gossip "
-        "on every GPU of the machine against all-reduce DDP and Decent-DP.",
-        "about 5 min on a GPU machine; --nccl about 7 min",
-        ("--nccl", "nccl_check", None),
+        "Does the CUDA path work on this GPU, and what do its steps cost?",
+        "about 5 min on a GPU machine",
     ),
 }
 

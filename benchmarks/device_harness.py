@@ -1,7 +1,6 @@
 """What the device checks share: the package laid out as installed, each check under its own
 time limit with its outcome recorded whatever happens, subprocesses in their own process
-group, and a watchdog that ends a run outliving its budget (``cuda_check.py``; the layout
-also serves ``nccl_check.py``)."""
+group, and a watchdog that ends a run outliving its budget (``cuda_check.py``)."""
 
 from __future__ import annotations
 

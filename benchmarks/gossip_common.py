@@ -17,45 +17,32 @@ import torch
 import torch.distributed as dist
 
 
-def gossip_run_info(
-    command: str, load: float, when: str, transport: str = "gloo over loopback"
-) -> dict:
+def gossip_run_info(command: str, load: float, when: str) -> dict:
     """``date``, ``machine`` (with the load average ``load``, measured ``when``: "at start"
-    or "at the end"), ``torch`` and ``command`` of a run of local worker processes that
-    exchange over ``transport``."""
+    or "at the end"), ``torch`` and ``command`` of a run of local gloo worker processes."""
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
-        f"worker, {transport}, load average {load:.1f} {when}",
+        f"worker, gloo over loopback, load average {load:.1f} {when}",
         "torch": torch.__version__,
         "command": command,
     }
 
 
-def time_in_turns(
-    configs: dict,
-    train_step: Callable,
-    rounds: int,
-    steps: int,
-    sync: Callable[[], None] | None = None,
-) -> dict[str, float]:
+def time_in_turns(configs: dict, train_step: Callable, rounds: int, steps: int) -> dict[str, float]:
     """This rank's milliseconds per step of each configuration ``name: (model, opt)``.
 
     The configurations take turns, ``steps`` calls of ``train_step(model, opt)`` each,
     round after round (round 0 warms up), every turn starting at a barrier, so a change in
     the machine's load hits them all alike. A configuration's time is the median over
-    rounds of its mean step in the round. ``sync()`` (e.g. ``torch.cuda.synchronize``)
-    runs before each clock reading, so queued device work is counted."""
-    sync = sync or (lambda: None)
+    rounds of its mean step in the round."""
     times: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(rounds + 1):
         for name, (model, opt) in configs.items():
             dist.barrier()
-            sync()
             start = time.perf_counter()
             for _ in range(steps):
                 train_step(model, opt)
-            sync()
             if r:
                 times[name].append((time.perf_counter() - start) * 1e3 / steps)
     return {name: statistics.median(ts) for name, ts in times.items()}
