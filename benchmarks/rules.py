@@ -121,11 +121,25 @@ def learned_factory(side: str):
 
 def _muon(params):
     params = list(params)
-    matrices = [p for p in params if p.dim() == 2 and min(p.shape) > 1 and max(p.shape) < 4096]
-    rest = [p for p in params if all(p is not q for q in matrices)]
-    # a model without hidden matrices (a linear model) is AdamW's alone, and the reverse
-    opts = [torch.optim.Muon(matrices, lr=0.02, weight_decay=0.01)] if matrices else []
-    return _Pair(*opts, *([torch.optim.AdamW(rest, lr=3e-3)] if rest else []))
+    hidden = [p.dim() == 2 and min(p.shape) > 1 and max(p.shape) < 4096 for p in params]
+    return muon_with_adamw(params, hidden, lr=3e-3)
+
+
+def muon_with_adamw(params, hidden: list[bool], **adamw) -> _Pair:
+    """``torch.optim.Muon`` (lr 0.02, momentum 0.95, Nesterov, weight decay 0.01) on the
+    parameters ``hidden`` marks, ``AdamW(**adamw)`` on the rest, stepped as one (``.opts``:
+    AdamW, then Muon; a model without hidden matrices is AdamW's alone, and the reverse)."""
+    params = list(params)
+    if len(params) != len(hidden):
+        raise ValueError(f"{len(params)} parameters but a mask of {len(hidden)}")
+    rest = [p for p, h in zip(params, hidden) if not h]
+    muon = [p for p, h in zip(params, hidden) if h]
+    opts = [torch.optim.AdamW(rest, **adamw)] if rest else []
+    if muon:
+        opts.append(
+            torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
+        )
+    return _Pair(*opts)
 
 
 class _Pair:

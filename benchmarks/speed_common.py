@@ -18,7 +18,8 @@ from learned_opt.orthogonal import is_matrix
 
 if __package__ in (None, ""):  # imported as a top-level module: make ``benchmarks`` importable
     sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
-from benchmarks.validation_anchors import muon_with_adamw  # noqa: E402
+from benchmarks import rules  # noqa: E402
+from benchmarks.validation_anchors import ADAMW  # noqa: E402
 
 
 class GPT(nn.Module):
@@ -111,7 +112,7 @@ def muon_adamw(params, cfg):
     the rest: the same matrices take an orthogonalised step in both, so the two steps'
     costs compare like for like."""
     params = list(params)
-    return muon_with_adamw(params, [is_matrix(tuple(p.shape), cfg) for p in params])
+    return rules.muon_with_adamw(params, [is_matrix(tuple(p.shape), cfg) for p in params], **ADAMW)
 
 
 def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:

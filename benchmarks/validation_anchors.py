@@ -25,7 +25,6 @@ the recorded loss at the evaluation point, the gradient at the training point).
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from importlib.metadata import version
@@ -34,11 +33,12 @@ import torch
 from torch import nn
 
 from benchmarks import heldout_single as single
-from benchmarks.rules import _Pair
+from benchmarks import rules
 from learned_opt.tasks import get_task
 
 ANCHORS = ("schedulefree_adamw", "prodigy_constant", "prodigy_cosine", "muon_adamw")
-WARMUP_FRACTION = 0.05
+#: AdamW beside Muon (on the parameters Muon does not take).
+ADAMW = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.01}
 
 
 def versions() -> str:
@@ -58,52 +58,6 @@ def hidden_matrices(model: nn.Module) -> list[bool]:
     return [p.ndim == 2 and id(p) not in embeds | edges for p in model.parameters()]
 
 
-def _prodigy(params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
-    from prodigyopt import Prodigy
-
-    return Prodigy(params, lr=1.0 * lr_mult)
-
-
-def muon_with_adamw(params, hidden: list[bool]) -> _Pair:
-    """``torch.optim.Muon`` on the parameters ``hidden`` marks, ``AdamW`` on the rest,
-    stepped as one (``.opts``: AdamW, then Muon where it takes any)."""
-    params = list(params)
-    if len(params) != len(hidden):
-        raise ValueError(f"{len(params)} parameters but a mask of {len(hidden)}")
-    rest = [p for p, h in zip(params, hidden) if not h]
-    muon = [p for p, h in zip(params, hidden) if h]
-    opts = [torch.optim.AdamW(rest, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.01)]
-    if muon:
-        opts.append(
-            torch.optim.Muon(muon, lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01)
-        )
-    return _Pair(*opts)
-
-
-def _muon(hidden: list[bool], params, lr_mult: float = 1.0) -> _Pair:
-    return muon_with_adamw(params, hidden)
-
-
-def _schedule_free(steps: int, params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
-    from schedulefree import AdamWScheduleFree
-
-    opt = AdamWScheduleFree(params, lr=0.0025 * lr_mult, warmup_steps=int(WARMUP_FRACTION * steps))
-    opt.train()
-    return opt
-
-
-def factories(task_name: str, steps: int) -> dict[str, single.Factory]:
-    """Each anchor as a factory ``(params, lr_mult) -> optimizer`` for ``task_name``'s model
-    (Muon's split follows a fresh module of the task; parameter order is the module's)."""
-    hidden = hidden_matrices(get_task(task_name).module())
-    return {
-        "schedulefree_adamw": functools.partial(_schedule_free, steps),
-        "prodigy_constant": _prodigy,
-        "prodigy_cosine": _prodigy,
-        "muon_adamw": functools.partial(_muon, hidden),
-    }
-
-
 def run_schedule_free(task_name: str, steps: int, seed: int = 0) -> list[float]:
     """Schedule-free AdamW for ``steps`` steps: the loss of step ``t`` is the batch loss at
     the evaluation point (``eval()``) before the ``t``-th update, which is taken with the
@@ -111,7 +65,7 @@ def run_schedule_free(task_name: str, steps: int, seed: int = 0) -> list[float]:
     :func:`benchmarks.heldout_single.run`."""
     torch.manual_seed(seed)
     model, loss_fn, batches = get_task(task_name).workload(seed)
-    opt = _schedule_free(steps, model.parameters())
+    opt = rules.factory("sfadamw", steps)[0](model.parameters())
     curve: list[float] = []
     for _, batch in zip(range(steps), batches):
         opt.eval()
@@ -130,7 +84,8 @@ def run_schedule_free(task_name: str, steps: int, seed: int = 0) -> list[float]:
 
 
 def run_anchor(task_name: str, anchor: str, steps: int, seed: int = 0) -> dict:
-    """One anchor's run in a fresh job: ``{"curve", "seconds"}``."""
+    """One anchor's run in a fresh job: ``{"curve", "seconds"}``. Muon's split follows a
+    fresh module of the task (parameter order is the module's)."""
     if anchor not in ANCHORS:
         raise ValueError(f"unknown anchor {anchor!r}; valid choices: {ANCHORS}")
     torch.set_num_threads(1)
@@ -138,7 +93,12 @@ def run_anchor(task_name: str, anchor: str, steps: int, seed: int = 0) -> dict:
     if anchor == "schedulefree_adamw":
         curve = run_schedule_free(task_name, steps, seed)
     else:
+        if anchor == "muon_adamw":
+            hidden = hidden_matrices(get_task(task_name).module())
+            make = lambda params: rules.muon_with_adamw(params, hidden, **ADAMW)  # noqa: E731
+        else:
+            make = rules.factory("prodigy", steps)[0]
         schedule = "cosine" if anchor == "prodigy_cosine" else "constant"
-        factory = factories(task_name, steps)[anchor]
-        curve = single.run(task_name, factory, steps, schedule=schedule, seed=seed)
+        curve = single.run(task_name, lambda params, _: make(params), steps, schedule=schedule,
+                           seed=seed)  # fmt: skip
     return {"curve": curve, "seconds": round(time.perf_counter() - start, 1)}
