@@ -42,7 +42,7 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks import rules  # noqa: E402
 from benchmarks.common import command_line, write_json  # noqa: E402
-from learned_opt.meta_train.evaluation import smooth, steps_to_common_level  # noqa: E402
+from learned_opt.meta_train.evaluation import steps_to_common_level  # noqa: E402
 from learned_opt.tasks.distribution import KINDS, draw  # noqa: E402
 
 LEDGER = Path(__file__).resolve().parent / "ledger.json"
@@ -88,16 +88,10 @@ def clipped(x: float) -> float:
     return min(max(x, 1 / CLIP), CLIP)
 
 
-def diverged(curve: list[float]) -> bool:
-    """Non-finite, or ended (smoothed) above its first loss."""
-    s = smooth(curve)
-    return not s or not math.isfinite(s[-1]) or s[-1] > curve[0]
-
-
 def score_draw(a: dict, b: dict) -> dict:
     """A's step and time speedups over B on one draw. A run that diverged where the other
     did not scores the clip (the common level alone would credit its first steps)."""
-    a_div, b_div = diverged(a["curve"]), diverged(b["curve"])
+    a_div, b_div = rules.diverged(a["curve"]), rules.diverged(b["curve"])
     if a_div != b_div:
         step = 1 / CLIP if a_div else CLIP
         return {"step": step, "time": step, "a_diverged": a_div, "b_diverged": b_div}

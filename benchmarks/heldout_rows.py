@@ -9,6 +9,7 @@ import statistics
 
 from benchmarks import heldout_decentralized as dec
 from benchmarks import heldout_single as single
+from benchmarks import rules
 from learned_opt.checkpoint import DEFAULT_CHECKPOINT
 from learned_opt.meta_train.evaluation import final_loss, speedup
 from learned_opt.tasks import get_task
@@ -32,7 +33,7 @@ def _seed_scores(best: dict, curves: dict, ms: dict | None) -> dict:
 
     def score(curve):
         return {"speedup": speedup(curve, best["curve"]), "final": final_loss(curve),
-                "diverged": single.diverged(curve)}  # fmt: skip
+                "diverged": rules.diverged(curve)}  # fmt: skip
 
     out = score(curves[1.0])
     if ms:
@@ -120,7 +121,7 @@ def decentralized_rows(suite) -> tuple[list[dict], dict]:
             learned = [suite.dec_learned.get((side, dec.setting_key(s))) for s in seeds]
             if any(run is None for run in learned):
                 continue
-            scored = [{**dec.score(run, base), "diverged": single.diverged(run["curve"])}
+            scored = [{**dec.score(run, base), "diverged": rules.diverged(run["curve"])}
                       for run, base in zip(learned, bases)]  # fmt: skip
             row = {**dict(zip(SETTING_FIELDS, key)), "side": side, **_merge(scored),
                    "seeds": [s["seed"] for s in seeds]}  # fmt: skip

@@ -112,11 +112,6 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
     return rules.train(opt, sched, loss_fn, batches, steps, clock, start)
 
 
-def diverged(curve: list[float]) -> bool:
-    """A run diverged if its loss went non-finite or ended (smoothed) above its first loss."""
-    return not curve or not math.isfinite(final_loss(curve)) or final_loss(curve) > curve[0]
-
-
 def run_job(task_name: str, side: str | None, steps: int, *, lr: float = 1.0,
             schedule: str = "constant", seed: int = 0) -> dict:  # fmt: skip
     """One run in a fresh job: AdamW at ``lr`` (``side`` None) or a learned side at the

@@ -41,7 +41,7 @@ if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 from benchmarks import rules  # noqa: E402
 from benchmarks.common import RESULTS, command_line, write_json  # noqa: E402
-from benchmarks.decide import DECISION_SEEDS, clipped, diverged, geomean  # noqa: E402
+from benchmarks.decide import DECISION_SEEDS, clipped, geomean  # noqa: E402
 from learned_opt.meta_train.evaluation import final_loss, speedup  # noqa: E402
 from learned_opt.tasks.distribution import draw  # noqa: E402
 
@@ -95,7 +95,7 @@ def baseline_entry(runs: dict[str, dict]) -> dict:
 
 def score(learned: list[float], tuned: list[float]) -> float:
     """Step speedup over tuned AdamW; 0 when the run diverged."""
-    return 0.0 if diverged(learned) else speedup(learned, tuned)
+    return 0.0 if rules.diverged(learned) else speedup(learned, tuned)
 
 
 def row(seed: int, runs: dict[str, dict], base: dict) -> dict:
@@ -106,7 +106,7 @@ def row(seed: int, runs: dict[str, dict], base: dict) -> dict:
     steps = score(rule, base["curve"])
     per_step = adamw["seconds"] / max(runs["rule"]["seconds"], 1e-9)
     return {"seed": seed, "kind": spec.kind, "horizon": spec.horizon, "rule": steps,
-            "time": steps * per_step, "rule_diverged": diverged(rule), "adamw": base["best"],
+            "time": steps * per_step, "rule_diverged": rules.diverged(rule), "adamw": base["best"],
             "seconds": runs["rule"]["seconds"], "adamw_seconds": adamw["seconds"],
             **base["anchors"]}  # fmt: skip
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from learned_opt.meta_train.evaluation import final_loss
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "learned-opt" / "revisions"
 ANCHORS = ("sfadamw", "prodigy", "muon")
@@ -220,6 +222,11 @@ def run(spec, side: str) -> dict:
         opt.train()
     curve = train(opt, sched, job.loss_fn, job.batches, spec.horizon)
     return {"curve": curve, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def diverged(curve: list[float]) -> bool:
+    """A run diverged if its loss went non-finite or ended (smoothed) above its first loss."""
+    return not curve or not math.isfinite(final_loss(curve)) or final_loss(curve) > curve[0]
 
 
 def train(opt, sched, loss_fn, batches, steps: int, clock: list[float] | None = None,

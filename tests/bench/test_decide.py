@@ -32,7 +32,7 @@ def test_a_diverged_run_is_a_clipped_loss():
     fine = curve([10] * 10 + [1] * 30)
     s = decide.score_draw({"curve": blown, "seconds": 1.0}, {"curve": fine, "seconds": 1.0})
     assert s["step"] == 1 / decide.CLIP and s["a_diverged"] and not s["b_diverged"]
-    assert decide.diverged(curve([1] * 10 + [2] * 10))  # ended above its first loss
+    assert rules.diverged(curve([1] * 10 + [2] * 10))  # ended above its first loss
 
 
 def rows(scores, kind="mlp"):

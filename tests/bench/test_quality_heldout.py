@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import common, quality_heldout  # noqa: E402
+from benchmarks import common, quality_heldout, rules  # noqa: E402
 from benchmarks import heldout_single as single  # noqa: E402
 from benchmarks.report_heldout import render_quality_heldout  # noqa: E402
 from learned_opt import CheckpointError, load_checkpoint  # noqa: E402
@@ -48,10 +48,10 @@ def test_edge_extension():
 
 
 def test_diverged():
-    assert single.diverged([1.0, 0.5, math.inf])
-    assert single.diverged([1.0] + [2.0] * 20)
-    assert not single.diverged([1.0] + [0.5] * 20)
-    assert single.diverged([])
+    assert rules.diverged([1.0, 0.5, math.inf])
+    assert rules.diverged([1.0] + [2.0] * 20)
+    assert not rules.diverged([1.0] + [0.5] * 20)
+    assert rules.diverged([])
 
 
 def test_any_torch_optimizer_runs_on_a_task_through_a_factory():
