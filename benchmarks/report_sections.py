@@ -42,10 +42,7 @@ def _f(v: float) -> str:
 
 
 def _measured(r: dict) -> str:
-    where = r.get("machine", "?")
-    if isinstance(where, dict):  # written as benchmarks.common.machine() returns it
-        where = where.get("machine", "?")
-    return f"Measured {r.get('date', '?')} on {where}, torch {r.get('torch', '?')}."
+    return f"Measured {r.get('date', '?')} on {r.get('machine', '?')}, torch {r.get('torch', '?')}."
 
 
 def seeds_phrase(seeds: list[int]) -> str:

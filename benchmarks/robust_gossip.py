@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -32,17 +31,14 @@ from pathlib import Path
 
 import torch
 
-from learned_opt.distributed.mixing import (
-    CLIP_MULTIPLE,
-    REDESCEND,
-)
+from learned_opt.distributed.mixing import CLIP_MULTIPLE, REDESCEND
 from learned_opt.distributed.simulated import SimulatedCommunicator
 from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_trajectory
 from learned_opt.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
+from benchmarks.common import write_json  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results" / "robust_gossip.json"
 WORKERS = 8
 MALICIOUS = 0
 ATTACKS = ("scaled", "sign_flip", "random", "alie_drift", "alie_drift_fast")
@@ -188,22 +184,6 @@ def summarise(runs: dict, robust: str) -> dict:
     return table
 
 
-def report(tables: dict, timing: dict) -> None:
-    """Print each multiple's table, then the overhead."""
-    for spec, table in tables.items():
-        for topo, rows in table.items():
-            print(f"{spec} {topo}: clean {rows['clean']} (robust {rows['clean_robust']}), "
-                  f"excluded {rows[EXCLUDED]}")  # fmt: skip
-            for attack in ATTACKS:
-                r = rows[attack]
-                print(f"  {attack:<16} plain {r['plain_vs_clean']}x  robust "
-                      f"{r['robust_vs_clean']}x  met {r['met']}")  # fmt: skip
-    for topo, kinds in timing.items():
-        for kind, t in kinds.items():
-            print(f"{topo} {kind}: {t['plain_ms']:.3f} ms plain, {t['robust_ms']:.3f} ms "
-                  f"robust, overhead {100 * t['overhead']:.1f}%")  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", default="digits_mlp")
@@ -231,7 +211,6 @@ def main() -> None:
     tables = {spec: summarise(runs, spec) for spec in specs}
     timing = {t: {"simulator": step_times(task, opt, t, default, args.timing_steps)}
               for t in TOPOLOGIES}  # fmt: skip
-    report(tables, timing)
     command = "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py"
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -256,9 +235,7 @@ def main() -> None:
             v["seconds"] for rows in runs.values() for r in rows.values() for v in r.values()
         ),  # fmt: skip
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}; python benchmarks/report.py renders it")
+    write_json("robust_gossip", result)
 
 
 if __name__ == "__main__":
