@@ -224,16 +224,9 @@ def machine_info() -> dict:
 
 
 def print_row(r: dict) -> None:
-    def get(key):
-        v = r.get(key)
-        return "-" if v is None else f"{v:.2f}"
-
+    ratios = {k.removesuffix("_ratio"): v for k, v in r.items() if k.endswith("_ratio")}
     print(
-        f"{r['workload']:>17} {r['load']:>6} {r['params']:>11,} "
-        f"step {get('learned_default_step_ratio'):>6}x (reference "
-        f"{get('learned_reference_step_ratio')}x) train {get('learned_default_train_ratio'):>6}x "
-        f"Muon step {get('muon_adamw_step_ratio')}x train {get('muon_adamw_train_ratio')}x "
-        f"AdamW step {get('adamw_foreach_step_ms')} ms",
+        f"{r['workload']} ({r['load']}): AdamW {r['adamw_foreach_step_ms']} ms, {ratios}",
         flush=True,
     )
 
@@ -253,7 +246,6 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     ap.add_argument("--threads", type=int, default=THREADS, help="torch threads (default 2)")
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--no-write", action="store_true", help="print only")
     ap.add_argument(
         "--cold-start-only",
         action="store_true",
@@ -261,27 +253,21 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.cold_start_only:
-        result = json.loads(args.out.read_text())
-        load = list(os.getloadavg())
-        command = command_line(
-            f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py", argv
-        )
-        stamp = {"load_average_before": load, "command": command,
-                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
-        result["cold_start"] = {**cold_start(args.threads), **stamp}
-        print(f"cold start: {result['cold_start']}")
-        if not args.no_write:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-        return
-    names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
     load_before = list(os.getloadavg())
-    t0 = time.perf_counter()
     command = command_line(
         f"OMP_NUM_THREADS={args.threads} python benchmarks/step_overhead.py", argv
     )
-    rows: list = []
     today = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.cold_start_only:
+        result = json.loads(args.out.read_text())
+        stamp = {"load_average_before": load_before, "command": command, "date": today}
+        result["cold_start"] = {**cold_start(args.threads), **stamp}
+        print(f"cold start: {result['cold_start']}")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
+    names = args.workloads or (QUICK if args.quick else [*MODELS, *SHAPES])
+    t0 = time.perf_counter()
+    rows: list = []
 
     def save() -> None:  # after every workload, so an interrupted run keeps what it measured
         result = {
@@ -302,9 +288,8 @@ def main(argv: list[str] | None = None) -> None:
             "rows": rows,
             "cold_start": cold,
         }
-        if not args.no_write:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     cold = cold_start(args.threads)
     print(f"cold start: {cold}")
@@ -326,8 +311,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in rows[-len(contended) :]:
             print(f"{r['workload']}: +2 busy, median of {len(r['blocks'])} blocks: step "
                   f"{r['learned_default_step_ratio']}x (blocks {r['blocks']})")  # fmt: skip
-    if not args.no_write:
-        print(f"wrote {args.out}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
