@@ -88,57 +88,46 @@ class _AllReduceAdam:
 
 
 def _configs(rank: int) -> dict:
+    """Every row's ``(model, optimizer)``, in the order of the table."""
     out = {}
-    model = mlp(rank)
+
+    def add(name: str, make_opt) -> None:  # a fresh model of this rank, its optimizer
+        model = mlp(rank)
+        out[name] = (model, make_opt(model.parameters()))
+
+    def learned(graph, mixing="learned", **options):
+        return lambda ps: GossipOptimizer(
+            LearnedOptimizer(ps), graph, mixing, metrics_every=0, **options
+        )
+
+    def d_adam(graph, **options):
+        return lambda ps: dadam(ps, 1e-3, graph, metrics_every=0, **options)
+
     comm = ProcessGroupCommunicator(get_topology("ring", WORLD))
-    out[BASE] = (model, _AllReduceAdam(model.parameters(), comm))
+    add(BASE, lambda ps: _AllReduceAdam(ps, comm))
     for topo in ("ring", "one_peer_ring"):
         graph = get_topology(topo, WORLD)
         for overlap in (False, True):
             suffix = f" {topo}" + (" overlap" if overlap else "")
-            model = mlp(rank)
-            out["D-Adam" + suffix] = (
-                model,
-                dadam(model.parameters(), 1e-3, graph, overlap=overlap, metrics_every=0),
-            )
-            model = mlp(rank)
-            local = LearnedOptimizer(model.parameters())
-            out["learned + learned mixing" + suffix] = (
-                model,
-                GossipOptimizer(local, graph, "learned", overlap=overlap, metrics_every=0),
-            )
+            add("D-Adam" + suffix, d_adam(graph, overlap=overlap))
+            add("learned + learned mixing" + suffix, learned(graph, overlap=overlap))
     # the price of robust mixing when nobody attacks (a ring: with one neighbour per step
     # there is nothing to clip against), with the distances compiled, then computed
     # eagerly for good (as before their kernel is built)
     graph = get_topology("ring", WORLD)
     for suffix in ("", ", eager distances"):
-        model = mlp(rank)
-        opt = dadam(model.parameters(), 1e-3, graph, overlap=True, robust="clip", metrics_every=0)
-        out["D-Adam ring overlap, robust clip" + suffix] = (model, opt)
-        learned_model = mlp(rank)
-        learned = GossipOptimizer(LearnedOptimizer(learned_model.parameters()), graph, "learned",
-                                  overlap=True, robust="clip", metrics_every=0)  # fmt: skip
-        out["learned + learned mixing ring overlap, robust clip" + suffix] = (
-            learned_model,
-            learned,
-        )
+        robust = {"overlap": True, "robust": "clip"}
+        add("D-Adam ring overlap, robust clip" + suffix, d_adam(graph, **robust))
+        name = "learned + learned mixing ring overlap, robust clip" + suffix
+        add(name, learned(graph, **robust))
         if suffix:
-            for gossip in (opt, learned):
-                gossip.communicator.distances = Distances(compile=False)
+            for row in ("D-Adam ring overlap, robust clip" + suffix, name):
+                out[row][1].communicator.distances = Distances(compile=False)
     graph = get_topology("one_peer_ring", WORLD)
     # the price of a per-step deadline for stragglers (store round trips, waiting threads)
-    model = mlp(rank)
-    out["D-Adam one_peer_ring deadline"] = (
-        model,
-        dadam(model.parameters(), 1e-3, graph, step_deadline=10.0, metrics_every=0),
-    )
+    add("D-Adam one_peer_ring deadline", d_adam(graph, step_deadline=10.0))
     # where the learned configuration's time goes: its optimizer, or its mixing
-    model = mlp(rank)
-    local = LearnedOptimizer(model.parameters())
-    out["learned + Metropolis one_peer_ring overlap"] = (
-        model,
-        GossipOptimizer(local, graph, "metropolis", overlap=True, metrics_every=0),
-    )
+    add("learned + Metropolis one_peer_ring overlap", learned(graph, "metropolis", overlap=True))
     # the price of the shared moments: in one exchange of every k (the default k = 2 is
     # the plain row above), or not at all
     sharing = {
@@ -147,17 +136,19 @@ def _configs(rank: int) -> dict:
         "no shared state": {"share_state": False},
     }
     for label, options in sharing.items():
-        model = mlp(rank)
-        local = LearnedOptimizer(model.parameters())
-        out[f"learned + learned mixing one_peer_ring overlap, {label}"] = (
-            model,
-            GossipOptimizer(local, graph, "learned", overlap=True, metrics_every=0, **options),
-        )
-    model = mlp(rank)
-    adam = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
-    out["Adam + learned mixing one_peer_ring overlap"] = (
-        model,
-        GossipOptimizer(adam, graph, "learned", overlap=True, net=local.net, metrics_every=0),
+        name = f"learned + learned mixing one_peer_ring overlap, {label}"
+        add(name, learned(graph, overlap=True, **options))
+    net = out[name][1].local.optimizer.net  # the shipped mixing network, as the rows above
+    add(
+        "Adam + learned mixing one_peer_ring overlap",
+        lambda ps: GossipOptimizer(
+            torch.optim.Adam(ps, lr=1e-3, fused=True),
+            graph,
+            "learned",
+            overlap=True,
+            net=net,
+            metrics_every=0,
+        ),
     )
     for fused, label in ((False, "Decent-DP Adam one-peer ring"), (True, FUSED_DECENT_DP)):
         peer, _ = decent_dp(lambda: mlp(rank), WORLD, fused)
