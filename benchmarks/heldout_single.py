@@ -92,11 +92,8 @@ def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
 
     The loss of step ``t`` is the batch loss before the ``t``-th update. ``clock``, if
     given, receives the seconds from the optimizer's construction to the end of each step
-    (its compile, if any, included). ``schedule``
-    "cosine" anneals the learning rate to 0 over ``steps``; "wsd" holds it, then decays it
-    linearly to 0 over the last fifth of ``steps`` (:func:`learned_opt.wsd_schedule`),
-    "wsd_half" over the last half. A non-finite loss
-    ends the run, and the rest of the curve is ``inf``.
+    (its compile, if any, included). ``schedule``: one of :data:`RULE_SCHEDULES`. A
+    non-finite loss ends the run, and the rest of the curve is ``inf``.
     """
     if schedule not in RULE_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid choices: {RULE_SCHEDULES}")

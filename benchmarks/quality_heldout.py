@@ -23,14 +23,8 @@ and a PNG of loss curves beside it.
     python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
     python -m benchmarks.quality_heldout --seeds 0 1 2 3 4     # more seeds
 
-A factory ``module:function`` is a callable ``(params, lr_mult) -> torch.optim.Optimizer``;
-it is evaluated single-worker only (decentralized runs need a checkpoint's mixing head).
-
-A row's speedups are the medians over the seeds (:func:`heldout_decentralized.over_seeds`)
-of the per-seed speedups, each seed against the baselines tuned at that seed (per seed in
-``speedup_by_seed``); its losses and baselines are the first seed's. A row (or an
-lr-multiplier entry) *diverged* if its learned run went non-finite or ended above its start
-at any seed; ``divergences`` counts such rows and entries once.
+A factory (:mod:`benchmarks.heldout_single`) is evaluated single-worker only (decentralized
+runs need a checkpoint's mixing head). How a row merges its seeds: :mod:`.heldout_rows`.
 """
 
 from __future__ import annotations
@@ -211,8 +205,6 @@ class Suite(AdamWGrid):
         print(f"[{self.done}/{total}] {task} {what}{secs}", flush=True)
 
 
-# ----------------------------------------------------------------------------- rows
-#: The issue's targets, recorded beside the measured summary.
 def assemble(suite, seconds: float) -> tuple[dict, dict]:
     """The JSON payload (the :func:`headline` summary at the top) and the plot panels."""
     singles, p1 = single_rows(suite)

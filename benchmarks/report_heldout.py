@@ -167,7 +167,6 @@ def render_quality_heldout(r: dict, name: str = "quality_heldout") -> str:
 def _step_costs(single: list[dict], dec: list[dict]) -> str:
     """The median time of the learned training step over the baselines' (AdamW's; under
     gossip the best baseline's), from the rows' step times, as a sentence."""
-    import statistics
 
     def median(rows, base) -> float | None:
         ratios = [x["ms_per_step"]["learned"] / x["ms_per_step"][base(x)]
