@@ -13,8 +13,8 @@ reference; once the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECO
 (and the kind has stepped at least :data:`COMPILE_AFTER` times) a process-wide worker thread
 has the packages built by a child process at low priority (:mod:`.worker`), loads each as it
 appears, and the steps after that run its kernel. A kind whose package is on disk already
-(this machine built it for another model, another rank, an earlier run) loads it at its
-:data:`COMPILE_AFTER`-th step, without waiting. If building fails, one warning says why and
+(this machine built it for another model, another rank, an earlier run) is loaded by the
+worker thread from its :data:`COMPILE_AFTER`-th step on, while the reference steps. If building fails, one warning says why and
 the reference keeps stepping that kind. While a build runs, a CPU training process steps and
 trains with one thread fewer (:data:`YIELD_THREADS`), so that the child has a core.
 
@@ -34,7 +34,7 @@ import contextlib
 #: A kind of tensor is compiled once it has stepped eagerly at least this many times, and
 #: the optimizer's eager steps have taken :data:`COMPILE_AFTER_SECONDS` in all: a
 #: short-lived optimizer (a quick check, a two-step test) never pays for a compile it would
-#: not use. A kind whose package is on disk loads it at this step.
+#: not use. A kind whose package is on disk is loaded from this step on.
 COMPILE_AFTER = 3
 #: The eager seconds an optimizer steps for before its kinds of tensor are compiled (all
 #: its kinds together). A compile takes tens of seconds of a core and slows the training

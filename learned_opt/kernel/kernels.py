@@ -31,7 +31,7 @@ from .export import (
     tensor_stats,
     theta_inputs,
 )
-from .worker import Entry, Recipe, kernel_threads, warn_failed
+from .worker import Entry, Recipe, kernel_threads
 
 #: the package, whose settings (:data:`~learned_opt.kernel.COMPILE_AFTER`, ...) are read at each use
 knobs = sys.modules[__package__]
@@ -76,8 +76,10 @@ class KernelCache:
     """The kernels of one user, one :class:`~.worker.Entry` per kind of input, and when to
     build them: a kind's build is queued once it has run eagerly
     :data:`~learned_opt.kernel.COMPILE_AFTER` times and all the user's eager calls have taken
-    :data:`~learned_opt.kernel.COMPILE_AFTER_SECONDS`; a kind whose package is on disk loads
-    it at that step instead, on the calling thread (milliseconds: nothing is traced)."""
+    :data:`~learned_opt.kernel.COMPILE_AFTER_SECONDS`; a kind whose package is on disk is
+    queued at that step whatever the seconds, and the worker thread loads it while the
+    reference keeps stepping (a process's first load probes the CPU's vector instruction
+    set, 0.3-0.4 s, which a short run would otherwise wait for at that step)."""
 
     def __init__(self, compile: bool = True):
         self.compile = compile
@@ -110,15 +112,7 @@ class KernelCache:
             entry.built = _is_built(recipe, args_of())
         if entry.queued or entry.eager_steps < knobs.COMPILE_AFTER:
             return
-        if entry.built:
-            entry.queued = True
-            try:
-                entry.fn = recipe.load(recipe.path(args_of()))
-            except Exception as e:  # removed, so that the next run builds it again
-                warn_failed(recipe, e)
-            entry.done.set()
-            return
-        if self.eager_seconds >= knobs.COMPILE_AFTER_SECONDS:
+        if entry.built or self.eager_seconds >= knobs.COMPILE_AFTER_SECONDS:
             entry.queued = True
             worker._worker().submit(entry, args_of(), recipe)
 
