@@ -220,7 +220,8 @@ def _cache(r: dict) -> str:
     if r.get("cache", "empty") == "empty":
         return "an empty compile cache"
     return (
-        "a machine that has built before: a compile cache filled beforehand by each task's rule run"
+        "a machine that has built before: a compile cache filled beforehand by each task's rule "
+        "run, which built every kind of tensor it steps; the kernels load off the step"
     )
 
 
