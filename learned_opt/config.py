@@ -85,15 +85,6 @@ class NetConfig:
     lr_adapt_min: float = -4.0
     lr_adapt_max: float = 7.0
     lr_adapt_brake: float = 0.1
-    # The slow read's lift (None: off). The cosine is a one-step hypergradient: the step
-    # along the 0.9 momentum raises the next minibatch gradient against it, so under noise
-    # cos(g_t, m1_{t-1}) is biased low and the step sizes sink to the floor. With a lift,
-    # a tensor's cosine is max(cos against the 0.9 momentum, cos against the 0.99 one),
-    # the 0.99 momentum holding a hundredth of a minibatch's noise, except where the fast
-    # cosine is below -lr_adapt_lift (an overshoot, which the slow momentum sees late).
-    # Every tensor then keeps the 0.99 momentum (12 bytes of state per float32 parameter,
-    # not 8). See step.reduce_sums.
-    lr_adapt_lift: float | None = None
     # The ceiling for orthogonalised matrices (None: lr_adapt_max). The adaptation's signal
     # is cos(g_t, m1_{t-1}), dominated by the momentum's top singular directions, while an
     # orthogonalised step moves every direction by the same amount: the gradient can keep
@@ -142,10 +133,6 @@ class NetConfig:
             raise ValueError(
                 "NetConfig needs lr_adapt_min <= 0 <= lr_adapt_max, got "
                 f"{self.lr_adapt_min!r} and {self.lr_adapt_max!r}"
-            )
-        if self.lr_adapt_lift is not None and not 0 <= float(self.lr_adapt_lift) <= 1:
-            raise ValueError(
-                f"NetConfig.lr_adapt_lift must be None or in [0, 1], got {self.lr_adapt_lift!r}"
             )
         if self.lr_adapt_max_ortho is not None and not 0 <= float(self.lr_adapt_max_ortho):
             raise ValueError(
@@ -304,7 +291,7 @@ class MixingConfig:
 
 #: The fields that hold for single-worker runs alone, and their values under gossip (the
 #: gossip rule was chosen with them).
-SINGLE_WORKER_ONLY = {"table_step_mult": 1.0, "lr_adapt_lift": None}
+SINGLE_WORKER_ONLY = {"table_step_mult": 1.0}
 
 
 @functools.lru_cache(maxsize=16)

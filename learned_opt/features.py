@@ -128,7 +128,8 @@ def adapt_log_lr(
     tensor's size; all broadcast (per-tensor values, leading dims stack rows). Zero
     momentum (the first step) gives a zero cosine.
     """
-    cosine = cosine_of(g_dot_m, g_sum_squares, m_sum_squares)
+    norms = safe_sqrt(g_sum_squares) * safe_sqrt(m_sum_squares)
+    cosine = g_dot_m / (norms + TINY)
     v_hat = corrected_v_mean(v_mean, step)
     rms_v = cfg.lr_adapt_brake * safe_sqrt(v_hat)
     brake = torch.clamp(safe_sqrt(g_sum_squares / numel) / (rms_v + TINY), max=1.0)
@@ -139,12 +140,6 @@ def adapt_log_lr(
     top = cfg.lr_adapt_max if ceiling is None else ceiling
     hi = torch.clamp(top - log_mult, min=0.0)
     return torch.minimum(torch.maximum(log_lr + rate * cosine, lo), hi)
-
-
-def cosine_of(dot: Tensor, a_sum_squares: Tensor, b_sum_squares: Tensor) -> Tensor:
-    """The cosine of two vectors from their dot product and sums of squares (0 where
-    either is zero)."""
-    return dot / (safe_sqrt(a_sum_squares) * safe_sqrt(b_sum_squares) + TINY)
 
 
 def safe_sqrt(x: Tensor) -> Tensor:

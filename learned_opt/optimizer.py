@@ -25,7 +25,7 @@ from .features import compute_dtype, init_state
 from .kernel import Group, Kernels
 from .network import LearnedOptimizerNet, Theta
 from .orthogonal import reuses_gram
-from .step import Parts, active_parts, fit_state_rows, moment_rows, reads_slow
+from .step import Parts, active_parts, fit_state_rows, moment_rows
 
 
 def _finite_nonnegative(value, where: str, given, accepted: str, what: str = "") -> float:
@@ -357,11 +357,11 @@ class LearnedOptimizer(Optimizer):
                 if p.numel() and not p.grad.any():
                     continue
                 sparse = has_empty_rows(p.grad)
-                state.update(init_state(p, moment_rows(self.parts, reads_slow(cfg, sparse))))
+                state.update(init_state(p, moment_rows(self.parts, sparse)))
                 state["nonfinite_skips"] = 0
                 state["sparse_rows"] = sparse
                 state["step"] = torch.zeros((), dtype=state["v"].dtype, device=p.device)
-            fit_state_rows(state, self.parts, cfg)  # saved, or kept, for a rule reading others
+            fit_state_rows(state, self.parts)  # saved, or kept, for a rule reading others
             if "log_lr" not in state:  # state saved before step sizes were adapted
                 state["log_lr"] = init_state(p.new_empty(()))["log_lr"]
             if "step" not in state:  # state saved when the group counted the steps
@@ -487,7 +487,7 @@ class LearnedOptimizer(Optimizer):
                 elif isinstance(value, Tensor):
                     self.state[p][key] = value.to(p.device, copy=True)
             if "m" in self.state[p]:  # saved by a rule that read other momenta
-                fit_state_rows(self.state[p], self.parts, self._rule())
+                fit_state_rows(self.state[p], self.parts)
 
     def save_checkpoint(self, path: str | os.PathLike, card: dict | None = None):
         """Export this optimizer's network (theta and config) as a deployable checkpoint."""

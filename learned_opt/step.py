@@ -36,7 +36,6 @@ from .features import (
     compute_dtype,
     constant,
     corrected_v_mean,
-    cosine_of,
     element_features,
     feature_scales,
     safe_sqrt,
@@ -114,21 +113,12 @@ def fit_moment_rows(m: Tensor, rows: int) -> Tensor:
     return torch.cat([m, m.new_zeros(rows - m.shape[0], *m.shape[1:])])
 
 
-def reads_slow(cfg: NetConfig | None, sparse_rows) -> bool:
-    """Whether a tensor's step keeps its 0.99 momentum for the step-size adaptation: a
-    row-sparse matrix's always does (:func:`adapt_row`), every tensor's under a rule that
-    adapts its step sizes with a lift (``NetConfig.lr_adapt_lift``)."""
-    lifts = cfg is not None and cfg.adapts_lr and cfg.lr_adapt_lift is not None
-    return bool(sparse_rows) or lifts
-
-
-def fit_state_rows(state: dict, parts: Parts, cfg: NetConfig | None = None) -> None:
+def fit_state_rows(state: dict, parts: Parts) -> None:
     """Fit a tensor's optimizer state (a dict holding ``m``, and its ``sparse_rows`` mark if
-    it has one) to the momenta the step under ``parts`` (and ``cfg``, the rule it steps
-    with: see :func:`reads_slow`) reads for it, in place: :func:`fit_moment_rows` to
-    :func:`moment_rows` (saved, or kept, for a rule that read other rows)."""
-    rows = moment_rows(parts, reads_slow(cfg, state.get("sparse_rows")))
-    state["m"] = fit_moment_rows(state["m"], rows)
+    it has one) to the momenta the step under ``parts`` reads for it, in place:
+    :func:`fit_moment_rows` to :func:`moment_rows` (saved, or kept, for a rule that read
+    other rows)."""
+    state["m"] = fit_moment_rows(state["m"], moment_rows(parts, bool(state.get("sparse_rows"))))
 
 
 def active_parts(theta: Theta) -> Parts:
@@ -200,17 +190,6 @@ def reduce_sums(
     if cfg.adapts_lr:
         m1 = adapt_momentum(m, layout)
         g_dot_m, m_sum_squares = segment_sum(g_in * m1, layout), segment_sum(m1 * m1, layout)
-        if cfg.lr_adapt_lift is not None:  # the slow read where it is higher, see NetConfig
-            slow = m[..., adapt_row(True), :]
-            g_dot_s, s_sum_squares = (
-                segment_sum(g_in * slow, layout),
-                segment_sum(slow * slow, layout),
-            )
-            fast_cos = cosine_of(g_dot_m, g_sum_squares, m_sum_squares)
-            slow_cos = cosine_of(g_dot_s, g_sum_squares, s_sum_squares)
-            lift = (slow_cos > fast_cos) & (fast_cos >= -cfg.lr_adapt_lift)
-            g_dot_m = torch.where(lift, g_dot_s, g_dot_m)
-            m_sum_squares = torch.where(lift, s_sum_squares, m_sum_squares)
     return TensorSums(
         ok, g_sum_squares, safe_sqrt(g_sum_squares / sizes), segment_mean(v_new, layout),
         g_dot_m, m_sum_squares,
@@ -274,7 +253,7 @@ def flat_step(
         keep = segment_expand(ok, layout)
         zero = torch.zeros((), dtype=p.dtype, device=p.device)
         g_in, p_in = torch.where(keep, g, zero), torch.where(keep, p, zero)
-    rows = moment_rows(parts, reads_slow(cfg, any(layout.sparse_rows)))
+    rows = moment_rows(parts, any(layout.sparse_rows))
     if m.shape[-2] < rows:
         raise ValueError(f"this step reads {rows} momenta, m holds {m.shape[-2]}")
     m = m[..., :rows, :]  # the rows no evaluated part reads stay as they are

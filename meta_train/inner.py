@@ -34,7 +34,6 @@ from learned_opt.step import (
     flat_step,
     init_flat_state,
     moment_rows,
-    reads_slow,
 )
 
 #: Inner optimizers understood by :func:`make_inner_optimizer`. "dsgt" is gradient
@@ -91,7 +90,7 @@ class InnerOptimizer:
         if self.kind == "learned":
             adapts = self.cfg is not None and self.cfg.adapts_lr
             sparse = layout is not None and any(layout.sparse_rows)
-            rows = moment_rows(self.parts, reads_slow(self.cfg, sparse) if adapts else sparse)
+            rows = moment_rows(self.parts, sparse)
             state = init_flat_state(params, layout if adapts else None, rows)
             keeping = ()
             if layout is not None:

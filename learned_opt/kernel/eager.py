@@ -19,7 +19,7 @@ from ..features import compute_dtype
 from ..network import Theta
 from ..orthogonal import gram_layout, is_matrix
 from ..segments import FlatLayout, one_segment
-from ..step import Parts, flat_step, moment_rows, reads_slow
+from ..step import Parts, flat_step, moment_rows
 
 #: the package, whose settings (:data:`~learned_opt.kernel.PACK_NUMEL`) are read at each call
 knobs = sys.modules[__package__]
@@ -123,7 +123,7 @@ def _step_packed(
     whose buffer then carries that row for every tensor, a row the others' step never
     reads: one call instead of two (about 150 torch ops fewer), for one more pass over the
     pack's elements. Returns their stepped flags."""
-    rows = moment_rows(parts, reads_slow(cfg, any(bool(s.get("sparse_rows")) for s in states)))
+    rows = moment_rows(parts, any(bool(s.get("sparse_rows")) for s in states))
     matrices = tuple(_orthogonalised(p, s, cfg) for p, s in zip(params, states))
     keeping = gram_layout(cfg, tuple(tuple(p.shape) for p in params), matrices)
     key = (tuple(map(id, states)), rows, keeping)
@@ -341,7 +341,7 @@ def _step_stacked(
     (the bias corrections computed on the host). Returns their stepped flags."""
     shape, sparse = params[0].shape, bool(states[0].get("sparse_rows"))
     dtype = compute_dtype(params[0])
-    rows = moment_rows(parts, reads_slow(cfg, sparse))
+    rows = moment_rows(parts, sparse)
     p = _as_rows([t.reshape(-1) for t in params]).to(dtype)
     g = _as_rows([t.reshape(-1) for t in grads]).to(dtype)
     m = _as_rows([s["m"][:rows].reshape(rows, -1) for s in states])

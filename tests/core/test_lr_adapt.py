@@ -80,7 +80,7 @@ def test_brake_slows_growth_only_when_gradients_shrink():
 
 @pytest.mark.parametrize(
     "lr, variant",
-    [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling"), (1.0, "lift")],
+    [(1.0, None), (2.0, None), (1.0, "wide"), (1.0, "ortho_ceiling")],
 )
 def test_the_optimizer_matches_the_differentiable_path(lr, variant):
     # at lr 2 the ceiling lr_adapt_max = 1 leaves log_lr at most 1 - log 2: reached by step
@@ -92,8 +92,6 @@ def test_the_optimizer_matches_the_differentiable_path(lr, variant):
         cfg = replace(cfg, ortho_max_dim=60, adam_max_width=40)
     if variant == "ortho_ceiling":
         cfg = replace(cfg, lr_adapt_max_ortho=0.5)
-    if variant == "lift":
-        cfg = replace(cfg, lr_adapt_lift=0.2)
     net = _net(cfg)
     theta = {k: v.detach() for k, v in net.named_parameters()}
     gen = torch.Generator().manual_seed(1)
@@ -345,8 +343,6 @@ def test_flat_step_asks_for_step_sizes_when_the_config_adapts():
         ({"lr_adapt_rate_gossip": float("nan")}, "lr_adapt_rate_gossip"),
         ({"lr_adapt_max_ortho": -1.0}, "lr_adapt_max_ortho"),
         ({"lr_adapt_max_ortho": float("nan")}, "lr_adapt_max_ortho"),
-        ({"lr_adapt_lift": 1.5}, "lr_adapt_lift"),
-        ({"lr_adapt_lift": float("nan")}, "lr_adapt_lift"),
     ],
 )
 def test_bad_adaptation_settings_are_refused(fields, match):
@@ -388,36 +384,3 @@ def test_the_single_worker_fields_hold_their_chosen_values_under_gossip():
     gossip = MIXING.under_gossip(alone)
     assert {k: getattr(gossip, k) for k in SINGLE_WORKER_ONLY} == SINGLE_WORKER_ONLY
     assert MIXING.under_gossip(gossip) == gossip
-
-
-@pytest.mark.parametrize("fast_cos, lifted", [(-0.1, True), (0.5, True), (0.9, False), (-0.5, False)])
-def test_the_lift_reads_the_slow_momentum_where_it_agrees_more(fast_cos, lifted):
-    """With ``lr_adapt_lift`` the adaptation reads the 0.99 momentum's cosine where it is
-    higher than the 0.9 one's, unless the fast cosine says overshoot (below -lift)."""
-    from learned_opt.step import reduce_sums
-
-    cfg = replace(ADAPT, lr_adapt_lift=0.2)
-    layout = FlatLayout.of({"w": torch.zeros(2)})
-    g = torch.tensor([[1.0, 0.0]])
-    fast = torch.tensor([fast_cos, (1 - fast_cos**2) ** 0.5])  # cos(g, fast) = fast_cos
-    slow = torch.tensor([0.7, (1 - 0.49) ** 0.5])  # 0.7: above all but the 0.9
-    m = torch.stack([fast, slow])[None]
-    ok = torch.tensor([[True]])
-    sums = reduce_sums(cfg, layout, ok, (g * g).sum(-1, keepdim=True), g, m, torch.ones(1, 2))
-    cos = float(sums.g_dot_m[0, 0]) / float(sums.m_sum_squares[0, 0]) ** 0.5
-    assert cos == pytest.approx(0.7 if lifted else fast_cos, abs=1e-6)
-    off = reduce_sums(ADAPT, layout, ok, (g * g).sum(-1, keepdim=True), g, m, torch.ones(1, 2))
-    assert float(off.g_dot_m[0, 0]) == pytest.approx(fast_cos, abs=1e-6)  # no lift: the 0.9 read
-
-
-def test_a_lifting_rule_keeps_the_slow_momentum_and_gossip_turns_it_off():
-    """A rule with zero heads keeps one momentum per tensor (AdamW's 8 bytes a float);
-    with a lift, two. Under gossip the lift is off (the gossip rule was chosen without)."""
-    for lift, rows in ((None, 1), (0.2, 2)):
-        param = torch.nn.Parameter(torch.randn(8, 4))
-        net = LearnedOptimizerNet(replace(ADAPT, lr_adapt_lift=lift))
-        opt = LearnedOptimizer([param], net=net, compile=False)
-        param.grad = torch.randn(8, 4)
-        opt.step()
-        assert opt.state[param]["m"].shape[0] == rows
-    assert MIXING.under_gossip(replace(ADAPT, lr_adapt_lift=0.2)).lr_adapt_lift is None
