@@ -82,7 +82,7 @@ def flush_subnormal(x: Tensor) -> Tensor:
     The momentum of a unit whose gradient is exactly zero (a dead unit) decays
     geometrically and turns subnormal after several hundred steps; on CPUs every op that
     reads a subnormal number runs several times slower (the held-out conv net's step went
-    from 12 ms to 46 ms by step 1000). Such values are below anything a step can resolve.
+    from 12 ms to 43 ms by step 1000). Such values are below anything a step can resolve.
     """
     return torch.nn.functional.hardshrink(x, torch.finfo(x.dtype).tiny)  # one pass
 
