@@ -15,8 +15,9 @@ has the packages built by a child process at low priority (:mod:`.worker`), load
 appears, and the steps after that run its kernel. A kind whose package is on disk already
 (this machine built it for another model, another rank, an earlier run) is loaded by the
 worker thread from its :data:`COMPILE_AFTER`-th step on, while the reference steps. If
-building fails, one warning says why and the reference keeps stepping that kind. While a build runs, a CPU training process steps and
-trains with one thread fewer (:data:`YIELD_THREADS`), so that the child has a core.
+building fails, one warning says why and the reference keeps stepping that kind. While a
+build (or a load) runs, a CPU training process steps and trains with one thread fewer
+(:data:`YIELD_THREADS`), so that the child has a core.
 
 A package is built once per host and user (:mod:`.cache`): the worker holds a file lock while
 it builds, so the other ranks of a ``torchrun`` job wait (stepping eagerly meanwhile) and then
