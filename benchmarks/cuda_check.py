@@ -4,16 +4,11 @@ Run from the repository root on the GPU machine::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/cuda_check.py --out $OUT
 
-Nothing is installed. The package is copied, laid out as pip would install it (pyproject's
-``[tool.setuptools.package-dir]``), into a temporary folder that goes first on the path of
-this process and, through ``PYTHONPATH`` with ``PYTHONSAFEPATH=1``, of every subprocess.
-Every check, a function ``fn(ctx, result_dict)`` that raises :class:`CheckFailed` or
-:class:`CheckSkipped` or returns, runs under its own time limit (subprocesses in their own
-process group, killed on timeout); a failure is recorded with its error and the next check
-runs; a watchdog ends the whole run shortly after ``--budget`` seconds. Writes ``cuda_check.json`` (rewritten
-after every check: versions, pass/fail, errors, timings) and ``cuda_check.log``.
-
-``--allow-cpu`` runs every check on the CPU with tiny sizes, to test the plumbing.
+Nothing is installed: the package is laid out as installed in a temporary folder, first on
+the path of this process and every subprocess. Each check of :data:`CHECKS` runs under its
+own time limit (:mod:`benchmarks.device_harness`); writes ``cuda_check.json`` (rewritten
+after every check) and ``cuda_check.log``. ``--allow-cpu`` runs every check on the CPU with
+tiny sizes, to test the plumbing.
 """
 
 from __future__ import annotations
@@ -145,18 +140,15 @@ def _pytest(ctx: Context, r: dict, name: str, targets: list[str], *extra: str) -
 
 
 def check_pytest_cuda(ctx: Context, r: dict) -> None:
-    """The CUDA-only tests (all of them, no ``-x``): agreement with the CPU (fp32, bf16,
-    ``flat_step``), the multi-chunk path, NaN/Inf gradients, bitwise repeatability; on a
-    GPU none may be skipped."""
+    """The CUDA-only tests (all of them, no ``-x``); on a GPU none may be skipped."""
     _pytest(ctx, r, "pytest-cuda", CUDA_TESTS, "-rs")
     require(not ctx.cuda or r["skipped"] == 0, f"{r['skipped']} CUDA tests skipped on a GPU")
 
 
 def check_step_timing(ctx: Context, r: dict) -> None:
     """``LearnedOptimizer.step()`` against the faster AdamW (foreach or fused): the shipped
-    single-worker rule on its default path (the compiled kernel, timed once compiled) and
-    as the eager reference, and the shipped gossip rule (networks not zero); all
-    optimizers step one shared parameter set per size."""
+    rule compiled (timed once compiled) and eager, and Muon with AdamW; all optimizers
+    step one shared parameter set per size."""
     from benchmarks import speed_common as so
     from learned_opt import LearnedOptimizer
 

@@ -54,9 +54,7 @@ def build_installed_layout(dest: Path) -> Path:
 
 def use_layout(layout: Path) -> None:
     """Import ``learned_opt`` from ``layout`` in this process from now on: it goes first on
-    the path, and the modules already imported from the checkout (``benchmarks/__init__``
-    imports the allocator) are dropped, so that the next import takes the laid-out copy,
-    subpackages (``learned_opt.meta_train``) included."""
+    the path, and the modules already imported from the checkout are dropped."""
     sys.path.insert(0, str(layout))
     for name in [m for m in sys.modules if m == "learned_opt" or m.startswith("learned_opt.")]:
         del sys.modules[name]

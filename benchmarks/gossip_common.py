@@ -1,7 +1,6 @@
 """What the gossip benchmarks share: how they time configurations in turns, what they record
-about where and how they ran, and Decent-DP (the peer they are timed against) when it is
-importable (``pip install --no-deps --target DIR decent-dp loguru``, ``PYTHONPATH=DIR``;
-never a dependency)."""
+about where and how they ran, and Decent-DP (the peer they are timed against, never a
+dependency: :data:`DECENT_DP_HINT`) when it is importable."""
 
 from __future__ import annotations
 
@@ -16,26 +15,26 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+#: How the worker processes of a run on real ranks are set up.
+GLOO = "OMP_NUM_THREADS=1 per worker, gloo over loopback"
 
-def gossip_run_info(command: str, load: float, when: str) -> dict:
-    """``date``, ``machine`` (with the load average ``load``, measured ``when``: "at start"
-    or "at the end"), ``torch`` and ``command`` of a run of local gloo worker processes."""
+
+def gossip_run_info(command: str, load: float, when: str, how: str = GLOO) -> dict:
+    """``date``, ``machine`` (``how`` it ran, with the load average ``load``, measured
+    ``when``: "at start" or "at the end"), ``torch`` and ``command`` of a gossip run."""
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, OMP_NUM_THREADS=1 per "
-        f"worker, gloo over loopback, load average {load:.1f} {when}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {how}, load average "
+        f"{load:.1f} {when}",
         "torch": torch.__version__,
         "command": command,
     }
 
 
 def time_in_turns(configs: dict, train_step: Callable, rounds: int, steps: int) -> dict[str, float]:
-    """This rank's milliseconds per step of each configuration ``name: (model, opt)``.
-
-    The configurations take turns, ``steps`` calls of ``train_step(model, opt)`` each,
-    round after round (round 0 warms up), every turn starting at a barrier, so a change in
-    the machine's load hits them all alike. A configuration's time is the median over
-    rounds of its mean step in the round."""
+    """This rank's milliseconds per step of each configuration ``name: (model, opt)``: the
+    configurations take turns, ``steps`` calls of ``train_step(model, opt)`` each, every
+    turn from a barrier; the median over rounds (round 0 warms up) of the mean step."""
     times: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(rounds + 1):
         for name, (model, opt) in configs.items():

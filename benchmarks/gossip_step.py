@@ -1,22 +1,10 @@
 """Full decentralized step time: forward, backward, local step, exchange and mix.
 
-Run: ``OMP_NUM_THREADS=1 python benchmarks/gossip_step.py`` (``--rounds``, ``--steps``;
-``--only TEXT``: only the rows whose names contain it, beside all-reduce; ``--out NAME``).
-Writes ``benchmarks/results/gossip_step.json``.
-
-4 local gloo processes, on a ring and on a one-peer ring (right, then left neighbour:
-Decent-DP's), each train their own copy of a 1M-parameter MLP (784-1024-256-10, batches of
-64 random samples). Rows (the names in :func:`_configs`): all-reduce then Adam (the
-baseline); D-Adam (``dadam``, fused Adam), blocking and with ``overlap=True``; the learned
-optimizer with learned mixing (shipped checkpoint, kernel compiled first), and with
-``robust="clip"`` when nobody attacks (distances compiled, and eager); D-Adam with
-``step_deadline``; the learned configuration's cost split (learned + Metropolis, Adam +
-learned mixing); its moments shared every k exchanges (k = 1, 4; the default 2) or never;
-and Decent-DP Adam, with its example and with the fused Adam, when ``decent_dp`` is
-importable (``pip install --no-deps --target DIR decent-dp loguru``, ``PYTHONPATH=DIR``;
-never a dependency). The configurations take turns, ``--steps`` steps each (a multiple of
-4, so every round holds the same state exchanges for every k); a time is the median over
-rounds of the mean step in the round, the slowest rank's.
+4 local gloo processes each train their own copy of an MLP (784-1024-256-10, batches of 64
+random samples); the rows are :func:`_configs`'s, Decent-DP's where it is importable
+(:mod:`benchmarks.gossip_common`). The configurations take turns, ``--steps`` steps each (a
+multiple of 4, so every round holds the same state exchanges for every k); a time is the
+median over rounds of the mean step in the round, the slowest rank's.
 """
 
 from __future__ import annotations
@@ -111,9 +99,8 @@ def _configs(rank: int) -> dict:
             suffix = f" {topo}" + (" overlap" if overlap else "")
             add("D-Adam" + suffix, d_adam(graph, overlap=overlap))
             add("learned + learned mixing" + suffix, learned(graph, overlap=overlap))
-    # the price of robust mixing when nobody attacks (a ring: with one neighbour per step
-    # there is nothing to clip against), with the distances compiled, then computed
-    # eagerly for good (as before their kernel is built)
+    # robust mixing when nobody attacks (a ring: one neighbour has nothing to clip
+    # against), the distances compiled, then eager (as before their kernel is built)
     graph = get_topology("ring", WORLD)
     for suffix in ("", ", eager distances"):
         robust = {"overlap": True, "robust": "clip"}
@@ -128,8 +115,7 @@ def _configs(rank: int) -> dict:
     add("D-Adam one_peer_ring deadline", d_adam(graph, step_deadline=10.0))
     # where the learned configuration's time goes: its optimizer, or its mixing
     add("learned + Metropolis one_peer_ring overlap", learned(graph, "metropolis", overlap=True))
-    # the price of the shared moments: in one exchange of every k (the default k = 2 is
-    # the plain row above), or not at all
+    # the shared moments in one exchange of every k (the default k = 2: the plain row above)
     sharing = {
         "state every 1": {"share_state_every": 1},
         "state every 4": {"share_state_every": 4},
@@ -158,8 +144,7 @@ def _configs(rank: int) -> dict:
 
 
 def selected(name: str, only: tuple[str, ...]) -> bool:
-    """Whether ``--only`` (``only``: its texts, none for every row) times the row ``name``:
-    the all-reduce row always, every other row whose name contains one of the texts."""
+    """Whether ``--only`` (its texts ``only``) times the row ``name``: all-reduce always."""
     return not only or name == BASE or any(text in name for text in only)
 
 
@@ -180,10 +165,7 @@ def _bench(rank: int, world: int, rounds: int, steps: int, only: tuple[str, ...]
         loss.backward()
         opt.step(loss=loss.detach())
 
-    # the steps that queue the learned step's compiles and the robust distances' (an
-    # exchange with the shared moments, every other one, is a kind of its own), then
-    # their compiled kernels: the timing is of the steps a long run takes, not of the
-    # reference that steps meanwhile
+    # queue the learned step's and the robust distances' compiles, then time their kernels
     with compile_after_seconds(0):
         for _ in range(2 * COMPILE_AFTER + 2):
             for model, opt in configs.values():

@@ -1,15 +1,8 @@
 """Zero-tuning anchors on the held-out suite's single-worker rows.
 
-Run: ``OMP_NUM_THREADS=1 python -m benchmarks.heldout_anchors`` (``--seeds``, ``--jobs``).
-Writes ``benchmarks/results/heldout_anchors.json``; the README headline's anchor line and
-the results page's table are generated from it.
-
-The anchors of :mod:`benchmarks.validation_anchors` (schedule-free AdamW, Prodigy constant
-and cosine, Muon with AdamW) run untuned, at their documentation's settings, on every
-task and horizon of the held-out suite (:mod:`benchmarks.quality_heldout`), and are scored
-as the suite scores the learned rule: the step speedup against AdamW tuned per task,
-horizon and seed (the suite's cached grid, which must be complete: run the suite first),
-the median over seeds. The learned rule's row is copied from ``quality_heldout.json``.
+The anchors of :mod:`benchmarks.validation_anchors` run untuned on every task and horizon
+of the held-out suite, scored as the suite scores the rule: the median over seeds of the
+step speedup against the suite's cached tuned AdamW (run the suite first).
 """
 
 from __future__ import annotations

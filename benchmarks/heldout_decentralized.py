@@ -1,12 +1,8 @@
 """Decentralized runs of the held-out suite: simulated gossip workers on label-skewed data.
 
-The inner training is meta-training's own (:func:`learned_opt.meta_train.inner.inner_step`
-on stacked workers with the simulated communicator), and the baselines are its D-SGD
-(momentum 0.9), D-Adam and gradient tracking (DSGT), Metropolis-mixed, each tuned over
-its fixed grid by :func:`learned_opt.meta_train.evaluation.tune_baseline`. What differs
-from the meta-training validation is the score: the loss of the *averaged* model on the
-whole training set, evaluated every ``every`` steps (held in between), not the workers'
-batch losses.
+The inner training and the tuned baselines are meta-training's own; what differs is the
+score: the loss of the *averaged* model on the whole training set, evaluated every
+``every`` steps (held in between), not the workers' batch losses.
 """
 
 from __future__ import annotations
@@ -115,8 +111,7 @@ def time_inner_steps(task_name: str, opts: dict[str, InnerOptimizer], setting: d
 
 def score(learned: dict, baselines: dict) -> dict:
     """Speedups of the learned run over every tuned baseline and over the best one, by
-    step count and, when ``learned`` holds the step times (``ms_per_step``), by wall clock
-    (the step-count speedup times the ratio of step times)."""
+    step count and, where ``learned`` holds ``ms_per_step``, by wall clock."""
     rows = {k: v for k, v in baselines.items() if k in BASELINES}
     best = min(rows, key=lambda k: rows[k]["final"])
     step_speedup = speedup(learned["curve"], rows[best]["curve"])
@@ -139,12 +134,10 @@ def score(learned: dict, baselines: dict) -> dict:
 
 
 def over_seeds(scored: list[dict]) -> dict:
-    """Scores of one row at several seeds (:func:`score`'s, or a single-worker row's of the
-    held-out suite) as one row: the first seed's fields, with ``speedup`` (and
-    ``wall_speedup`` where every seed has one) replaced by the median over the seeds, the
-    per-seed step speedups in ``speedup_by_seed`` and, where the scores name a best
-    baseline, the per-seed ones in ``best_baseline_by_seed``. One seed's speedup is a noisy
-    figure (it moved by up to 3.5x between seeds decentralized, 8x single-worker)."""
+    """Scores of one row at several seeds as one row: the first seed's fields, with
+    ``speedup`` (and ``wall_speedup`` where every seed has one) the median over the seeds,
+    the per-seed step speedups in ``speedup_by_seed`` and, where the scores name a best
+    baseline, the per-seed ones in ``best_baseline_by_seed``."""
     row = {**scored[0], "speedup": statistics.median(x["speedup"] for x in scored),
            "speedup_by_seed": [round(x["speedup"], 4) for x in scored]}  # fmt: skip
     if all("best_baseline" in x for x in scored):

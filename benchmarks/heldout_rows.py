@@ -43,9 +43,8 @@ def _seed_scores(best: dict, curves: dict, ms: dict | None) -> dict:
 
 
 def _merge(scored: list[dict]) -> dict:
-    """Per-seed :func:`_seed_scores` (a row's, or an lr multiplier's) as one: the speedups
-    the medians over the seeds (:func:`dec.over_seeds`), ``diverged`` if any seed diverged,
-    the first seed's loss."""
+    """Per-seed :func:`_seed_scores` as one (:func:`dec.over_seeds`), ``diverged`` if any
+    seed diverged."""
     merged = dec.over_seeds(scored)
     merged.update(speedup=_r(merged["speedup"]), diverged=any(x["diverged"] for x in scored))
     if "wall_speedup" in merged:
@@ -54,9 +53,8 @@ def _merge(scored: list[dict]) -> dict:
 
 
 def _single_row(suite, side: str, task: str, h: int, bests: list[dict], runs: list[dict]) -> dict:
-    """A side's row of ``task`` at horizon ``h`` over the suite's seeds, from each seed's
-    tuned AdamW run and learned curves by lr multiplier (the AdamW and loss columns: the
-    first seed's)."""
+    """A side's row of ``task`` at horizon ``h`` over the suite's seeds (the AdamW and loss
+    columns: the first seed's)."""
     ms = suite.timing.get((side, task))
     scored = [_seed_scores(best, curves, ms) for best, curves in zip(bests, runs)]
     merged = _merge([{k: v for k, v in x.items() if k != "lr_mult"} for x in scored])
@@ -103,9 +101,8 @@ def single_rows(suite) -> tuple[list[dict], dict]:
 
 
 def decentralized_rows(suite) -> tuple[list[dict], dict]:
-    """One row per decentralized setting and checkpoint, once every seed of it is in: the
-    median over the seeds of the speedups (each seed against its own tuned baselines),
-    the per-seed speedups beside it, and the first seed's losses and baselines."""
+    """One row per decentralized setting and checkpoint, once every seed of it is in, each
+    seed against its own tuned baselines."""
     groups: dict = {}
     for s in suite.settings:
         key = tuple(s[k] for k in SETTING_FIELDS)

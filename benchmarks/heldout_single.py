@@ -1,9 +1,6 @@
 """Single-worker runs of the held-out suite: any ``torch.optim`` optimizer on a task's
 plain ``(model, loss_fn, batches)``, the AdamW tuning grid, and side-by-side step timing.
 
-Everything here runs one job in the calling process; :mod:`benchmarks.quality_heldout`
-schedules the jobs and caches the tuned baselines.
-
 A *learned side* is a string: a checkpoint (a shipped name or a file path), or an
 optimizer factory ``module:function``, a callable ``(params, lr_mult) -> Optimizer``.
 """
@@ -28,9 +25,8 @@ from learned_opt.tasks import get_task
 
 Factory = Callable[..., torch.optim.Optimizer]  # (params, lr_mult) -> optimizer
 SCHEDULES = ("constant", "cosine")
-#: The schedules a rule may run under (``--schedule``): the baselines' and ``"wsd"``
-#: (:func:`learned_opt.wsd_schedule`: held, then decayed linearly to 0 over the last
-#: fifth), ``"wsd_half"`` (the same over the last half).
+#: The schedules a rule may run under (``--schedule``): the baselines' and
+#: :func:`learned_opt.wsd_schedule`'s.
 WSD_DECAY = {"wsd": 0.2, "wsd_half": 0.5}  # decay_fraction of each wsd schedule
 RULE_SCHEDULES = (*SCHEDULES, *WSD_DECAY)
 #: AdamW's learning-rate grid (6 points, half-decades); extended at an edge when the best
@@ -70,13 +66,9 @@ def resolve_side(side: str) -> Factory:
 
 
 def shipped_default(params, lr_mult: float = 1.0) -> torch.optim.Optimizer:
-    """The shipped single-worker rule as a factory: ``LearnedOptimizer(params, lr=lr_mult)``
-    without a checkpoint. A factory runs single-worker only, so a run of it alone, say at
-    seeds beyond the suite's, tunes no decentralized baseline::
-
-        python -m benchmarks.quality_heldout --checkpoint \\
-            --factory benchmarks.heldout_single:shipped_default --seeds 3 4
-    """
+    """The shipped single-worker rule as a factory (``--factory
+    benchmarks.heldout_single:shipped_default``): single-worker only, so a run of it tunes
+    no decentralized baseline."""
     return LearnedOptimizer(params, lr=lr_mult)
 
 
@@ -88,13 +80,9 @@ def adamw(lr: float) -> Factory:
 def run(task_name: str, factory: Factory, steps: int, *, lr_mult: float = 1.0,
         schedule: str = "constant", seed: int = 0,
         clock: list[float] | None = None) -> list[float]:  # fmt: skip
-    """Train the task's workload for ``steps`` steps; the per-step training loss curve.
-
-    The loss of step ``t`` is the batch loss before the ``t``-th update. ``clock``, if
-    given, receives the seconds from the optimizer's construction to the end of each step
-    (its compile, if any, included). ``schedule``: one of :data:`RULE_SCHEDULES`. A
-    non-finite loss ends the run, and the rest of the curve is ``inf``.
-    """
+    """Train the task's workload for ``steps`` steps; the per-step training loss curve (the
+    rest ``inf`` after a non-finite loss). ``clock``, if given, receives the seconds from
+    the optimizer's construction to the end of each step."""
     if schedule not in RULE_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid choices: {RULE_SCHEDULES}")
     torch.manual_seed(seed)
@@ -130,11 +118,9 @@ def timing_job(task_name: str, side: str, steps: int = 20, seed: int = 0) -> dic
 
 def time_side_by_side(task_name: str, factories: dict[str, Factory], steps: int = 20,
                       seed: int = 0, warmup: int = 3) -> dict[str, float]:  # fmt: skip
-    """Median wall-clock ms of one full training step (forward, backward, optimizer step)
-    per optimizer, the optimizers taking turns step by step on their own copies of the
-    model with the same batches, so machine load falls on all of them alike. A learned
-    optimizer is timed once its kernel is compiled (the warm-up steps queue the compile;
-    ``step_overhead``'s ``cold_start`` measures what the steps before it cost)."""
+    """Median wall-clock ms of one full training step per optimizer, the optimizers taking
+    turns step by step on their own copies of the model with the same batches. A learned
+    optimizer is timed once its kernel is compiled (the warm-up steps queue the compile)."""
     jobs = {}
     for name, factory in factories.items():
         model, loss_fn, batches = get_task(task_name).workload(seed)
@@ -176,8 +162,7 @@ def best_adamw(runs: dict[str, list[float]], horizon: int) -> dict | None:
 
 def edge_extension(best: dict, lrs: list[float], ladder=ADAMW_GRID) -> float | None:
     """The next learning rate to try when the best one sits at an edge of ``lrs``: the next
-    rate of ``ladder`` (the full grid) beyond it, else a factor sqrt(10) beyond, so --quick's
-    grid extends onto the full suite's rates and shares its cached runs."""
+    rate of ``ladder`` (the full grid) beyond it, else a factor sqrt(10) beyond."""
     lrs = sorted(lrs)
     if best["lr"] == lrs[-1]:
         beyond = [x for x in ladder if x > lrs[-1]]

@@ -1,16 +1,10 @@
 """One held-out long-run setting of ``local_steps`` on real gloo ranks, beside its simulation.
 
-Run: ``OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.local_steps_real 1`` (the index of
-:data:`benchmarks.local_steps.HELDOUT`), after ``benchmarks.local_steps``: it reads the rows
-of ``local_steps.json`` and adds ``real_ranks`` to it.
-
-The setting runs three times on as many local gloo processes as it has ranks
-(``launch_local``): exact per-step gossip and the shared compressed outer step through the
-torchrun entry (:func:`~learned_opt.distributed.train.launched`, ``--outer-step``), and the
-outer step through the Lightning ``GossipStrategy(outer_step=...)``, each rank on the
-entry's own data stream. The rule is the one of the lowest simulated loss ratio among those
-that passed at the chosen default (among all when none did). Bytes per rank and the
-averaged model's test loss go beside the simulated ones.
+``python -m benchmarks.local_steps_real K`` (K: the index in
+:data:`benchmarks.local_steps.HELDOUT`), after ``benchmarks.local_steps``: adds
+``real_ranks`` to ``local_steps.json``. Exact gossip and the outer step (the best simulated
+rule) run through the torchrun entry (:func:`~learned_opt.distributed.train.launched`),
+and the outer step through the Lightning ``GossipStrategy(outer_step=...)``.
 """
 
 from __future__ import annotations
@@ -28,8 +22,8 @@ from learned_opt.distributed.train import launched
 
 
 def lightning_rank(rank: int, world: int, s: dict, row: dict) -> dict:
-    """One rank of the Lightning run: the task's module, Adam, ``GossipStrategy(outer_step)``;
-    returns the averaged model's test loss and the bytes this rank sent."""
+    """One rank of the Lightning run (``GossipStrategy(outer_step)``): the averaged model's
+    test loss and the bytes this rank sent."""
     import lightning
     from torch.utils.data import DataLoader, Dataset
 

@@ -1,30 +1,12 @@
 """Held-out suite: the learned optimizer, untuned, on tasks meta-training never sees.
 
-Single worker: every held-out task (``learned_opt.tasks.list_heldout_tasks()``) at two
-horizons (200 steps, and 1500-2000), against AdamW tuned per task and horizon over 6
-learning rates (extended at an edge), constant and cosine. Decentralized: simulated
-workers on label-skewed data, learned optimizer + learned mixing against tuned D-SGD,
-D-Adam and DSGT, scored on the averaged model's loss on the whole training set. Speedups
-by step count (the README's definition) and by wall clock (the step-count speedup times
-the ratio of step times measured side by side), the learned side at lr multipliers 0.3
-and 3, and divergences. Every row, single-worker and decentralized, is run at every seed of
-``--seeds`` (its data split, initialisation and batches; AdamW and the decentralized
-baselines tuned afresh per seed) and scored by the median over the seeds of its speedups;
-the step times behind the wall-clock speedups are measured at seed 0 only.
-
-Tuned baselines are cached in ``benchmarks/results/quality_heldout_baselines_v1.json.gz``,
-so evaluating a new checkpoint only runs the learned side (every time: its runs are not cached). Writes
-``benchmarks/results/quality_heldout.json`` (``--quick``: ``quality_heldout_quick.json``)
-and a PNG of loss curves beside it.
-
-    python -m benchmarks.quality_heldout                          # full suite, default
-    python -m benchmarks.quality_heldout --checkpoint default adam_init
-    python -m benchmarks.quality_heldout --quick --factory mypkg.rules:make_opt
-    python -m benchmarks.quality_heldout --quick --tasks heldout_autoencoder
-    python -m benchmarks.quality_heldout --seeds 0 1 2 3 4     # more seeds
-
-A factory (:mod:`benchmarks.heldout_single`) is evaluated single-worker only (decentralized
-runs need a checkpoint's mixing head). How a row merges its seeds: :mod:`.heldout_rows`.
+Single worker (:mod:`.heldout_single`): every held-out task at two horizons against AdamW
+tuned per task and horizon. Decentralized (:mod:`.heldout_decentralized`): simulated workers
+on label-skewed data against tuned D-SGD, D-Adam and DSGT. Every row runs at every seed of
+``--seeds``, its baselines tuned per seed, and is scored by the median over the seeds
+(:mod:`.heldout_rows`); the step times behind the wall-clock speedups are seed 0's. Tuned
+baselines are cached in :data:`CACHE`, so a new checkpoint only runs the learned side. A
+factory is evaluated single-worker only (decentralized runs need a mixing head).
 """
 
 from __future__ import annotations
@@ -69,9 +51,7 @@ DEC_FULL = [
     _setting("heldout_convnet_bn", 4, "ring", 0.3, 200, every=5),
 ]
 DEC_QUICK = DEC_FULL[1:3]  # a subset, so the full suite's tuned baselines serve it
-#: Seeds of every row, single-worker and decentralized (--quick: the first only). One
-#: seed's rows moved by up to 3.5x (decentralized) and 8x (single-worker) between seeds, so
-#: a row is the median over these.
+#: Seeds of every row, single-worker and decentralized (--quick: the first only).
 DEC_SEEDS = (0, 1, 2)
 
 
@@ -90,10 +70,8 @@ class Suite(AdamWGrid):
         # AdamW's grid per (task, seed), each extended at its own edge
         self.lrs = {(t, seed): set(self.grid) for t in self.tasks for seed in self.seeds}
         self.extensions = {ts: 0 for ts in self.lrs}
-        # factories run single-worker only: without a checkpoint no decentralized row is
-        # scored, so no decentralized baseline is tuned either
-        # (and a rule under a schedule runs single-worker only: the schedule is the
-        # single-worker pairing measured here)
+        # factories and a rule under a schedule run single-worker only: no decentralized
+        # row is scored, so no decentralized baseline is tuned either
         scored = self.checkpoints and args.schedule == "constant"
         self.settings = [dict(s, seed=seed) for s in plan if s["task"] in self.tasks
                          for seed in self.seeds] if scored else []  # fmt: skip
@@ -115,10 +93,9 @@ class Suite(AdamWGrid):
         self.pending[pool.submit(fn, *args, **kwargs)] = (kind, key, task)
 
     def submit_all(self, pool) -> None:
-        """Submit every job in the order that makes a run stopped early most useful: seed by
-        seed, the short horizon of every task (cheapest first; this is also all that --quick
-        runs), then the decentralized settings, the long horizon, and its lr-multiplier runs
-        (the step timing, always at seed 0, in the first pass)."""
+        """Submit every job, seed by seed, in the order that makes a run stopped early most
+        useful: the short horizon (cheapest task first), the decentralized settings, the long
+        horizon, and its lr-multiplier runs."""
         order = sorted(self.tasks, key=lambda t: COST.get(t, 0))
         for seed in self.seeds:
             for task in order:
@@ -166,9 +143,8 @@ class Suite(AdamWGrid):
 
     def learned_curve(self, side: str, task: str, mult: float, h: int,
                       seed: int) -> list[float] | None:  # fmt: skip
-        """The learned side's curve at horizon ``h`` and ``seed``: its run of ``h`` steps,
-        else (constant multiplier only: a schedule depends on the horizon) the first ``h``
-        steps of its longest run."""
+        """The learned side's curve at horizon ``h`` and ``seed``: its run of ``h`` steps, else
+        (no schedule only) the first ``h`` steps of its longest run."""
         longest = [max(self.horizons(task))] if self.args.schedule == "constant" else []
         for steps in (h, *longest):
             curve = self.learned.get((side, task, mult, steps, seed))

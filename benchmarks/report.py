@@ -9,11 +9,8 @@ A page marks each generated section with a pair of comments::
     <!-- /results:NAME -->
 
 and ``NAME`` is rendered from ``benchmarks/results/NAME.json`` by the function registered
-with ``@section("NAME")`` (:mod:`benchmarks.report_sections` and the ``report_*`` modules
-beside it). A view of the same file is ``NAME:VIEW`` (a function registered as
-``@section("NAME:VIEW")``), and ``NAME:VIEW:ARG`` passes ``ARG`` to it (a checkpoint's
-name, say). To add a section, register a renderer and put the marker pair in a page.
-Markers without a result file or renderer are left as they are.
+with ``@section("NAME")`` (:mod:`benchmarks.report_sections`); ``NAME:VIEW`` is a view of
+the same file, and ``NAME:VIEW:ARG`` passes ``ARG`` to it (a checkpoint's name, say).
 """
 
 from __future__ import annotations

@@ -165,8 +165,8 @@ def render_quality_heldout(r: dict, name: str = "quality_heldout") -> str:
 
 
 def _step_costs(single: list[dict], dec: list[dict]) -> str:
-    """The median time of the learned training step over the baselines' (AdamW's; under
-    gossip the best baseline's), from the rows' step times, as a sentence."""
+    """The median time of the learned training step over the (best) baseline's, as a
+    sentence."""
 
     def median(rows, base) -> float | None:
         ratios = [x["ms_per_step"]["learned"] / x["ms_per_step"][base(x)]
@@ -268,9 +268,8 @@ ANCHOR_NAMES = {
 
 
 def _current_rule(r: dict) -> dict:
-    """``r`` (``heldout_anchors.json``) with the rule's column read afresh from
-    ``quality_heldout.json``: the anchors do not change when the rule does, so the
-    table shows the rule's latest held-out measurement (its date in ``rule_date``)."""
+    """``r`` (``heldout_anchors.json``) with the rule's column (and ``rule_date``) read
+    afresh from ``quality_heldout.json``: the anchors do not change when the rule does."""
     path = RESULTS / "quality_heldout.json"
     side = r["summary"]["learned_side"]
     if not path.exists():

@@ -1,9 +1,5 @@
 """The registry of the generated result sections (see ``report.py``), their shared pieces, and
-the gossip benchmarks' renderers. Each renderer registered with ``@section(NAME)`` renders
-``benchmarks/results/NAME.json`` (``NAME:VIEW`` a view of it); the others live in
-``report_speed`` (step cost, the device, the compile-included wall clock), ``report_heldout``
-(the held-out suite and its anchors) and ``report_choices`` (the decisions, the reporting
-draw, the validation family's record and the meta-training stages)."""
+the gossip benchmarks' renderers; the other renderers are in the ``report_*`` modules."""
 
 from __future__ import annotations
 

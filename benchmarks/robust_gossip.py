@@ -1,29 +1,18 @@
 """Robust mixing against one bad neighbour among 8 simulated gossip workers.
 
-Run: ``OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py`` (``--steps``,
-``--task``, ``--lr``, ``--multiples``, ``--timing-steps``). Writes
-``benchmarks/results/robust_gossip.json``.
-
-8 workers train a small MLP with D-Adam (Metropolis weights, IID shards) in meta-training's
-simulator, on a ring and the exponential graph. Rank :data:`MALICIOUS` trains on its own
-shard, mixes nothing, and sends one of :data:`ATTACKS` in place of its parameters: times
-100, negated, Gaussian of the same norm, or "a little is enough" drifting (the mean of what
-it receives plus ``z_t`` times their spread along a fixed sign pattern, ``z_t = step / 50``,
-or ``/ 10`` for ``alie_drift_fast``). ``excluded``: the neighbours leave it out, as a NaN
-sender (the best a robust rule can do). Each attack runs with plain mixing and with
-``robust="clip:C"`` for each ``--multiples`` C; the clean run with both. Scored: the honest
-ranks' averaged model's loss on the whole training set, against the clean run's; and the
-overhead of robust mixing without an attacker in CPU time (on real workers: ``gossip_step``).
-Goal (issue 33): within 10% of the clean run where plain gossip degrades; at most 5% time.
+8 workers train a small MLP with D-Adam in meta-training's simulator; rank
+:data:`MALICIOUS` sends one of :data:`ATTACKS` (:func:`forge`) in place of its parameters.
+Each attack runs with plain mixing and with ``robust="clip:C"`` for each ``--multiples`` C.
+Scored: the honest ranks' averaged model's loss against the clean run's, and the CPU time
+robust mixing adds without an attacker. Goal: within 10% of the clean run where plain
+gossip degrades; at most 5% time.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +26,8 @@ from learned_opt.meta_train.inner import InnerOptimizer, inner_step, new_traject
 from learned_opt.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file or with -m
-from benchmarks.common import write_json  # noqa: E402
+from benchmarks.common import command_line, write_json  # noqa: E402
+from benchmarks.gossip_common import gossip_run_info  # noqa: E402
 
 WORKERS = 8
 MALICIOUS = 0
@@ -162,9 +152,8 @@ def ratio(x: float | None, clean: float) -> float | None:
 
 
 def summarise(runs: dict, robust: str) -> dict:
-    """Per topology: the clean run's loss (plain and ``robust``), the ``excluded``
-    reference, and per attack the plain and ``robust`` losses, their ratios to the clean
-    run, whether plain gossip degrades and whether the goal is met. ``None``: diverged."""
+    """Per topology and attack: the plain and ``robust`` losses (``None``: diverged), their
+    ratios to the clean run's, and whether the goal is met."""
     table = {}
     for topo, rows in runs.items():
         clean = rows["clean"][None]["final"]
@@ -211,13 +200,9 @@ def main() -> None:
     tables = {spec: summarise(runs, spec) for spec in specs}
     timing = {t: {"simulator": step_times(task, opt, t, default, args.timing_steps)}
               for t in TOPOLOGIES}  # fmt: skip
-    command = "OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py"
+    command = command_line("OMP_NUM_THREADS=1 nice -n 10 python benchmarks/robust_gossip.py")
     result = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, one thread, load average "
-        f"{os.getloadavg()[0]:.1f} at the end",
-        "torch": torch.__version__,
-        "command": " ".join([command, *sys.argv[1:]]),
+        **gossip_run_info(command, os.getloadavg()[0], "at the end", how="one thread"),
         "setup": f"{WORKERS} simulated workers (inner_step), {args.task}, D-Adam lr {args.lr}, "
         f"Metropolis weights, IID shards, {args.steps} steps, malicious rank {MALICIOUS}; "
         f"scaled x{SCALE:g}, z_t = "

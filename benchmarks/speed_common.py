@@ -1,25 +1,19 @@
 """What the speed benchmarks time, and how: the models and transformer-shaped parameter
-sets (``step_overhead``, the device check and the NCCL check time them), Muon with AdamW
-on the matrices the rule orthogonalises, and the timer that lets optimizers take turns."""
+sets, Muon with AdamW, and the timer that lets optimizers take turns."""
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks import rules
+from benchmarks.validation_anchors import ADAMW
 from learned_opt import LearnedOptimizer
 from learned_opt.kernel import COMPILE_AFTER, compile_after_seconds
 from learned_opt.orthogonal import is_matrix
-
-if __package__ in (None, ""):  # imported as a top-level module: make ``benchmarks`` importable
-    sys.path.append(str(Path(__file__).resolve().parents[1]))  # after the laid-out package
-from benchmarks import rules  # noqa: E402
-from benchmarks.validation_anchors import ADAMW  # noqa: E402
 
 
 class GPT(nn.Module):
@@ -107,10 +101,8 @@ def make_params(shapes, seed: int = 0) -> list[torch.Tensor]:
 
 
 def muon_adamw(params, cfg):
-    """``torch.optim.Muon`` (Muon's 5 Newton-Schulz iterations) on the matrices the learned
-    rule orthogonalises under ``cfg``, AdamW (torch's defaults, as the anchors run it) on
-    the rest: the same matrices take an orthogonalised step in both, so the two steps'
-    costs compare like for like."""
+    """``torch.optim.Muon`` on the matrices the learned rule orthogonalises under ``cfg``,
+    AdamW (as the anchors run it) on the rest: the two steps' costs compare like for like."""
     params = list(params)
     return rules.muon_with_adamw(params, [is_matrix(tuple(p.shape), cfg) for p in params], **ADAMW)
 
@@ -133,10 +125,8 @@ def compile_kernels(steps: dict, opts: dict, timeout: float = 1800) -> dict:
     return waited
 
 
-#: Consecutive steps timed as one sample (their mean): the shipped rule runs Newton-Schulz
-#: on every other step of its wider matrices (``NetConfig.ns_every``), so its step time
-#: alternates, and the median of single steps would report the slower ones. The median
-#: over pairs is the cost of a step.
+#: Consecutive steps timed as one sample (their mean): the rule's step time alternates
+#: with its Newton-Schulz steps (``NetConfig.ns_every``).
 PERIOD = 2
 
 

@@ -1,23 +1,10 @@
 """This checkout's optimizer step against another revision's, side by side in one process.
 
-On the shared 2-core machine a step's time moves by a third from run to run, more than most
-changes to the step: two runs of a step benchmark, before and after, cannot tell a 15%
-gain from the noise. Timed in turns within one process, their ratio holds. The other
-revision's ``learned_opt`` is imported under a name of its own
-(:func:`benchmarks.rules.import_revision`).
-
-For each workload (a registered task's model at seed 0, with one fixed gradient), the
-rule of each revision (``LearnedOptimizer(compile=False)``: the eager reference, which
-steps every run until its kernels are ready, and every run too short to build them) and
-AdamW (``foreach=True``) each step their own copy of the model, taking turns for
-``--rounds`` rounds of ``--steps`` steps at one thread; each side's fastest round is kept
-(interference only adds time). The JSON also records how far apart the two revisions'
-parameters are after the timed steps (0: the same step, bitwise).
-
-    OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base HEAD~1
-    OMP_NUM_THREADS=1 python -m benchmarks.step_ab --base abb5949 --tasks val_resmlp_ln
-
-Writes ``benchmarks/results/step_ab.json`` (``--out``).
+A step's time moves by a third from run to run on a shared machine; timed in turns within
+one process, the ratio holds. On each task's model at seed 0, with one fixed gradient, the
+eager reference of each revision (``compile=False``) and AdamW each step their own copy,
+taking turns for ``--rounds`` rounds of ``--steps`` steps at one thread; each side's fastest
+round is kept. Also recorded: how far apart the two revisions' parameters end (0: bitwise).
 """
 
 from __future__ import annotations
@@ -46,9 +33,8 @@ TASKS = (
 
 
 def import_revision(ref: str):
-    """``learned_opt`` at git revision ``ref``, imported apart by
-    :func:`benchmarks.rules.import_revision`; returns its ``optimizer`` module and the
-    commit."""
+    """The ``optimizer`` module of ``learned_opt`` at git revision ``ref``, imported apart
+    (:func:`benchmarks.rules.import_revision`), and the commit."""
     commit = rules.resolve_commit(ref)
     package = rules.import_revision(commit)
     return importlib.import_module(f"{package.__name__}.optimizer"), commit

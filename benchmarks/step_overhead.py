@@ -1,18 +1,9 @@
 """Time ``LearnedOptimizer.step()`` against ``torch.optim.AdamW`` on realistic models.
 
-Run: ``OMP_NUM_THREADS=2 python benchmarks/step_overhead.py`` (``--quick``: the small
-workloads only). Writes ``benchmarks/results/step_overhead.json``, which the README's table
-renders.
-
-Workloads: GPT-like transformers of about 0.5M and 10M parameters and a conv net with batch
-norm (optimizer step and training step), and transformer-shaped tensors of 10M and 100M
-parameters with random gradients (optimizer step). Every optimizer steps its own copy,
-taking turns step by step, so only ratios are reported: the shipped rule's kernel
-(``learned_default``, timed once compiled) and eager reference (``learned_reference``);
-``torch.optim.Muon`` with AdamW (``muon_adamw``) for scale. The first step and the kernel's
-readiness in a new process with an empty cache are measured in a subprocess
-(``cold_start``); then the contended workloads again beside two busy processes, in
-``--contention-blocks`` blocks, the median reported.
+Workloads: :data:`~benchmarks.speed_common.MODELS` (optimizer and training step) and
+:data:`~benchmarks.speed_common.SHAPES` (random gradients, optimizer step), each optimizer on
+its own copy, taking turns. Also the start of a new process with an empty cache
+(``cold_start``), and :data:`CONTENDED` again beside two busy processes.
 """
 
 from __future__ import annotations
@@ -184,14 +175,10 @@ print(times[0], first_kernel, time.perf_counter() - t0, len(times), max(times))
 
 
 def cold_start(threads: int, env: dict[str, str] | None = None) -> dict:
-    """The shipped rule's start in a new process with an empty compile cache
-    (``TORCHINDUCTOR_CACHE_DIR`` in a temporary folder, which holds the kernel folder),
-    training the 0.5M transformer: the first step's seconds, the seconds and steps until
-    the kernel was ready (the first kind of bucket, the costliest, and all of them), and the
-    slowest step meanwhile. Then the same in a second
-    process on that folder (``warm_*``), as a later run or another rank of the host
-    starts: it loads the packages the first one built. ``env``: more environment
-    variables of both processes."""
+    """The shipped rule's start on the 0.5M transformer in a new process with an empty
+    compile cache: the first step, the seconds and steps until the kernel was ready, and
+    the slowest step; then (``warm_*``) a second process on that cache, as a later run or
+    another rank starts. ``env``: more environment variables of both processes."""
     root = Path(__file__).resolve().parent.parent
     result = {"workload": "transformer-0.5M", "threads": threads}
     with tempfile.TemporaryDirectory() as cache:

@@ -1,18 +1,10 @@
 """One slow rank of 8 (a straggler) on real gloo processes, with and without a step deadline.
 
-Run: ``nice -n 5 python benchmarks/stragglers.py`` (``--steps``, ``--deadlines``,
-``--topologies``, ``--compute-ms``, ``--quick``). Writes ``benchmarks/results/stragglers.json``.
-
-8 local processes train ``digits_mlp`` with D-Adam (``GossipOptimizer``, Metropolis). A
-step's compute is emulated on the 2 cores: each rank sleeps ``--compute-ms`` (20 ms) after
-its backward pass, the slow rank :data:`SLOW_RANK` :data:`SLOW_FACTOR` times as long. Every
-rank takes ``--steps`` steps; its throughput counts from the end of the warm-up to its last
-step. Runs per topology: ``clean`` (the reference), ``slow`` (plain gossip, every step
-waits for every neighbour) and ``slow_deadline_<ms>`` (``step_deadline``). Recorded: steps
-per second, edges mixed and skipped, the slow rank's exchanges mixed or skipped by its
-neighbours, the averaged model's loss on the whole training set and each rank's distance
-to it. Goal (issue 33): the fast ranks at most 20% below the clean throughput, and the
-slow rank's updates still mixed.
+8 local processes train ``digits_mlp`` with D-Adam; a step's compute is emulated by a sleep
+of ``--compute-ms`` after the backward pass, :data:`SLOW_FACTOR` times as long on
+:data:`SLOW_RANK`. Runs per topology: ``clean``, ``slow`` (plain gossip) and
+``slow_deadline_<ms>`` (``step_deadline``). Goal: the fast ranks at most 20% below the
+clean throughput, and the slow rank's updates still mixed.
 """
 
 from __future__ import annotations
@@ -131,8 +123,8 @@ def run(topology: str, slow: bool, deadline: float | None, args) -> dict:
 
 
 def summarise(runs: dict) -> dict:
-    """Per run, against the clean run: the fast ranks' throughput drop (mean and worst) and
-    averaged-model loss; for the runs with a slow rank, the goal's two parts."""
+    """Per run, against the clean run: the fast ranks' throughput drop and the loss; for the
+    runs with a slow rank, the goal's two parts."""
     clean = runs["clean"]
     fast = [r for r in range(len(clean["steps_per_s"])) if r != SLOW_RANK]
     for name, res in runs.items():

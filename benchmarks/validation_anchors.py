@@ -59,10 +59,8 @@ def hidden_matrices(model: nn.Module) -> list[bool]:
 
 
 def run_schedule_free(task_name: str, steps: int, seed: int = 0) -> list[float]:
-    """Schedule-free AdamW for ``steps`` steps: the loss of step ``t`` is the batch loss at
-    the evaluation point (``eval()``) before the ``t``-th update, which is taken with the
-    gradient at the training point (``train()``). Non-finite: the rest is ``inf``, as in
-    :func:`benchmarks.heldout_single.run`."""
+    """Schedule-free AdamW for ``steps`` steps, the loss taken at the evaluation point, the
+    gradient at the training point; as :func:`benchmarks.heldout_single.run` otherwise."""
     torch.manual_seed(seed)
     model, loss_fn, batches = get_task(task_name).workload(seed)
     opt = rules.factory("sfadamw", steps)[0](model.parameters())

@@ -1,26 +1,12 @@
 """Wall-clock speedups with the compile included: each side trained in a fresh process.
 
-The suites' wall-clock columns multiply the step speedup by the ratio of step times once
-the rule's kernel is compiled, leaving out what a first run pays before that. This measures
-it: for every single-worker row of the held-out suite's record (``quality_heldout.json``),
-at its timing seed 0, the rule (multiplier 1) in a new process, and tuned AdamW (the row's
-rate and schedule) in another, one at a time at one thread, each recording
-its loss and the seconds since the optimizer was built after every step. The speedup is the
-ratio of the seconds each needs to reach the level of the step speedup. Beside it: the step
-speedup of the same curves, the suite's steady-state estimate, the step at which the kernel
-was ready, and the *AdamW-paced* speedup (AdamW's seconds to the level over its own seconds
-after the rule's number of steps: what a step as cheap as AdamW's could reach).
-
-    python -m benchmarks.wallclock --suite heldout --repeats 3  # each side's median of 3
-
-The rule's compile cache (``--cache``): ``machine`` (the default), a machine that has built
-before: every timed run starts from a copy of one cache that each task's rule run filled
-beforehand, untimed, building every kind of tensor it steps even where the run is too
-short to start a compile (the kernel packages are per rule, dtype and kind of tensor, not
-per shape, so this is what a model finds on a machine that has built those kinds);
-``empty``, the first model ever trained on the machine: every run compiles from nothing.
-
-Writes ``benchmarks/results/wallclock_<suite>.json``. Run it on a quiet machine.
+For every single-worker row of the held-out suite's record, at seed 0, the rule and tuned
+AdamW each train in a new process at one thread, recording after every step the seconds
+since the optimizer was built; the speedup is the ratio of the seconds each needs to reach
+the row's loss level. The *AdamW-paced* speedup is AdamW's seconds to the level over its
+own seconds after the rule's number of steps. The rule's compile cache (``--cache``):
+``machine``, one cache that each task's rule run filled beforehand, untimed (a machine that
+has built before), or ``empty`` (the first model on the machine). Run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -98,9 +84,8 @@ def run_fresh(spec: dict, cache: str) -> dict:
 
 
 def rows_of(suite: str, tasks: list[str] | None) -> list[dict]:
-    """The single-worker rows of the recorded suite: task, horizon, side, and tuned
-    AdamW's rate and schedule at the timing seed, with the recorded step speedup and
-    steady-state wall-clock speedup."""
+    """The single-worker rows of the recorded suite, with tuned AdamW at the timing seed and
+    the recorded speedups."""
     recorded = json.loads((RESULTS / SUITES[suite]).read_text())
     out = []
     for r in recorded["single"]:
@@ -152,19 +137,13 @@ def run_keys(row: dict) -> tuple[tuple, tuple]:
     rate and schedule; a cosine run belongs to its horizon)."""
     a = row["adamw"]
     horizon = None if a["schedule"] == "constant" else row["horizon"]
-    return ("rule", row["task"], row["side"]), (
-        "adamw",
-        row["task"],
-        a["lr"],
-        a["schedule"],
-        horizon,
-    )
+    rule = ("rule", row["task"], row["side"])
+    return rule, ("adamw", row["task"], a["lr"], a["schedule"], horizon)
 
 
 def median_run(runs: list[dict]) -> dict:
-    """One side's repeated runs as one: the first run's loss curve (the runs train alike:
-    same seed, one thread), at every step the median of the runs' cumulative seconds, and
-    the earliest step after which a run had its kernel (``ready_steps``: each run's)."""
+    """One side's repeated runs as one: the first run's loss curve, at every step the median
+    of the runs' seconds, and the earliest step after which a run had its kernel."""
     ready = [r["ready_step"] for r in runs]
     seconds = [statistics.median(s) for s in zip(*(r["seconds"] for r in runs))]
     return {"curve": runs[0]["curve"], "seconds": seconds,
@@ -173,13 +152,10 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def measure(rows: list[dict], log=print, repeats: int = 1, cache: str = "machine") -> list[dict]:
-    """Run every row's two sides in fresh processes and score them. A task's rule runs
-    once, to its longest horizon (a held multiplier: the shorter row is its prefix);
-    AdamW runs once per distinct rate and schedule (a held rate likewise). With
-    ``repeats`` above 1 every run is repeated, the repeats taking turns (all runs once,
-    then all again), and each side's clock is the median of its runs
-    (:func:`median_run`): one run's clock moves from day to day by more than the rows'
-    differences. ``cache``: see the module."""
+    """Run every row's two sides in fresh processes and score them: a task's rule once, to
+    its longest horizon, AdamW once per rate and schedule; with ``repeats`` every run is
+    repeated, the repeats taking turns, each side timed by :func:`median_run`. ``cache``:
+    see the module."""
     runs: dict[tuple, dict] = {}
 
     def need(key: tuple, steps: int) -> None:
