@@ -49,7 +49,7 @@ HELDOUT = [
     _s("heldout_autoencoder", 16, "ring", "dirichlet", 0.1, 3000, 1),
 ]
 #: The choice grid: local steps and compressors (with :data:`FIRST`), then each rule's lr
-#: (the learned rule's 1 is its untuned default, see ``DisplacementScaled``).
+#: (the learned rule's 1 is its untuned default, see ``AdaptedOuter``).
 GRID = {
     "H": (10, 25),
     "compression": ("topk:0.05:4", "topk:0.02:4"),

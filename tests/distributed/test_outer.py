@@ -10,7 +10,6 @@ import outer_workers as ow
 import pytest
 import torch
 
-from learned_opt import LearnedOptimizer
 from learned_opt.distributed import get_topology, launch_local
 from learned_opt.distributed.compression import dequantize, get_compressor, quantize
 from learned_opt.distributed.local_steps import SimulatedLocalSteps
@@ -108,37 +107,48 @@ def test_the_anchor_moves_towards_the_ranks_common_optimum(rule):
         assert float((p[0] - t).norm()) < 0.3 * float((s - t).norm())
 
 
-def _rms(t):
-    return float(t.pow(2).mean().sqrt())
-
-
 @pytest.mark.parametrize("size, lr", [(1e-4, 1.0), (1.0, 1.0), (30.0, 0.5)])
-def test_the_learned_outer_step_is_sized_by_the_pseudo_gradients_momentum(size, lr):
-    """The rule gives the direction, the averaged pseudo-gradients the size: each round
-    moves a tensor by ``lr`` times the RMS of their bias-corrected 0.9 momentum, at any
-    scale of them (the rule's own step, about 2e-3 per element whatever their scale, would
-    not), along the rule's own update; a tensor without a pseudo-gradient stays put."""
+def test_the_learned_outer_step_moves_by_the_pseudo_gradient_at_the_adapted_size(size, lr):
+    """Each round moves a tensor by ``lr * exp(log_lr)`` times the averaged pseudo-gradient
+    itself, at any scale of it, with ``log_lr`` the shipped rule's adaptation of the cosine
+    between this round's pseudo-gradient and the momentum of the earlier ones, never above
+    the ceiling; a tensor without a pseudo-gradient, or with a non-finite one, stays put."""
+    from learned_opt import load_checkpoint
+    from learned_opt.checkpoint import DEFAULT_CHECKPOINT
+    from learned_opt.distributed.outer import LEARNED_CEILING
+    from learned_opt.features import adapt_log_lr
+
+    config = load_checkpoint(DEFAULT_CHECKPOINT)[0].config
     gen = torch.Generator().manual_seed(0)
-    shapes = [(40, 24), (24,), (3, 5), (7,)]  # an orthogonalised matrix, Adam-form tensors
+    shapes = [(40, 24), (24,), (3, 5), (7,)]
     anchors = [torch.randn(s, generator=gen).requires_grad_(True) for s in shapes]
-    alone = [a.detach().clone().requires_grad_(True) for a in anchors]
-    outer, rule = outer_rule("learned", lr)[0](anchors), LearnedOptimizer(alone, compile=False)
-    momenta = [torch.zeros(s) for s in shapes]
-    for t in range(1, 5):
-        grads = [size * torch.randn(s, generator=gen) for s in shapes[:-1]] + [torch.zeros(7)]
-        before = [[p.detach().clone() for p in ps] for ps in (anchors, alone)]
-        for ps in (anchors, alone):
-            for p, g in zip(ps, grads):
-                p.grad = g.clone()
+    outer = outer_rule("learned", lr)[0](anchors)
+    m, v, log_lr = [torch.zeros(s) for s in shapes], [0.0] * 4, [torch.zeros(())] * 4
+    directions = [torch.randn(s, generator=gen) for s in shapes]
+    for t in range(1, 7):
+        # the first tensor's pseudo-gradients agree from round to round, the second's
+        # alternate in sign: its move must shrink, and neither may grow past the ceiling
+        grads = [size * directions[0], size * (-1) ** t * directions[1],
+                 torch.full((3, 5), math.nan), None]  # fmt: skip
+        before = [a.detach().clone() for a in anchors]
+        for a, g in zip(anchors, grads):
+            a.grad = None if g is None else g.clone()
         outer.step()
-        rule.step()
-        for a, b, q, c, g, m in zip(anchors, before[0], alone, before[1], grads, momenta):
-            m.mul_(0.9).add_(g, alpha=0.1)
-            u, own = (a.detach() - b).flatten(), (q.detach() - c).flatten()
-            want = lr * _rms(m) / (1 - 0.9**t)  # rel: float32 rounding of u, x about 1
-            assert _rms(u) == pytest.approx(want, rel=2e-3, abs=0)
-            if _rms(g):
-                assert float(u @ own) / float(u.norm() * own.norm()) > 0.9999
+        for k in (0, 1):
+            g = grads[k]
+            v[k] = 0.999 * v[k] + 0.001 * float(g.pow(2).mean())
+            log_lr[k] = adapt_log_lr(
+                log_lr[k], (g * m[k]).sum(), g.pow(2).sum(), m[k].pow(2).sum(),
+                torch.tensor(v[k]), torch.tensor(float(g.numel())), t, config, 1.0,
+                LEARNED_CEILING,
+            )  # fmt: skip
+            m[k].mul_(0.9).add_(g, alpha=0.1)
+            want = before[k] - lr * float(torch.exp(log_lr[k])) * g
+            torch.testing.assert_close(anchors[k].detach(), want, rtol=1e-5, atol=1e-6 * size)
+            assert float(log_lr[k]) <= LEARNED_CEILING
+        for k in (2, 3):
+            assert torch.equal(anchors[k].detach(), before[k])
+    assert float(log_lr[1]) < -0.5 and float(log_lr[1]) < float(log_lr[0])
 
 
 def test_bytes_are_the_payload_to_every_other_rank():
