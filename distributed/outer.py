@@ -104,12 +104,11 @@ class AdaptedOuter(torch.optim.Optimizer):
     where ``m`` is the 0.9 momentum of the rounds' ``g``: a tensor whose successive
     pseudo-gradients disagree takes smaller moves. The rule's own step (its
     direction normalised or orthogonalised, sized for one gradient) was the outer step
-    before; on the validation LM it ended at 2.04 against 1.89 for Nesterov at its best rate
-    and 1.69 for DeMo:
-    the compressed pseudo-gradient's exact values carry what a normalised direction
-    loses. ``ceiling`` (:data:`LEARNED_CEILING`) bounds the log multiplier from above.
-    A tensor whose ``g`` is not finite stays where it is, its state unchanged; ``lr`` is a
-    param-group value, so schedulers work."""
+    before; on the validation LM it ended at 2.04 against 1.89 for Nesterov at its best
+    rate and 1.69 for DeMo: the compressed pseudo-gradient's exact values carry what a
+    normalised direction loses. ``ceiling`` (:data:`LEARNED_CEILING`) bounds the log
+    multiplier from above. A tensor whose ``g`` is not finite stays where it is, its state
+    unchanged; ``lr`` is a param-group value, so schedulers work."""
 
     def __init__(self, params, *, config: NetConfig, lr: float = 1.0, ceiling: float = 0.0):
         super().__init__(list(params), dict(lr=lr))
@@ -129,8 +128,8 @@ class AdaptedOuter(torch.optim.Optimizer):
                 g = g.detach().float()
                 state = self.state[p]
                 if not state:
-                    state.update(m=torch.zeros_like(g), v=torch.zeros(()),
-                                 log_lr=torch.zeros(()), step=0)  # fmt: skip
+                    state.update(m=torch.zeros_like(g), v=g.new_zeros(()),
+                                 log_lr=g.new_zeros(()), step=0)  # fmt: skip
                 state["step"] += 1
                 m, step = state["m"], state["step"]
                 state["v"] = (
@@ -138,7 +137,7 @@ class AdaptedOuter(torch.optim.Optimizer):
                 )
                 state["log_lr"] = adapt_log_lr(
                     state["log_lr"], (g * m).sum(), g.pow(2).sum(), m.pow(2).sum(), state["v"],
-                    torch.tensor(float(g.numel())), step, self.config, 1.0, self.ceiling,
+                    g.new_tensor(float(g.numel())), step, self.config, 1.0, self.ceiling,
                 )  # fmt: skip
                 m.mul_(MOMENTUM_DECAYS[0]).add_(g, alpha=1 - MOMENTUM_DECAYS[0])
                 size = group["lr"] * float(torch.exp(state["log_lr"]))
